@@ -1,0 +1,123 @@
+// Package spacev1 holds the JSON wire contracts of SPACE's own APIs: the
+// control plane's extensions under /space/v1 and the node API the control
+// plane uses to install and tear down executions on workers. The
+// E2B-compatible REST contract lives in package e2bapi.
+package spacev1
+
+import (
+	"time"
+
+	"github.com/spacesbx/space/internal/identity"
+)
+
+// Header names.
+const (
+	// HeaderCapability carries a capability token from the edge (or the
+	// control plane) to node-api.
+	HeaderCapability = "Space-Capability"
+	// HeaderRouteOutcome tells the caller how a receiver judged the
+	// capability: "refresh-route" (HTTP 421) or "deny" (HTTP 403).
+	HeaderRouteOutcome = "Space-Route-Outcome"
+	// HeaderExecution is set by spaced-host on every response:
+	// "<sandbox>/<generation>/<execution_id>" as reported by the guest.
+	HeaderExecution = "Space-Execution"
+	// HeaderAPIKey authenticates callers of the control plane (E2B's name).
+	HeaderAPIKey = "X-API-Key"
+	// HeaderAccessToken is the sandbox's envd access token (E2B's name).
+	HeaderAccessToken = "X-Access-Token"
+)
+
+// Route outcomes on the wire.
+const (
+	OutcomeRefreshRoute = "refresh-route"
+	OutcomeDeny         = "deny"
+)
+
+// Error is the JSON body of every error SPACE returns over HTTP.
+// Code is the HTTP status (E2B's convention); Reason is a stable
+// machine-readable class for SPACE's own clients.
+type Error struct {
+	Code    int    `json:"code"`
+	Message string `json:"message"`
+	Reason  string `json:"reason,omitempty"`
+}
+
+// CapabilityRequest is the body of POST /space/v1/sandboxes/{id}/capabilities.
+type CapabilityRequest struct {
+	Purpose  string `json:"purpose"`
+	Port     int    `json:"port,omitempty"`
+	Protocol string `json:"protocol,omitempty"`
+	// Repair asks for the current route after a RefreshRoute. Only the
+	// edge's service key may set it; it authorizes nothing new and the
+	// response's AuthorizedUntil must not be used to extend a cache entry.
+	Repair bool `json:"repair,omitempty"`
+}
+
+// CapabilityResponse answers a CapabilityRequest.
+type CapabilityResponse struct {
+	Token string         `json:"token"`
+	Route identity.Route `json:"route"`
+	// NodeURL is the base URL of the selected worker's node-api.
+	NodeURL string `json:"node_url"`
+	// ExpiresAt is the token's expiry.
+	ExpiresAt time.Time `json:"expires_at"`
+	// AuthorizedUntil bounds how long the caller's authorization may be
+	// cached by the edge (never past the sandbox's end).
+	AuthorizedUntil time.Time `json:"authorized_until"`
+	EnvdVersion     string    `json:"envd_version,omitempty"`
+}
+
+// Worker is one entry of GET /space/v1/workers.
+type Worker struct {
+	ID       string    `json:"id"`
+	NodeURL  string    `json:"node_url"`
+	State    string    `json:"state"` // "ready", "draining"
+	Capacity int       `json:"capacity"`
+	Load     int       `json:"load"`
+	Since    time.Time `json:"since"`
+}
+
+// Execution is one entry of GET /space/v1/sandboxes/{id}/executions.
+type Execution struct {
+	Route     identity.Route `json:"route"`
+	State     string         `json:"state"` // "running", "paused", "retired", "killed"
+	StartedAt time.Time      `json:"started_at"`
+	EndedAt   *time.Time     `json:"ended_at,omitempty"`
+}
+
+// Limits are per-sandbox resource limits; zero means the worker's default.
+type Limits struct {
+	MemoryBytes int64 `json:"memory_bytes,omitempty"`
+	Pids        int64 `json:"pids,omitempty"`
+	CPUMillis   int64 `json:"cpu_millis,omitempty"`
+}
+
+// InstallRequest is the body of POST /space/node/v1/executions: the control
+// plane asks a worker to persist and activate an execution. The request
+// carries a control-purpose capability for that worker in HeaderCapability.
+type InstallRequest struct {
+	Route    identity.Route    `json:"route"`
+	Template string            `json:"template"`
+	EnvVars  map[string]string `json:"env_vars,omitempty"`
+	Limits   Limits            `json:"limits"`
+}
+
+// InstallResponse answers an install once the runtime record is persisted
+// and the guest is serving.
+type InstallResponse struct {
+	Route       identity.Route `json:"route"`
+	EnvdVersion string         `json:"envd_version"`
+}
+
+// TeardownRequest is the body of POST /space/node/v1/executions/teardown:
+// stop the execution and delete its record (kill).
+type TeardownRequest struct {
+	Route identity.Route `json:"route"`
+}
+
+// Node API paths.
+const (
+	NodePathInstall  = "/space/node/v1/executions"
+	NodePathTeardown = "/space/node/v1/executions/teardown"
+	NodePathHealth   = "/space/node/v1/health"
+)
