@@ -210,3 +210,18 @@ func kidOf(token string) (string, error) {
 	}
 	return f.KID, nil
 }
+
+// PurposeForEnvdPath maps a path of the guest (envd) API to the purpose a
+// capability must carry to reach it. Unknown paths map to nothing: they are
+// refused rather than given a default.
+func PurposeForEnvdPath(path string) (Purpose, bool) {
+	switch {
+	case strings.HasPrefix(path, "/process.Process/"):
+		return PurposeProcess, true
+	case strings.HasPrefix(path, "/filesystem.Filesystem/"):
+		return PurposeFilesystem, true
+	case path == "/files", path == "/health":
+		return PurposeFiles, true
+	}
+	return "", false
+}
