@@ -1,0 +1,13 @@
+// Command spaced-host is the per-activation host bridge between sbx-manager
+// and the agent inside one sandbox (see package bridge).
+package main
+
+import (
+	"os"
+
+	"github.com/spacesbx/space/internal/bridge"
+)
+
+func main() {
+	os.Exit(bridge.Main(os.Args[1:], os.Stdout, os.Stderr))
+}

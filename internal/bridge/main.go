@@ -1,0 +1,73 @@
+package bridge
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/spacesbx/space/internal/identity"
+)
+
+// ReadyLine is written to stdout once the bridge has verified the guest and
+// is listening; sbx-manager waits for it.
+const ReadyLine = "spaced-host ready"
+
+// Main runs spaced-host with command-line args. It returns the exit code.
+func Main(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("spaced-host", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	guestSock := fs.String("guest-socket", "", "host path of the agent's Unix socket")
+	guestPID := fs.Int("guest-pid", 0, "host pid of the agent process")
+	listen := fs.String("listen", "", "Unix socket path to serve sbx-manager on")
+	expected := fs.String("expected", "", "expected execution identity (JSON)")
+	managerPID := fs.Int("manager-pid", 0, "only accept connections from this pid (0: any)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	log := slog.New(slog.NewJSONHandler(stderr, nil)).With("component", "spaced-host")
+	var want identity.Route
+	if err := json.Unmarshal([]byte(*expected), &want); err != nil {
+		fmt.Fprintf(stderr, "spaced-host: --expected: %v\n", err)
+		return 2
+	}
+	log = log.With("sandbox", want.SandboxID, "generation", want.Generation, "worker", want.WorkerID)
+	b, err := New(Config{GuestSocket: *guestSock, GuestPID: *guestPID, Expected: want, ManagerPID: *managerPID, Logger: log})
+	if err != nil {
+		log.Error("refusing to start", "err", err)
+		return 1
+	}
+	os.Remove(*listen)
+	l, err := net.Listen("unix", *listen)
+	if err != nil {
+		log.Error("listen", "err", err)
+		return 1
+	}
+	os.Chmod(*listen, 0o600)
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	done := make(chan error, 1)
+	go func() { done <- b.Serve(l) }()
+	fmt.Fprintln(stdout, ReadyLine)
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		b.Shutdown(sctx)
+		cancel()
+		b.Close()
+		err = <-done
+	}
+	if err != nil {
+		log.Error("serve", "err", err)
+		return 1
+	}
+	return 0
+}

@@ -1,0 +1,181 @@
+// Package nodeapi is node-api, the HTTP entry point of one worker. It serves
+// the control plane's install and teardown calls (each carrying a control
+// capability bound to this worker and to the route it names) and hands every
+// other request to sbx-manager, which admits it before forwarding.
+package nodeapi
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/sbxmanager"
+)
+
+// MaxControlBody bounds install and teardown request bodies.
+const MaxControlBody = 1 << 20
+
+// Config configures a node-api server.
+type Config struct {
+	// Addr is the listen address, e.g. 127.0.0.1:0.
+	Addr string
+	// WorkerID must match the manager's.
+	WorkerID string
+	// Gatherer serves /metrics (nil: prometheus.DefaultGatherer).
+	Gatherer prometheus.Gatherer
+	Logger   *slog.Logger
+}
+
+// Validate checks cfg and fills defaults.
+func (c *Config) Validate() error {
+	if c.Addr == "" || c.WorkerID == "" {
+		return fmt.Errorf("nodeapi: %w: addr and worker id are required", errdefs.ErrInvalid)
+	}
+	if c.Gatherer == nil {
+		c.Gatherer = prometheus.DefaultGatherer
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return nil
+}
+
+// Server is a worker's node-api.
+type Server struct {
+	cfg Config
+	mgr *sbxmanager.Manager
+	ver *capability.Verifier
+	ln  net.Listener
+	srv *http.Server
+}
+
+// New listens on cfg.Addr; Run serves.
+func New(cfg Config, mgr *sbxmanager.Manager, ver *capability.Verifier) (*Server, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if mgr == nil || ver == nil {
+		return nil, fmt.Errorf("nodeapi: %w: manager and verifier are required", errdefs.ErrInvalid)
+	}
+	ln, err := net.Listen("tcp", cfg.Addr)
+	if err != nil {
+		return nil, fmt.Errorf("nodeapi: listen: %w", err)
+	}
+	s := &Server{cfg: cfg, mgr: mgr, ver: ver, ln: ln}
+	s.srv = &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 30 * time.Second}
+	return s, nil
+}
+
+// URL is the base URL the control plane and edge use to reach this node.
+func (s *Server) URL() string { return "http://" + s.ln.Addr().String() }
+
+// Handler routes control paths, health and metrics, and the data plane.
+func (s *Server) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST "+spacev1.NodePathInstall, s.install)
+	mux.HandleFunc("POST "+spacev1.NodePathTeardown, s.teardown)
+	mux.HandleFunc("GET "+spacev1.NodePathHealth, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"worker":%q,"active":%d}`, s.cfg.WorkerID, s.mgr.Active())
+	})
+	mux.Handle("GET /space/node/v1/metrics", promhttp.HandlerFor(s.cfg.Gatherer, promhttp.HandlerOpts{}))
+	mux.Handle("/", s.mgr)
+	return mux
+}
+
+// Run serves until ctx ends, then shuts down within a bounded time.
+func (s *Server) Run(ctx context.Context) error {
+	errc := make(chan error, 1)
+	go func() { errc <- s.srv.Serve(s.ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := s.srv.Shutdown(sctx); err != nil {
+		s.srv.Close()
+	}
+	if err := <-errc; !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+// Close stops serving at once.
+func (s *Server) Close() error { return s.srv.Close() }
+
+// authorizeControl checks the control capability: signed by the control
+// plane, purpose control, for this worker and exactly the route in the body.
+func (s *Server) authorizeControl(r *http.Request, route identity.Route) error {
+	c, err := s.ver.Verify(r.Header.Get(spacev1.HeaderCapability), capability.PurposeControl)
+	if err != nil {
+		return fmt.Errorf("%w: control capability: %v", errdefs.ErrDenied, err)
+	}
+	if c.WorkerID != s.cfg.WorkerID {
+		return fmt.Errorf("%w: control capability is for worker %q", errdefs.ErrDenied, c.WorkerID)
+	}
+	if c.Route != route {
+		return fmt.Errorf("%w: control capability names another execution", errdefs.ErrDenied)
+	}
+	return nil
+}
+
+func decode(r *http.Request, v any) error {
+	dec := json.NewDecoder(io.LimitReader(r.Body, MaxControlBody+1))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return fmt.Errorf("%w: malformed request body: %v", errdefs.ErrInvalid, err)
+	}
+	return nil
+}
+
+func (s *Server) install(w http.ResponseWriter, r *http.Request) {
+	var req spacev1.InstallRequest
+	if err := decode(r, &req); err != nil {
+		sbxmanager.WriteError(w, err)
+		return
+	}
+	if err := s.authorizeControl(r, req.Route); err != nil {
+		sbxmanager.WriteError(w, err)
+		return
+	}
+	resp, err := s.mgr.Install(r.Context(), req)
+	if err != nil {
+		sbxmanager.WriteError(w, err)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(resp)
+}
+
+func (s *Server) teardown(w http.ResponseWriter, r *http.Request) {
+	var req spacev1.TeardownRequest
+	if err := decode(r, &req); err != nil {
+		sbxmanager.WriteError(w, err)
+		return
+	}
+	if err := s.authorizeControl(r, req.Route); err != nil {
+		sbxmanager.WriteError(w, err)
+		return
+	}
+	if err := s.mgr.Teardown(r.Context(), req.Route); err != nil {
+		sbxmanager.WriteError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}

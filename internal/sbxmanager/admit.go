@@ -1,0 +1,108 @@
+package sbxmanager
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/identity"
+)
+
+// Admission is the outcome of checking one request.
+type Admission struct {
+	Decision identity.Decision
+	Claims   capability.Claims
+	// Err is the verification error behind a Deny, if any.
+	Err error
+}
+
+// Admit runs the receiver checks on a capability for purpose, in order:
+// parse, key, signature, purpose, time window (capability.Verifier), then
+// the comparison with the locally persisted runtime record. It uses local
+// state only.
+func (m *Manager) Admit(token string, purpose capability.Purpose) Admission {
+	if token == "" {
+		return Admission{Decision: identity.Decision{Outcome: identity.Deny, Reason: "missing capability"}}
+	}
+	c, err := m.ver.Verify(token, purpose)
+	if err != nil {
+		return Admission{Decision: identity.Decision{Outcome: identity.Deny, Reason: err.Error()}, Err: err}
+	}
+	m.mu.RLock()
+	rec, ok := m.records[c.SandboxID]
+	m.mu.RUnlock()
+	var installed *identity.Record
+	if ok {
+		installed = &rec.Record
+	}
+	return Admission{Decision: identity.Compare(c.Route, installed, ""), Claims: c}
+}
+
+// ServeHTTP serves the guest API paths (/files, /process.Process/...,
+// /filesystem.Filesystem/...) for every sandbox on this worker, routed by
+// the capability's sandbox. Nothing is forwarded before admission.
+func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	purpose, ok := capability.PurposeForEnvdPath(r.URL.Path)
+	if !ok {
+		writeError(w, fmt.Errorf("%w: no such guest API path %q", errdefs.ErrNotFound, r.URL.Path))
+		return
+	}
+	var sandbox string
+	if m.cfg.UnsafeSkipIdentityChecks {
+		sandbox = r.Header.Get("E2b-Sandbox-Id")
+	} else {
+		ad := m.Admit(r.Header.Get(spacev1.HeaderCapability), purpose)
+		m.audit.record(ad, purpose, r.URL.Path)
+		m.metrics.decisions.WithLabelValues(ad.Decision.Outcome.String()).Inc()
+		switch ad.Decision.Outcome {
+		case identity.RefreshRoute:
+			writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, ad.Decision.Reason)
+			return
+		case identity.Allow:
+		default:
+			writeOutcome(w, http.StatusForbidden, spacev1.OutcomeDeny, ad.Decision.Reason)
+			return
+		}
+		sandbox = ad.Claims.SandboxID
+	}
+	m.mu.RLock()
+	act := m.active[sandbox]
+	m.mu.RUnlock()
+	if act == nil {
+		writeError(w, fmt.Errorf("%w: execution of %s is installed but not active on this worker", errdefs.ErrUnavailable, sandbox))
+		return
+	}
+	// The request (and any stream it opens) lives no longer than the
+	// activation's lease: replacing the execution cuts it.
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	stop := context.AfterFunc(act.ctx, cancel)
+	defer stop()
+	if act.ctx.Err() != nil {
+		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")
+		return
+	}
+	act.proxy.ServeHTTP(w, r.WithContext(ctx))
+}
+
+func writeOutcome(w http.ResponseWriter, status int, outcome, reason string) {
+	w.Header().Set(spacev1.HeaderRouteOutcome, outcome)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(spacev1.Error{Code: status, Message: reason, Reason: outcome})
+}
+
+func writeError(w http.ResponseWriter, err error) {
+	status := errdefs.HTTPStatus(err)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(spacev1.Error{Code: status, Message: err.Error(), Reason: errdefs.Reason(err)})
+}
+
+// WriteError writes err as SPACE's JSON error body with its class's status.
+func WriteError(w http.ResponseWriter, err error) { writeError(w, err) }
+

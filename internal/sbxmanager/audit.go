@@ -1,0 +1,61 @@
+package sbxmanager
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/spacesbx/space/internal/capability"
+)
+
+// auditLog records every admission decision as a JSON line. It names the
+// token by its jti only; tokens themselves are never written.
+type auditLog struct {
+	f   *os.File
+	log *slog.Logger
+}
+
+func openAudit(path, worker string) (*auditLog, error) {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("open audit log: %w", err)
+	}
+	return &auditLog{f: f, log: slog.New(slog.NewJSONHandler(f, nil)).With("worker", worker)}, nil
+}
+
+func (a *auditLog) record(ad Admission, purpose capability.Purpose, path string) {
+	c := ad.Claims
+	a.log.Info("admission",
+		"outcome", ad.Decision.Outcome.String(), "reason", ad.Decision.Reason,
+		"purpose", string(purpose), "path", path,
+		"sandbox", c.SandboxID, "generation", c.Generation, "execution", c.ExecutionID,
+		"jti", c.JTI, "caller", c.Caller)
+}
+
+func (a *auditLog) close() error { return a.f.Close() }
+
+type metrics struct {
+	decisions     *prometheus.CounterVec
+	bridgeRejects prometheus.Counter
+	activations   prometheus.Gauge
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_node_admission_decisions_total", Help: "Capability admission decisions by outcome.",
+		}, []string{"outcome"}),
+		bridgeRejects: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_node_bridge_verification_failures_total", Help: "Bridge connections refused by peer verification.",
+		}),
+		activations: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "space_node_activations", Help: "Running activations.",
+		}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.decisions, m.bridgeRejects, m.activations)
+	}
+	return m
+}

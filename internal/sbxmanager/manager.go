@@ -1,0 +1,460 @@
+// Package sbxmanager is the sandbox manager of a worker: it persists the
+// runtime records of the executions the worker serves, admits each request
+// by verifying its capability and comparing the selected identity with the
+// installed record (Allow, RefreshRoute or Deny), launches one spaced-host
+// bridge per activation and forwards admitted requests to it over a Unix
+// socket whose peer it verifies.
+package sbxmanager
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/procid"
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// Config configures a Manager.
+type Config struct {
+	// WorkerID is this worker's id; installs for other workers are refused.
+	WorkerID string
+	// StateDir holds records.db, audit.log and one directory per sandbox.
+	StateDir string
+	// SpacedHostPath is the spaced-host binary. Required.
+	SpacedHostPath string
+	// AgentPath is the static spaced-guest binary placed in sandboxes.
+	AgentPath string
+	// EnvdVersion is reported to the control plane for new sandboxes.
+	EnvdVersion string
+	// DefaultLimits apply where an install leaves a limit at zero.
+	DefaultLimits spacev1.Limits
+	// StartTimeout bounds activating a sandbox and its bridge. Default 30s.
+	StartTimeout time.Duration
+	// UnsafeSkipIdentityChecks disables capability verification and the
+	// identity comparison, routing by the E2b-Sandbox-Id header instead.
+	// It exists only as the baseline of the on/off benchmark; nothing that
+	// serves users sets it.
+	UnsafeSkipIdentityChecks bool
+	// Registerer receives the manager's metrics (nil: not registered).
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+}
+
+// Validate checks cfg and fills defaults.
+func (c *Config) Validate() error {
+	if c.WorkerID == "" || c.StateDir == "" {
+		return fmt.Errorf("sbxmanager: %w: worker id and state dir are required", errdefs.ErrInvalid)
+	}
+	if c.SpacedHostPath == "" || c.AgentPath == "" {
+		return fmt.Errorf("sbxmanager: %w: spaced-host and agent paths are required", errdefs.ErrInvalid)
+	}
+	if c.StartTimeout <= 0 {
+		c.StartTimeout = 30 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return nil
+}
+
+// Deps are the manager's collaborators.
+type Deps struct {
+	Substrate substrate.Substrate
+	Verifier  *capability.Verifier
+}
+
+// Manager serves the executions installed on one worker.
+type Manager struct {
+	cfg     Config
+	sub     substrate.Substrate
+	ver     *capability.Verifier
+	store   *recordStore
+	audit   *auditLog
+	metrics *metrics
+	log     *slog.Logger
+
+	mu      sync.RWMutex
+	records map[string]record
+	active  map[string]*activation
+	// installing serializes lifecycle operations per sandbox.
+	installing map[string]*sync.Mutex
+	closed     bool
+}
+
+// activation is one running activation with its bridge.
+type activation struct {
+	route    identity.Route
+	inst     substrate.Instance
+	host     *exec.Cmd
+	hostProc procid.Process
+	hostSock string
+	proxy    *httputil.ReverseProxy
+	tr       *http.Transport
+	// ctx ends every stream of this activation (its lease) when the
+	// execution is replaced, retired or torn down.
+	ctx    context.Context
+	cancel context.CancelFunc
+	// hostDone is closed when the bridge process has been reaped.
+	hostDone chan struct{}
+}
+
+// New opens the runtime records and loads them before returning: a
+// manager serves nothing until it knows what it may serve.
+func New(cfg Config, deps Deps) (*Manager, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if deps.Substrate == nil || (deps.Verifier == nil && !cfg.UnsafeSkipIdentityChecks) {
+		return nil, fmt.Errorf("sbxmanager: %w: substrate and verifier are required", errdefs.ErrInvalid)
+	}
+	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
+		return nil, fmt.Errorf("sbxmanager: %w", err)
+	}
+	st, err := openRecords(filepath.Join(cfg.StateDir, "records.db"))
+	if err != nil {
+		return nil, fmt.Errorf("sbxmanager: %w", err)
+	}
+	recs, err := st.loadAll()
+	if err != nil {
+		st.close()
+		return nil, fmt.Errorf("sbxmanager: load runtime records: %w", err)
+	}
+	audit, err := openAudit(filepath.Join(cfg.StateDir, "audit.log"), cfg.WorkerID)
+	if err != nil {
+		st.close()
+		return nil, fmt.Errorf("sbxmanager: %w", err)
+	}
+	m := &Manager{
+		cfg: cfg, sub: deps.Substrate, ver: deps.Verifier, store: st, audit: audit,
+		metrics: newMetrics(cfg.Registerer), log: cfg.Logger.With("worker", cfg.WorkerID),
+		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{},
+	}
+	return m, nil
+}
+
+func (m *Manager) lockSandbox(id string) func() {
+	m.mu.Lock()
+	l, ok := m.installing[id]
+	if !ok {
+		l = &sync.Mutex{}
+		m.installing[id] = l
+	}
+	m.mu.Unlock()
+	l.Lock()
+	return l.Unlock
+}
+
+// Install persists and activates an execution. It returns once the record
+// is durable and the bridge has verified the guest. Installing execution
+// N+1 of a sandbox makes the manager reject execution N at once and ends
+// N's streams.
+func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spacev1.InstallResponse, error) {
+	r := req.Route
+	if err := r.Validate(); err != nil {
+		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: %v", errdefs.ErrInvalid, err)
+	}
+	if r.WorkerID != m.cfg.WorkerID {
+		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: route names worker %q, this is %q", errdefs.ErrInvalid, r.WorkerID, m.cfg.WorkerID)
+	}
+	if r.Substrate != m.sub.Name() {
+		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: substrate %q not served here", errdefs.ErrInvalid, r.Substrate)
+	}
+	unlock := m.lockSandbox(r.SandboxID)
+	defer unlock()
+	log := m.log.With("sandbox", r.SandboxID, "generation", r.Generation)
+
+	m.mu.RLock()
+	old, hasOld := m.records[r.SandboxID]
+	act := m.active[r.SandboxID]
+	closed := m.closed
+	m.mu.RUnlock()
+	if closed {
+		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: manager closed", errdefs.ErrUnavailable)
+	}
+	if hasOld && old.Route == r && !old.Retired && act != nil {
+		return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion}, nil // idempotent retry
+	}
+	if hasOld && old.Route.Generation > r.Generation {
+		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: generation %d is older than installed %d", errdefs.ErrConflict, r.Generation, old.Route.Generation)
+	}
+	// A replacement: the old execution stops being served before anything else.
+	if act != nil {
+		m.mu.Lock()
+		delete(m.active, r.SandboxID)
+		m.mu.Unlock()
+		m.stopActivation(act, "replaced")
+	}
+
+	limits := req.Limits
+	if limits.MemoryBytes == 0 {
+		limits.MemoryBytes = m.cfg.DefaultLimits.MemoryBytes
+	}
+	if limits.Pids == 0 {
+		limits.Pids = m.cfg.DefaultLimits.Pids
+	}
+	if limits.CPUMillis == 0 {
+		limits.CPUMillis = m.cfg.DefaultLimits.CPUMillis
+	}
+	dir := filepath.Join(m.cfg.StateDir, "sandboxes", r.SandboxID, fmt.Sprintf("%d-%s", r.Generation, r.ActivationID))
+	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC()}
+
+	sctx, cancel := context.WithTimeout(ctx, m.cfg.StartTimeout)
+	defer cancel()
+	newAct, err := m.activate(sctx, rec)
+	if err != nil {
+		log.Error("activation failed", "err", err)
+		return spacev1.InstallResponse{}, fmt.Errorf("install %s: %w", r.SandboxID, err)
+	}
+	if err := m.store.put(rec); err != nil {
+		m.stopActivation(newAct, "persist failed")
+		return spacev1.InstallResponse{}, fmt.Errorf("install %s: persist record: %w", r.SandboxID, err)
+	}
+	m.mu.Lock()
+	m.records[r.SandboxID] = rec
+	m.active[r.SandboxID] = newAct
+	m.mu.Unlock()
+	m.metrics.activations.Inc()
+	log.Info("execution installed", "execution", r.ExecutionID, "activation", r.ActivationID)
+	return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion}, nil
+}
+
+// guestConfig is what spaced-guest reads from SPACE_GUEST_CONFIG.
+type guestConfig struct {
+	Identity    identity.Route    `json:"identity"`
+	Env         map[string]string `json:"env,omitempty"`
+	DefaultUser string            `json:"default_user"`
+}
+
+func (m *Manager) activate(ctx context.Context, rec record) (*activation, error) {
+	r := rec.Route
+	gcfg, _ := json.Marshal(guestConfig{Identity: r, Env: rec.EnvVars, DefaultUser: "user"})
+	inst, err := m.sub.Start(ctx, substrate.Spec{
+		Route: r, Template: rec.Template, Dir: rec.Dir, AgentPath: m.cfg.AgentPath,
+		AgentEnv: []string{"SPACE_GUEST_CONFIG=" + string(gcfg)},
+		Limits:   substrate.Limits{MemoryBytes: rec.Limits.MemoryBytes, Pids: rec.Limits.Pids, CPUMillis: rec.Limits.CPUMillis},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("start sandbox: %w", err)
+	}
+	act, err := m.startBridge(ctx, inst, rec.Dir)
+	if err != nil {
+		stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		inst.Stop(stopCtx)
+		cancel()
+		return nil, err
+	}
+	return act, nil
+}
+
+// startBridge launches spaced-host for inst and waits until it has
+// verified the guest and listens.
+func (m *Manager) startBridge(ctx context.Context, inst substrate.Instance, dir string) (*activation, error) {
+	r := inst.Route()
+	sock := filepath.Join(dir, "host.sock")
+	want, _ := json.Marshal(r)
+	logf, err := os.OpenFile(filepath.Join(dir, "spaced-host.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("bridge log: %w", err)
+	}
+	defer logf.Close()
+	cmd := exec.Command(m.cfg.SpacedHostPath,
+		"--guest-socket", inst.GuestSocket(), "--guest-pid", strconv.Itoa(inst.InitPID()),
+		"--listen", sock, "--expected", string(want), "--manager-pid", strconv.Itoa(os.Getpid()))
+	cmd.Stderr = logf
+	cmd.Env = []string{"GOMAXPROCS=1", "GOGC=50"}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, fmt.Errorf("bridge: %w", err)
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start spaced-host: %w", err)
+	}
+	hostDone := make(chan struct{})
+	go func() { cmd.Wait(); close(hostDone) }()
+	ready := make(chan error, 1)
+	go func() {
+		line, err := bufio.NewReader(stdout).ReadString('\n')
+		if err != nil || line != "spaced-host ready\n" {
+			ready <- fmt.Errorf("spaced-host did not become ready (see %s): %v", filepath.Join(dir, "spaced-host.log"), err)
+			return
+		}
+		ready <- nil
+	}()
+	fail := func(err error) (*activation, error) {
+		cmd.Process.Kill()
+		<-hostDone
+		return nil, err
+	}
+	select {
+	case err := <-ready:
+		if err != nil {
+			return fail(err)
+		}
+	case <-ctx.Done():
+		return fail(fmt.Errorf("spaced-host: %w", ctx.Err()))
+	}
+	hp, err := procid.Read(cmd.Process.Pid)
+	if err != nil {
+		return fail(fmt.Errorf("spaced-host identity: %w", err))
+	}
+	actx, cancel := context.WithCancel(context.Background())
+	a := &activation{route: r, inst: inst, host: cmd, hostProc: hp, hostSock: sock, ctx: actx, cancel: cancel, hostDone: hostDone}
+	a.tr = &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			c, err := d.DialContext(ctx, "unix", sock)
+			if err != nil {
+				return nil, err
+			}
+			// Per connection, never per request: the bridge must be the
+			// process this manager launched, still alive and unchanged.
+			if err := procid.VerifyPeer(c, hp); err != nil {
+				c.Close()
+				m.metrics.bridgeRejects.Inc()
+				return nil, fmt.Errorf("bridge endpoint verification: %w", err)
+			}
+			return c, nil
+		},
+		MaxIdleConnsPerHost: 64,
+		IdleConnTimeout:     90 * time.Second,
+	}
+	a.proxy = &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.Out.URL.Scheme, pr.Out.URL.Host = "http", "spaced-host"
+			pr.Out.Header.Del(spacev1.HeaderCapability)
+		},
+		Transport:     a.tr,
+		FlushInterval: -1,
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			writeError(w, fmt.Errorf("%w: sandbox bridge: %v", errdefs.ErrUnavailable, err))
+		},
+	}
+	return a, nil
+}
+
+// stopActivation ends the activation's streams, stops its bridge and the
+// sandbox. The caller has already removed it from the active map.
+func (m *Manager) stopActivation(a *activation, why string) {
+	a.cancel()
+	a.tr.CloseIdleConnections()
+	a.host.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-a.hostDone:
+	case <-time.After(3 * time.Second):
+		a.host.Process.Kill()
+		<-a.hostDone
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	if err := a.inst.Stop(ctx); err != nil {
+		m.log.Warn("sandbox stop", "sandbox", a.route.SandboxID, "err", err)
+	}
+	m.metrics.activations.Dec()
+	m.log.Info("activation stopped", "sandbox", a.route.SandboxID, "generation", a.route.Generation, "why", why)
+}
+
+// Teardown stops the execution named by route and deletes its record.
+// A route for another execution than the installed one is refused with
+// a conflict, so a late teardown cannot kill a newer execution.
+func (m *Manager) Teardown(ctx context.Context, route identity.Route) error {
+	unlock := m.lockSandbox(route.SandboxID)
+	defer unlock()
+	m.mu.Lock()
+	rec, ok := m.records[route.SandboxID]
+	if !ok {
+		m.mu.Unlock()
+		return fmt.Errorf("teardown %s: %w", route.SandboxID, errdefs.ErrNotFound)
+	}
+	if rec.Route.Epoch() != route.Epoch() {
+		m.mu.Unlock()
+		return fmt.Errorf("teardown %s: %w: installed execution is %s", route.SandboxID, errdefs.ErrConflict, rec.Route)
+	}
+	act := m.active[route.SandboxID]
+	delete(m.active, route.SandboxID)
+	m.mu.Unlock()
+	if act != nil {
+		m.stopActivation(act, "teardown")
+	}
+	if err := m.store.delete(route.SandboxID); err != nil {
+		return fmt.Errorf("teardown %s: delete record: %w", route.SandboxID, err)
+	}
+	m.mu.Lock()
+	delete(m.records, route.SandboxID)
+	m.mu.Unlock()
+	if err := os.RemoveAll(filepath.Join(m.cfg.StateDir, "sandboxes", route.SandboxID)); err != nil {
+		m.log.Warn("remove sandbox dir", "sandbox", route.SandboxID, "err", err)
+	}
+	return nil
+}
+
+// Records returns a copy of the installed runtime records.
+func (m *Manager) Records() []identity.Record {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	out := make([]identity.Record, 0, len(m.records))
+	for _, r := range m.records {
+		out = append(out, r.Record)
+	}
+	return out
+}
+
+// Active reports how many activations are running.
+func (m *Manager) Active() int {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	return len(m.active)
+}
+
+// BridgePID returns the pid of the sandbox's spaced-host and agent (for
+// measurements and tests).
+func (m *Manager) BridgePID(sandbox string) (host, guest int, ok bool) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	a := m.active[sandbox]
+	if a == nil {
+		return 0, 0, false
+	}
+	return a.hostProc.PID, a.inst.InitPID(), true
+}
+
+// Close stops every activation (records are kept) and closes the store.
+func (m *Manager) Close() error {
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return nil
+	}
+	m.closed = true
+	acts := maps.Clone(m.active)
+	clear(m.active)
+	m.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, a := range acts {
+		wg.Add(1)
+		go func() { defer wg.Done(); m.stopActivation(a, "shutdown") }()
+	}
+	wg.Wait()
+	return errors.Join(m.store.close(), m.audit.close())
+}
