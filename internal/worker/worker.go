@@ -1,0 +1,245 @@
+// Package worker assembles one SPACE worker (space-node): sbx-manager and
+// node-api over a substrate, the verification key bundle kept current from
+// the control plane's store and cached on disk, and the worker's
+// registration under a lease.
+package worker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/nodeapi"
+	"github.com/spacesbx/space/internal/sbxmanager"
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// Registrar registers the worker under a lease; closing the result
+// deregisters it.
+type Registrar interface {
+	RegisterWorker(ctx context.Context, w spacev1.Worker, ttl time.Duration) (io.Closer, error)
+}
+
+// BundleSource delivers the current key bundle and every change until ctx ends.
+type BundleSource interface {
+	WatchBundle(ctx context.Context, fn func(capability.Bundle)) error
+}
+
+// Config configures a worker.
+type Config struct {
+	// ID is the worker id (DNS-label safe). Required.
+	ID string
+	// StateDir holds the worker's records, bundle cache and sandboxes.
+	StateDir string
+	// Addr is node-api's listen address. Default 127.0.0.1:0.
+	Addr string
+	// Capacity is the number of sandboxes the scheduler may place here.
+	// Default 100.
+	Capacity int
+	// LeaseTTL is the registration lease. Default 10s.
+	LeaseTTL time.Duration
+	// BundleWait bounds waiting for the first key bundle. Default 15s.
+	BundleWait time.Duration
+	// Manager is passed to sbx-manager (WorkerID and StateDir are set here).
+	Manager sbxmanager.Config
+	Logger  *slog.Logger
+}
+
+// Validate checks cfg and fills defaults.
+func (c *Config) Validate() error {
+	if c.ID == "" || c.StateDir == "" {
+		return fmt.Errorf("worker: %w: id and state dir are required", errdefs.ErrInvalid)
+	}
+	if c.Addr == "" {
+		c.Addr = "127.0.0.1:0"
+	}
+	if c.Capacity <= 0 {
+		c.Capacity = 100
+	}
+	if c.LeaseTTL <= 0 {
+		c.LeaseTTL = 10 * time.Second
+	}
+	if c.BundleWait <= 0 {
+		c.BundleWait = 15 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	c.Manager.WorkerID, c.Manager.StateDir, c.Manager.Logger = c.ID, c.StateDir, c.Logger
+	return nil
+}
+
+// Deps are the worker's collaborators.
+type Deps struct {
+	Substrate substrate.Substrate
+	Registrar Registrar
+	Bundles   BundleSource
+	// Registerer receives metrics (nil: a private registry).
+	Registerer *prometheus.Registry
+}
+
+// Worker is one running worker.
+type Worker struct {
+	cfg  Config
+	deps Deps
+	ver  *capability.Verifier
+	mgr  *sbxmanager.Manager
+	api  *nodeapi.Server
+	log  *slog.Logger
+}
+
+// New builds the worker: it loads the cached bundle (if any), opens the
+// runtime records and binds node-api. Run starts serving.
+func New(cfg Config, deps Deps) (*Worker, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if deps.Substrate == nil || deps.Registrar == nil || deps.Bundles == nil {
+		return nil, fmt.Errorf("worker: %w: substrate, registrar and bundle source are required", errdefs.ErrInvalid)
+	}
+	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
+		return nil, fmt.Errorf("worker: %w", err)
+	}
+	reg := deps.Registerer
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	// An empty bundle trusts no key: until one arrives every capability is
+	// denied (fail closed).
+	ver, _ := capability.NewVerifier(capability.Bundle{Revision: -1})
+	if b, err := readBundle(bundlePath(cfg.StateDir)); err == nil {
+		if err := ver.SetBundle(b); err != nil {
+			cfg.Logger.Warn("cached key bundle rejected", "err", err)
+		}
+	}
+	mc := cfg.Manager
+	mc.Registerer = prometheus.WrapRegistererWith(prometheus.Labels{"worker": cfg.ID}, reg)
+	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrate: deps.Substrate, Verifier: ver})
+	if err != nil {
+		return nil, err
+	}
+	api, err := nodeapi.New(nodeapi.Config{Addr: cfg.Addr, WorkerID: cfg.ID, Gatherer: reg, Logger: cfg.Logger}, mgr, ver)
+	if err != nil {
+		mgr.Close()
+		return nil, err
+	}
+	return &Worker{cfg: cfg, deps: deps, ver: ver, mgr: mgr, api: api, log: cfg.Logger.With("worker", cfg.ID)}, nil
+}
+
+// URL is node-api's base URL.
+func (w *Worker) URL() string { return w.api.URL() }
+
+// Manager exposes the worker's sbx-manager (tests, measurements).
+func (w *Worker) Manager() *sbxmanager.Manager { return w.mgr }
+
+// Verifier exposes the worker's capability verifier.
+func (w *Worker) Verifier() *capability.Verifier { return w.ver }
+
+func bundlePath(dir string) string { return filepath.Join(dir, "bundle.json") }
+
+func readBundle(path string) (capability.Bundle, error) {
+	var b capability.Bundle
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return b, err
+	}
+	return b, json.Unmarshal(data, &b)
+}
+
+// writeBundle caches b atomically (write, fsync, rename).
+func writeBundle(path string, b capability.Bundle) error {
+	data, err := json.Marshal(b)
+	if err != nil {
+		return err
+	}
+	tmp := path + ".tmp"
+	f, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
+	if err != nil {
+		return err
+	}
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
+}
+
+// Run keeps the bundle current, serves node-api, registers the worker once
+// a bundle is installed, and on ctx's end deregisters, stops serving and
+// stops every activation, in that order.
+func (w *Worker) Run(ctx context.Context) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	first := make(chan struct{})
+	var once sync.Once
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		err := w.deps.Bundles.WatchBundle(ctx, func(b capability.Bundle) {
+			if err := w.ver.SetBundle(b); err != nil {
+				w.log.Error("key bundle rejected", "revision", b.Revision, "err", err)
+				return
+			}
+			if err := writeBundle(bundlePath(w.cfg.StateDir), b); err != nil {
+				w.log.Warn("key bundle cache", "err", err)
+			}
+			w.log.Info("key bundle installed", "revision", b.Revision, "keys", len(b.Keys))
+			once.Do(func() { close(first) })
+		})
+		if err != nil && ctx.Err() == nil {
+			w.log.Error("key bundle watch ended", "err", err)
+		}
+	}()
+	apiErr := make(chan error, 1)
+	go func() { defer wg.Done(); apiErr <- w.api.Run(ctx) }()
+	defer func() {
+		cancel()
+		wg.Wait()
+		w.mgr.Close()
+	}()
+
+	select {
+	case <-first:
+	case <-time.After(w.cfg.BundleWait):
+		return fmt.Errorf("worker %s: %w: no key bundle after %s", w.cfg.ID, errdefs.ErrUnavailable, w.cfg.BundleWait)
+	case err := <-apiErr:
+		return err
+	case <-ctx.Done():
+		return nil
+	}
+	reg, err := w.deps.Registrar.RegisterWorker(ctx, spacev1.Worker{
+		ID: w.cfg.ID, NodeURL: w.URL(), State: "ready", Capacity: w.cfg.Capacity, Since: time.Now().UTC(),
+	}, w.cfg.LeaseTTL)
+	if err != nil {
+		return fmt.Errorf("worker %s: register: %w", w.cfg.ID, err)
+	}
+	w.log.Info("worker registered", "node_url", w.URL())
+	select {
+	case err = <-apiErr:
+	case <-ctx.Done():
+	}
+	if cerr := reg.Close(); cerr != nil && !errors.Is(cerr, context.Canceled) {
+		w.log.Warn("deregister", "err", cerr)
+	}
+	return err
+}
