@@ -1,0 +1,133 @@
+package ns
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// Defaults applied by Config.withDefaults and to zero Spec.Limits fields.
+const (
+	DefaultCgroupParent       = "space"
+	DefaultMemoryBytes  int64 = 512 << 20
+	DefaultPids         int64 = 512
+	DefaultCPUMillis    int64 = 1000
+	DefaultStartTimeout       = 15 * time.Second
+	DefaultUsrDir             = "/usr"
+)
+
+// Config configures the ns substrate.
+type Config struct {
+	// StateDir holds substrate-wide state; templates are built under
+	// StateDir/templates/<name>. Required, absolute. It must live on a
+	// filesystem that overlayfs accepts as a lower layer (ext4, xfs,
+	// btrfs, tmpfs; not overlayfs itself).
+	StateDir string
+	// CgroupParent is the cgroup (relative to the root of each hierarchy)
+	// under which sandbox groups are created: <parent>/<sandbox>-<activation>.
+	// A single path component of letters, digits, '-', '_' or '.'.
+	// Default "space". The parent itself is created on demand and left in
+	// place (empty) so concurrent starts never race its removal.
+	CgroupParent string
+	// Limits are the defaults for zero Spec.Limits fields. Zero fields
+	// here take DefaultMemoryBytes, DefaultPids, DefaultCPUMillis.
+	Limits substrate.Limits
+	// UsrDir is the host directory bind-mounted read-only at /usr inside
+	// every sandbox (default "/usr"). It must be a merged-usr tree
+	// containing bin/sh.
+	UsrDir string
+	// StartTimeout bounds Start when the caller's context has no earlier
+	// deadline (default 15 s).
+	StartTimeout time.Duration
+	// Logger receives lifecycle logs (default slog.Default()).
+	Logger *slog.Logger
+}
+
+func (c Config) withDefaults() Config {
+	if c.CgroupParent == "" {
+		c.CgroupParent = DefaultCgroupParent
+	}
+	if c.Limits.MemoryBytes == 0 {
+		c.Limits.MemoryBytes = DefaultMemoryBytes
+	}
+	if c.Limits.Pids == 0 {
+		c.Limits.Pids = DefaultPids
+	}
+	if c.Limits.CPUMillis == 0 {
+		c.Limits.CPUMillis = DefaultCPUMillis
+	}
+	if c.UsrDir == "" {
+		c.UsrDir = DefaultUsrDir
+	}
+	if c.StartTimeout == 0 {
+		c.StartTimeout = DefaultStartTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// Validate reports whether c (after defaults) is usable.
+func (c Config) Validate() error {
+	c = c.withDefaults()
+	if c.StateDir == "" || !filepath.IsAbs(c.StateDir) {
+		return fmt.Errorf("ns: StateDir must be an absolute path, got %q", c.StateDir)
+	}
+	if !validComponent(c.CgroupParent) {
+		return fmt.Errorf("ns: CgroupParent %q must be one path component of [A-Za-z0-9._-]", c.CgroupParent)
+	}
+	if !filepath.IsAbs(c.UsrDir) {
+		return fmt.Errorf("ns: UsrDir must be absolute, got %q", c.UsrDir)
+	}
+	if c.StartTimeout < 0 {
+		return errors.New("ns: StartTimeout must not be negative")
+	}
+	return validateLimits(c.Limits)
+}
+
+func validateLimits(l substrate.Limits) error {
+	switch {
+	case l.MemoryBytes < 0 || (l.MemoryBytes > 0 && l.MemoryBytes < 16<<20):
+		return fmt.Errorf("ns: memory limit %d must be at least 16 MiB", l.MemoryBytes)
+	case l.Pids < 0 || (l.Pids > 0 && l.Pids < 16):
+		return fmt.Errorf("ns: pids limit %d must be at least 16", l.Pids)
+	case l.CPUMillis < 0 || (l.CPUMillis > 0 && l.CPUMillis < 10):
+		return fmt.Errorf("ns: cpu limit %d must be at least 10 millicores", l.CPUMillis)
+	}
+	return nil
+}
+
+// mergeLimits fills zero fields of l from def.
+func mergeLimits(l, def substrate.Limits) substrate.Limits {
+	if l.MemoryBytes == 0 {
+		l.MemoryBytes = def.MemoryBytes
+	}
+	if l.Pids == 0 {
+		l.Pids = def.Pids
+	}
+	if l.CPUMillis == 0 {
+		l.CPUMillis = def.CPUMillis
+	}
+	return l
+}
+
+// validComponent reports whether s is a safe single path component.
+func validComponent(s string) bool {
+	if s == "" || len(s) > 128 || s == "." || s == ".." || strings.HasPrefix(s, ".") {
+		return false
+	}
+	for _, c := range s {
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '-', c == '_', c == '.':
+		default:
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,343 @@
+//go:build linux
+
+package ns
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// initArg0 is the argv[0] with which Start re-executes the host binary as a
+// sandbox init.
+const initArg0 = "space-nsinit"
+
+// File descriptors of the init: 3 carries the initConfig (parent -> init,
+// written only after the init was placed in its cgroups), 4 carries the
+// init's status back ("ok" right before exec, then "E:<error>" if anything
+// failed). fd 3 is later replaced by the agent's listener.
+const (
+	initConfigFD  = 3
+	initStatusFD  = 4
+	agentListenFD = 3
+)
+
+// initConfig is what the init needs to build the sandbox.
+type initConfig struct {
+	Hostname string   `json:"hostname"`
+	Lower    string   `json:"lower"`
+	Upper    string   `json:"upper"`
+	Work     string   `json:"work"`
+	Rootfs   string   `json:"rootfs"`
+	Usr      string   `json:"usr"`
+	Socket   string   `json:"socket"`
+	Agent    string   `json:"agent"`
+	Env      []string `json:"env"`
+}
+
+// MaybeInit must be the first statement of main() in every binary that
+// hosts the ns substrate. When the process was started by Start as a
+// sandbox init (argv[0] == "space-nsinit") it builds the sandbox and execs
+// the agent, never returning; otherwise it returns at once.
+func MaybeInit() {
+	if len(os.Args) == 0 || os.Args[0] != initArg0 {
+		return
+	}
+	runtime.LockOSThread() // credentials, seccomp and exec on one thread
+	if os.Getpid() != 1 {
+		fmt.Fprintln(os.Stderr, "space-nsinit: not the init of a new pid namespace; refusing")
+		os.Exit(2)
+	}
+	// Keep the status fd out of the agent.
+	_, _ = unix.FcntlInt(initStatusFD, unix.F_SETFD, unix.FD_CLOEXEC)
+	err := runInit()
+	// Only reached on failure (runInit execs on success).
+	report("E:" + err.Error())
+	os.Exit(1)
+}
+
+func report(s string) {
+	b := []byte(s)
+	for len(b) > 0 {
+		n, err := unix.Write(initStatusFD, b)
+		if err != nil {
+			return
+		}
+		b = b[n:]
+	}
+}
+
+func runInit() error {
+	var raw []byte
+	buf := make([]byte, 4096)
+	for {
+		n, err := unix.Read(initConfigFD, buf)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("read config: %w", err)
+		}
+		if n == 0 {
+			break
+		}
+		raw = append(raw, buf[:n]...)
+	}
+	if len(raw) == 0 {
+		return errors.New("no config from parent (start aborted)")
+	}
+	var cfg initConfig
+	if err := json.Unmarshal(raw, &cfg); err != nil {
+		return fmt.Errorf("decode config: %w", err)
+	}
+	// The parent placed us in the sandbox cgroups only after clone; a fresh
+	// cgroup namespace rooted there hides the host's cgroup paths.
+	if err := unix.Unshare(unix.CLONE_NEWCGROUP); err != nil {
+		return fmt.Errorf("unshare cgroup ns: %w", err)
+	}
+	lfd, err := setupRootfs(&cfg)
+	if err != nil {
+		return err
+	}
+	if err := unix.Sethostname([]byte(cfg.Hostname)); err != nil {
+		return fmt.Errorf("sethostname: %w", err)
+	}
+	if err := loopbackUp(); err != nil {
+		return err
+	}
+	if err := dropCapabilities(); err != nil {
+		return err
+	}
+	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
+		return fmt.Errorf("no_new_privs: %w", err)
+	}
+	if err := installSeccomp(); err != nil {
+		return err
+	}
+	// fd 3 (the config pipe) becomes the listener, without CLOEXEC.
+	if lfd == agentListenFD {
+		if _, err := unix.FcntlInt(uintptr(lfd), unix.F_SETFD, 0); err != nil {
+			return fmt.Errorf("listener fd: %w", err)
+		}
+	} else {
+		if err := unix.Dup3(lfd, agentListenFD, 0); err != nil {
+			return fmt.Errorf("dup listener: %w", err)
+		}
+		_ = unix.Close(lfd)
+	}
+	env := []string{
+		"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+		"HOME=/root",
+		"USER=root",
+		"LANG=C.UTF-8",
+		"TERM=xterm-256color",
+		"HOSTNAME=" + cfg.Hostname,
+		"SPACE_SANDBOX_ID=" + cfg.Hostname,
+		"SPACE_LISTEN_FD=3",
+	}
+	env = append(env, cfg.Env...)
+	report("ok")
+	err = unix.Exec(agentMount, []string{"spaced-guest"}, env)
+	return fmt.Errorf("exec %s: %w", agentMount, err)
+}
+
+func mount(src, dst, fstype string, flags uintptr, data string) error {
+	if err := unix.Mount(src, dst, fstype, flags, data); err != nil {
+		return fmt.Errorf("mount %s on %s (%s): %w", src, dst, fstype, err)
+	}
+	return nil
+}
+
+// bindRO bind-mounts src on dst and remounts it read-only with flags.
+func bindRO(src, dst string, flags uintptr) error {
+	if err := mount(src, dst, "", unix.MS_BIND, ""); err != nil {
+		return err
+	}
+	return mount("", dst, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY|flags, "")
+}
+
+// setupRootfs builds the sandbox's mount tree, binds the agent socket and
+// pivots into the rootfs. It returns the listening socket's fd.
+func setupRootfs(c *initConfig) (int, error) {
+	if err := mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		return -1, err
+	}
+	r := c.Rootfs
+	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", c.Lower, c.Upper, c.Work)
+	// nodev everywhere writable: CAP_MKNOD nodes are inert (no device cgroup needed).
+	if err := mount("overlay", r, "overlay", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+		return -1, err
+	}
+	if err := bindRO(c.Usr, filepath.Join(r, "usr"), unix.MS_NOSUID|unix.MS_NODEV); err != nil {
+		return -1, err
+	}
+	if err := setupProc(r); err != nil {
+		return -1, err
+	}
+	if err := setupDev(r); err != nil {
+		return -1, err
+	}
+	if err := bindRO(c.Agent, filepath.Join(r, agentMount), unix.MS_NOSUID|unix.MS_NODEV); err != nil {
+		return -1, err
+	}
+	lfd, err := listenUnix(c.Socket)
+	if err != nil {
+		return -1, err
+	}
+	if err := pivot(r); err != nil {
+		return -1, err
+	}
+	return lfd, nil
+}
+
+func setupProc(r string) error {
+	p := filepath.Join(r, "proc")
+	if err := mount("proc", p, "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return err
+	}
+	// Without a user namespace root in the sandbox is host root for /proc:
+	// make the kernel knobs read-only and mask the leaky files (as Docker).
+	for _, ro := range []string{"sys", "sysrq-trigger", "irq", "bus", "fs"} {
+		t := filepath.Join(p, ro)
+		if _, err := os.Lstat(t); err != nil {
+			continue
+		}
+		if err := bindRO(t, t, unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC); err != nil {
+			return err
+		}
+	}
+	for _, m := range []string{"kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kallsyms", "kpagecount", "kpageflags", "kpagecgroup", "config.gz"} {
+		t := filepath.Join(p, m)
+		if fi, err := os.Lstat(t); err != nil || fi.IsDir() {
+			continue
+		}
+		if err := mount("/dev/null", t, "", unix.MS_BIND, ""); err != nil {
+			return err
+		}
+	}
+	for _, m := range []string{"acpi", "scsi"} {
+		t := filepath.Join(p, m)
+		if fi, err := os.Lstat(t); err != nil || !fi.IsDir() {
+			continue
+		}
+		if err := mount("tmpfs", t, "tmpfs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "size=0"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func setupDev(r string) error {
+	d := filepath.Join(r, "dev")
+	if err := mount("tmpfs", d, "tmpfs", unix.MS_NOSUID|unix.MS_NOEXEC, "mode=755,size=65536k,nr_inodes=4096"); err != nil {
+		return err
+	}
+	for _, n := range []string{"null", "zero", "full", "random", "urandom", "tty"} {
+		t := filepath.Join(d, n)
+		if err := os.WriteFile(t, nil, 0o666); err != nil {
+			return err
+		}
+		if err := mount("/dev/"+n, t, "", unix.MS_BIND, ""); err != nil {
+			return err
+		}
+	}
+	for _, dir := range []struct {
+		name string
+		mode os.FileMode
+	}{{"pts", 0o755}, {"shm", 0o1777}, {"mqueue", 0o755}} {
+		if err := os.Mkdir(filepath.Join(d, dir.name), dir.mode); err != nil {
+			return err
+		}
+	}
+	if err := mount("devpts", filepath.Join(d, "pts"), "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620,gid=5"); err != nil {
+		return err
+	}
+	if err := mount("shm", filepath.Join(d, "shm"), "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=1777,size=65536k"); err != nil {
+		return err
+	}
+	if err := mount("mqueue", filepath.Join(d, "mqueue"), "mqueue", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return err
+	}
+	links := [][2]string{
+		{"pts/ptmx", "ptmx"}, {"/proc/self/fd", "fd"}, {"/proc/self/fd/0", "stdin"},
+		{"/proc/self/fd/1", "stdout"}, {"/proc/self/fd/2", "stderr"},
+	}
+	for _, l := range links {
+		if err := os.Symlink(l[0], filepath.Join(d, l[1])); err != nil {
+			return err
+		}
+	}
+	// Nothing else is ever added: make /dev's tmpfs read-only and nodev
+	// (the binds above keep their own flags).
+	return mount("", d, "", unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NOEXEC|unix.MS_NODEV, "mode=755,size=65536k,nr_inodes=4096")
+}
+
+// listenUnix binds and listens on path (still a host path: we have not
+// pivoted yet) and returns the fd (CLOEXEC; MaybeInit dups it to fd 3).
+func listenUnix(path string) (int, error) {
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("socket: %w", err)
+	}
+	old := unix.Umask(0o177)
+	err = unix.Bind(fd, &unix.SockaddrUnix{Name: path})
+	unix.Umask(old)
+	if err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("bind %s: %w", path, err)
+	}
+	if err := unix.Listen(fd, 128); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("listen %s: %w", path, err)
+	}
+	return fd, nil
+}
+
+// pivot makes r the root and detaches the old root.
+func pivot(r string) error {
+	if err := unix.Chdir(r); err != nil {
+		return fmt.Errorf("chdir rootfs: %w", err)
+	}
+	if err := unix.PivotRoot(".", "."); err != nil {
+		return fmt.Errorf("pivot_root: %w", err)
+	}
+	// The old root is now stacked on top of "."; detach it.
+	if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
+		return fmt.Errorf("detach old root: %w", err)
+	}
+	if err := unix.Chdir("/"); err != nil {
+		return fmt.Errorf("chdir /: %w", err)
+	}
+	return nil
+}
+
+// loopbackUp brings up lo, the only interface of the new network namespace.
+func loopbackUp() error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("lo: socket: %w", err)
+	}
+	defer unix.Close(fd)
+	ifr, err := unix.NewIfreq("lo")
+	if err != nil {
+		return err
+	}
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
+		return fmt.Errorf("lo: get flags: %w", err)
+	}
+	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
+	if err := unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr); err != nil {
+		return fmt.Errorf("lo: up: %w", err)
+	}
+	return nil
+}
+
+// hostnameFor derives a valid hostname from a sandbox id (already a DNS
+// label; kept as a function for clarity).
+func hostnameFor(id string) string { return strings.ToLower(id) }

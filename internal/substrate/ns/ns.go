@@ -1,0 +1,497 @@
+//go:build linux
+
+// Package ns is the default SPACE substrate: sandboxes built from Linux
+// namespaces, an overlay root filesystem, cgroups, capabilities and
+// seccomp. It runs on any Linux host as root.
+//
+// # Isolation
+//
+// Start re-executes the host binary (/proc/self/exe) with argv[0]
+// "space-nsinit" in new mount, pid, network, IPC, UTS and cgroup
+// namespaces. There is NO user namespace: root inside a sandbox is root
+// on the host as far as the kernel's uid checks go (DESIGN.md section 10
+// asks for one; it is left for later, see the package report). That is
+// why the remaining layers matter:
+//
+//   - root filesystem: overlayfs with the template as the read-only lower
+//     layer and Spec.Dir/upper as the writable layer, mounted nosuid,nodev;
+//     the host's /usr bind-mounted read-only,nosuid,nodev; a fresh /proc
+//     (with /proc/sys, /proc/sysrq-trigger, ... read-only and /proc/kcore,
+//     /proc/keys, ... masked); /dev a read-only tmpfs with null, zero, full,
+//     random, urandom and tty bound from the host, a private devpts and
+//     /dev/shm; no /sys; the agent bound read-only at /.space/spaced-guest;
+//   - pivot_root with the old root detached: no host path is reachable;
+//   - network: a new namespace with only lo up (no route anywhere);
+//   - capabilities: bounding, permitted and effective sets cut to Docker's
+//     default set; inheritable and ambient empty; no_new_privs;
+//   - seccomp: x86_64 only (x32 refused), mount/namespace/kernel/clock/
+//     keyring/ptrace syscalls fail with EPERM, clone3 with ENOSYS and clone
+//     with CLONE_NEW* flags with EPERM; io_uring is refused too;
+//   - cgroups (v1 or pure v2): memory without swap, pids, cpu bandwidth and
+//     the freezer (Pause/Resume), in <CgroupParent>/<sandbox>-<activation>
+//     relative to the root of each hierarchy.
+//
+// # Activation directory (Spec.Dir)
+//
+// Start creates Spec.Dir (0700) if needed and uses:
+//
+//	upper/      the writable layer: survives Stop (snapshots archive it;
+//	            the next activation on the same Dir continues from it)
+//	work/       overlayfs work dir (removed by Stop)
+//	rootfs/     the overlay mount point (the mount exists only in the
+//	            sandbox's mount namespace; the empty dir is removed by Stop)
+//	guest.sock  the agent's listening socket (removed by Stop)
+//	agent.log   the agent's stdout/stderr, capped at 4 MiB (kept)
+//
+// The agent (Spec.AgentPath) runs as pid 1 of the sandbox with fd 3 a
+// listening Unix socket bound at Spec.Dir/guest.sock, uid 0, a clean
+// environment (PATH, HOME=/root, LANG, TERM, HOSTNAME, SPACE_SANDBOX_ID,
+// SPACE_LISTEN_FD=3) plus Spec.AgentEnv. Being pid 1 it must reap orphans.
+//
+// Binaries that host the substrate must call MaybeInit first in main().
+package ns
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// Names of the entries of an activation directory.
+const (
+	UpperDir   = "upper"
+	workDir    = "work"
+	rootfsDir  = "rootfs"
+	SocketName = "guest.sock"
+	LogName    = "agent.log"
+	maxLogSize = 4 << 20
+)
+
+// cloneFlags are the namespaces of a sandbox (no CLONE_NEWUSER: root-mapped).
+const cloneFlags = unix.CLONE_NEWNS | unix.CLONE_NEWPID | unix.CLONE_NEWNET |
+	unix.CLONE_NEWIPC | unix.CLONE_NEWUTS | unix.CLONE_NEWCGROUP
+
+// Substrate is the ns substrate. It is safe for concurrent use.
+type Substrate struct {
+	cfg     Config
+	cgroups *cgroupLayout
+
+	tmplMu    sync.Mutex
+	tmplReady map[string]bool
+
+	spawnMu   sync.Mutex
+	spawnCh   chan func()
+	spawnDone chan struct{}
+	closed    bool
+}
+
+var _ substrate.Substrate = (*Substrate)(nil)
+
+// New checks the host (root, cgroups) and returns a substrate. Templates
+// are built lazily by the first Start that needs them.
+func New(cfg Config) (*Substrate, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.withDefaults()
+	if os.Geteuid() != 0 {
+		return nil, errors.New("ns: the ns substrate needs root")
+	}
+	layout, err := detectCgroups()
+	if err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
+		return nil, err
+	}
+	return &Substrate{cfg: cfg, cgroups: layout, tmplReady: map[string]bool{}}, nil
+}
+
+// Name returns identity.SubstrateNS.
+func (s *Substrate) Name() string { return identity.SubstrateNS }
+
+// spawn runs f on a dedicated, locked OS thread that lives until Close.
+// The sandbox init's parent-death signal fires when the thread that forked
+// it exits; Go may retire ordinary threads (a goroutine that exits while
+// locked kills its thread), which would kill unrelated sandboxes.
+func (s *Substrate) spawn(f func()) error {
+	s.spawnMu.Lock()
+	if s.closed {
+		s.spawnMu.Unlock()
+		return errors.New("ns: substrate closed")
+	}
+	if s.spawnCh == nil {
+		s.spawnCh, s.spawnDone = make(chan func()), make(chan struct{})
+		go func() {
+			runtime.LockOSThread() // never unlocked: the thread dies with Close
+			defer close(s.spawnDone)
+			for f := range s.spawnCh {
+				f()
+			}
+		}()
+	}
+	ch := s.spawnCh
+	s.spawnMu.Unlock()
+	done := make(chan struct{})
+	ch <- func() { defer close(done); f() }
+	<-done
+	return nil
+}
+
+// Close stops the spawner thread. Sandboxes still running are killed (their
+// parent-death signal fires), so Stop them first. Start fails afterwards.
+func (s *Substrate) Close() error {
+	s.spawnMu.Lock()
+	defer s.spawnMu.Unlock()
+	if s.closed {
+		return nil
+	}
+	s.closed = true
+	if s.spawnCh != nil {
+		close(s.spawnCh)
+		<-s.spawnDone
+	}
+	return nil
+}
+
+func validateSpec(spec *substrate.Spec) error {
+	if err := spec.Route.Validate(); err != nil {
+		return err
+	}
+	if spec.Route.Substrate != identity.SubstrateNS {
+		return fmt.Errorf("ns: route names substrate %q", spec.Route.Substrate)
+	}
+	if !validComponent(spec.Route.ActivationID) {
+		return fmt.Errorf("ns: activation id %q is not a safe name", spec.Route.ActivationID)
+	}
+	if spec.Dir == "" || !filepath.IsAbs(spec.Dir) {
+		return fmt.Errorf("ns: Dir must be an absolute path, got %q", spec.Dir)
+	}
+	if n := len(filepath.Join(spec.Dir, SocketName)); n >= 108 {
+		return fmt.Errorf("ns: Dir %q too long for a Unix socket path (%d bytes)", spec.Dir, n)
+	}
+	if !filepath.IsAbs(spec.AgentPath) {
+		return fmt.Errorf("ns: AgentPath must be absolute, got %q", spec.AgentPath)
+	}
+	fi, err := os.Stat(spec.AgentPath)
+	if err != nil {
+		return fmt.Errorf("ns: agent: %w", err)
+	}
+	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
+		return fmt.Errorf("ns: agent %s is not an executable file", spec.AgentPath)
+	}
+	return validateLimits(spec.Limits)
+}
+
+// Start activates spec (see the package doc for what it requires and
+// creates) and returns once the agent's socket is listening.
+func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.Instance, error) {
+	if err := validateSpec(&spec); err != nil {
+		return nil, err
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, s.cfg.StartTimeout)
+		defer cancel()
+	}
+	t0 := time.Now()
+	lower, err := s.ensureTemplate(spec.Template)
+	if err != nil {
+		return nil, err
+	}
+	lim := mergeLimits(spec.Limits, s.cfg.Limits)
+	inst := &instance{
+		s:      s,
+		route:  spec.Route,
+		dir:    spec.Dir,
+		socket: filepath.Join(spec.Dir, SocketName),
+		done:   make(chan struct{}),
+	}
+	if err := os.MkdirAll(spec.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("ns: activation dir: %w", err)
+	}
+	for _, d := range []string{UpperDir, workDir, rootfsDir} {
+		if err := os.Mkdir(filepath.Join(spec.Dir, d), 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+			return nil, fmt.Errorf("ns: activation dir: %w", err)
+		}
+	}
+	if err := os.Remove(inst.socket); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("ns: stale socket: %w", err)
+	}
+	cgName := spec.Route.SandboxID + "-" + spec.Route.ActivationID
+	cg, err := createCgroup(s.cgroups, s.cfg.CgroupParent, cgName, lim)
+	if err != nil {
+		inst.cleanupFiles()
+		return nil, err
+	}
+	inst.cg = cg
+
+	fail := func(err error) (substrate.Instance, error) {
+		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if serr := inst.Stop(sctx); serr != nil {
+			s.cfg.Logger.Warn("ns: cleanup after failed start", "route", spec.Route.String(), "err", serr)
+		}
+		return nil, fmt.Errorf("ns: start %s: %w", spec.Route.SandboxID, err)
+	}
+
+	cfgR, cfgW, err := os.Pipe()
+	if err != nil {
+		return fail(err)
+	}
+	defer cfgR.Close()
+	defer cfgW.Close()
+	stR, stW, err := os.Pipe()
+	if err != nil {
+		return fail(err)
+	}
+	defer stR.Close()
+	defer stW.Close()
+	logf, err := os.OpenFile(filepath.Join(spec.Dir, LogName), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return fail(err)
+	}
+	inst.log = &cappedWriter{f: logf, left: maxLogSize}
+
+	cmd := &exec.Cmd{
+		Path:       "/proc/self/exe",
+		Args:       []string{initArg0},
+		Env:        []string{},
+		Stdout:     inst.log,
+		Stderr:     inst.log,
+		ExtraFiles: []*os.File{cfgR, stW}, // fds 3 and 4
+		WaitDelay:  2 * time.Second,
+		SysProcAttr: &syscall.SysProcAttr{
+			Cloneflags: cloneFlags,
+			Pdeathsig:  syscall.SIGKILL,
+		},
+	}
+	var startErr error
+	if err := s.spawn(func() { startErr = cmd.Start() }); err != nil {
+		return fail(err)
+	}
+	if startErr != nil {
+		return fail(fmt.Errorf("launch init: %w", startErr))
+	}
+	inst.cmd = cmd
+	inst.pid = cmd.Process.Pid
+	inst.wg.Add(1)
+	go inst.wait()
+	cfgR.Close()
+	stW.Close()
+
+	// Into the cgroups before the init does anything.
+	if err := cg.add(inst.pid); err != nil {
+		return fail(err)
+	}
+	icfg := initConfig{
+		Hostname: hostnameFor(spec.Route.SandboxID),
+		Lower:    lower,
+		Upper:    filepath.Join(spec.Dir, UpperDir),
+		Work:     filepath.Join(spec.Dir, workDir),
+		Rootfs:   filepath.Join(spec.Dir, rootfsDir),
+		Usr:      s.cfg.UsrDir,
+		Socket:   inst.socket,
+		Agent:    spec.AgentPath,
+		Env:      spec.AgentEnv,
+	}
+	b, err := json.Marshal(icfg)
+	if err != nil {
+		return fail(err)
+	}
+	if _, err := cfgW.Write(b); err != nil {
+		return fail(fmt.Errorf("send config to init: %w", err))
+	}
+	cfgW.Close()
+
+	// Wait for "ok" (then EOF when exec closes the pipe) or "E:<err>".
+	type status struct {
+		b   []byte
+		err error
+	}
+	stCh := make(chan status, 1)
+	var rwg sync.WaitGroup
+	rwg.Add(1)
+	go func() {
+		defer rwg.Done()
+		b, err := io.ReadAll(io.LimitReader(stR, 64<<10))
+		stCh <- status{b, err}
+	}()
+	var st status
+	select {
+	case st = <-stCh:
+	case <-ctx.Done():
+		_ = syscall.Kill(inst.pid, syscall.SIGKILL) // closes the pipe: the reader ends
+		rwg.Wait()
+		return fail(fmt.Errorf("init did not report: %w", ctx.Err()))
+	}
+	rwg.Wait()
+	msg := string(st.b)
+	switch {
+	case st.err != nil:
+		return fail(fmt.Errorf("read init status: %w", st.err))
+	case msg == "ok":
+	case len(msg) > 2 && msg[:2] == "E:":
+		return fail(errors.New(msg[2:]))
+	case len(msg) > 4 && msg[:4] == "okE:":
+		return fail(errors.New(msg[4:]))
+	default:
+		return fail(fmt.Errorf("init exited without reporting (see %s)", filepath.Join(spec.Dir, LogName)))
+	}
+	select {
+	case <-inst.done:
+		return fail(fmt.Errorf("agent exited right after start (see %s)", filepath.Join(spec.Dir, LogName)))
+	default:
+	}
+	s.cfg.Logger.Debug("ns: sandbox started", "route", spec.Route.String(), "pid", inst.pid, "took", time.Since(t0))
+	return inst, nil
+}
+
+// instance is one running ns sandbox.
+type instance struct {
+	s      *Substrate
+	route  identity.Route
+	dir    string
+	socket string
+	cg     *cgroup
+	cmd    *exec.Cmd
+	pid    int
+	log    *cappedWriter
+
+	wg   sync.WaitGroup
+	done chan struct{}
+
+	mu      sync.Mutex // serializes Pause, Resume and Stop
+	stopped bool
+}
+
+var _ substrate.Instance = (*instance)(nil)
+
+func (i *instance) Route() identity.Route { return i.route }
+func (i *instance) GuestSocket() string   { return i.socket }
+func (i *instance) InitPID() int          { return i.pid }
+func (i *instance) Done() <-chan struct{} { return i.done }
+
+func (i *instance) wait() {
+	defer i.wg.Done()
+	_ = i.cmd.Wait()
+	close(i.done)
+}
+
+// Pause freezes every process of the sandbox.
+func (i *instance) Pause(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.stopped {
+		return errors.New("ns: sandbox stopped")
+	}
+	if err := i.cg.freeze(ctx, true); err != nil {
+		return fmt.Errorf("ns: pause: %w", err)
+	}
+	return nil
+}
+
+// Resume thaws the sandbox.
+func (i *instance) Resume(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.stopped {
+		return errors.New("ns: sandbox stopped")
+	}
+	if err := i.cg.freeze(ctx, false); err != nil {
+		return fmt.Errorf("ns: resume: %w", err)
+	}
+	return nil
+}
+
+// Stop kills the sandbox (SIGKILL to its init tears the pid namespace
+// down; the mount namespace and with it every mount goes away with the last
+// process), waits for the init, removes the cgroups, the socket, the work
+// dir and the rootfs mount point. Spec.Dir/upper and agent.log are kept.
+// Idempotent; after an error it can be called again.
+func (i *instance) Stop(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.stopped {
+		return nil
+	}
+	if i.cmd != nil {
+		select {
+		case <-i.done:
+		default:
+			_ = syscall.Kill(i.pid, syscall.SIGKILL)
+		}
+	}
+	var errs []error
+	if i.cg != nil {
+		// Kills stragglers and thaws a paused sandbox so the kill lands.
+		if err := i.cg.remove(ctx); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if i.cmd != nil {
+		select {
+		case <-i.done:
+		case <-ctx.Done():
+			return errors.Join(append(errs, fmt.Errorf("ns: stop: init %d did not exit: %w", i.pid, ctx.Err()))...)
+		}
+		i.wg.Wait()
+	}
+	if len(errs) > 0 {
+		return errors.Join(errs...)
+	}
+	i.cleanupFiles()
+	if i.log != nil {
+		_ = i.log.Close()
+	}
+	i.stopped = true
+	return nil
+}
+
+// cleanupFiles removes the runtime bits of the activation directory.
+func (i *instance) cleanupFiles() {
+	_ = os.Remove(i.socket)
+	_ = os.RemoveAll(filepath.Join(i.dir, workDir))
+	_ = os.Remove(filepath.Join(i.dir, rootfsDir))
+}
+
+// cappedWriter writes at most left bytes to f and drops the rest.
+type cappedWriter struct {
+	mu   sync.Mutex
+	f    *os.File
+	left int64
+}
+
+func (w *cappedWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.left > 0 {
+		b := p
+		if int64(len(b)) > w.left {
+			b = b[:w.left]
+		}
+		n, _ := w.f.Write(b)
+		w.left -= int64(n)
+	}
+	return len(p), nil
+}
+
+func (w *cappedWriter) Close() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.f.Close()
+}

@@ -1,0 +1,35 @@
+package ns
+
+import (
+	"testing"
+
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+func TestConfigValidate(t *testing.T) {
+	good := Config{StateDir: "/var/lib/space"}
+	if err := good.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	for name, c := range map[string]Config{
+		"relative state": {StateDir: "state"},
+		"empty state":    {},
+		"parent slash":   {StateDir: "/s", CgroupParent: "a/b"},
+		"parent dotdot":  {StateDir: "/s", CgroupParent: ".."},
+		"tiny memory":    {StateDir: "/s", Limits: substrate.Limits{MemoryBytes: 1024}},
+		"negative pids":  {StateDir: "/s", Limits: substrate.Limits{Pids: -1}},
+		"relative usr":   {StateDir: "/s", UsrDir: "usr"},
+	} {
+		if err := c.Validate(); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+	d := Config{StateDir: "/s"}.withDefaults()
+	if d.CgroupParent != "space" || d.Limits.MemoryBytes != 512<<20 || d.Limits.Pids != 512 || d.Limits.CPUMillis != 1000 {
+		t.Fatalf("defaults: %+v", d)
+	}
+	l := mergeLimits(substrate.Limits{Pids: 64}, d.Limits)
+	if l.Pids != 64 || l.MemoryBytes != 512<<20 {
+		t.Fatalf("merge: %+v", l)
+	}
+}

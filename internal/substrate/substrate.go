@@ -1,0 +1,80 @@
+// Package substrate defines the isolation-technology interface that every
+// sandbox substrate implements (DESIGN.md section 10). The request path
+// (sbx-manager -> spaced-host -> spaced-guest) is the same for all of them;
+// a substrate only has to start the guest agent inside an isolated
+// environment, hand back a host-side endpoint for it and control the
+// environment's lifecycle.
+package substrate
+
+import (
+	"context"
+
+	"github.com/spacesbx/space/internal/identity"
+)
+
+// Spec describes one activation of one execution.
+type Spec struct {
+	// Route is the execution identity being activated. It must validate.
+	Route identity.Route
+	// Template is the template name, e.g. "base".
+	Template string
+	// Dir is the per-activation state directory on the host. Substrates
+	// create it if missing (mode 0700). Its layout is substrate specific
+	// but a writable layer that survives Stop lives in a stable
+	// subdirectory documented by the substrate (snapshots archive it).
+	Dir string
+	// AgentPath is the host path of the static spaced-guest binary to run
+	// inside the sandbox.
+	AgentPath string
+	// AgentEnv is extra environment for the agent process, e.g.
+	// SPACE_GUEST_CONFIG=...
+	AgentEnv []string
+	// Limits bounds the sandbox's resources; zero fields take the
+	// substrate's defaults.
+	Limits Limits
+}
+
+// Limits bounds a sandbox's resources. A zero field means "substrate
+// default"; substrates document their defaults (ns: 512 MiB memory without
+// swap, 512 pids, 1000 millicores).
+type Limits struct {
+	// MemoryBytes caps resident memory (and swap: sandboxes get none).
+	MemoryBytes int64
+	// Pids caps the number of tasks (processes and threads).
+	Pids int64
+	// CPUMillis caps CPU bandwidth in thousandths of a CPU (1000 = 1 core).
+	CPUMillis int64
+}
+
+// Instance is one running activation.
+type Instance interface {
+	// Route is the identity the instance was activated with.
+	Route() identity.Route
+	// GuestSocket is the host path of the agent's Unix listening socket.
+	// It is not visible inside the sandbox.
+	GuestSocket() string
+	// InitPID is the host pid of the sandbox's init/agent process (the
+	// bridge verifies it and ties the guest listener to it).
+	InitPID() int
+	// Pause freezes every process of the sandbox and returns once they are
+	// all frozen.
+	Pause(ctx context.Context) error
+	// Resume thaws a paused sandbox.
+	Resume(ctx context.Context) error
+	// Stop kills everything, unmounts, removes cgroups and the activation
+	// directory's runtime bits. It is idempotent and must be called even
+	// after Done is closed.
+	Stop(ctx context.Context) error
+	// Done is closed when the sandbox's init exits.
+	Done() <-chan struct{}
+}
+
+// Substrate starts sandboxes of one isolation technology.
+type Substrate interface {
+	// Name is the substrate name carried in route identities
+	// (identity.SubstrateNS, identity.SubstrateMicroVM, ...).
+	Name() string
+	// Start activates spec and returns once the guest agent's socket is
+	// listening, or with an error after cleaning up what it created.
+	Start(ctx context.Context, spec Spec) (Instance, error)
+}
