@@ -1,0 +1,52 @@
+// Command space-edge runs the client-facing data-plane edge (E2B_SANDBOX_URL).
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spacesbx/space/internal/edge"
+)
+
+func main() {
+	fs := flag.NewFlagSet("space-edge", flag.ExitOnError)
+	addr := fs.String("addr", envOr("SPACE_EDGE_ADDR", edge.DefaultAddr), "listen address")
+	cp := fs.String("control-plane", os.Getenv("SPACE_API_URL"), "control plane base URL (env SPACE_API_URL)")
+	domain := fs.String("domain", envOr("SPACE_DOMAIN", edge.DefaultDomain), "public sandbox domain for <port>-<sandbox>.<domain> hosts")
+	maxBody := fs.Int64("max-buffered-body", edge.DefaultMaxBufferedBody, "largest request body held for a rebuilt attempt (bytes)")
+	_ = fs.Parse(os.Args[1:])
+
+	log := slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	// The edge key is read from the environment only, never from flags
+	// (visible in process listings).
+	e, err := edge.New(edge.Config{
+		Addr:            *addr,
+		ControlPlaneURL: *cp,
+		EdgeKey:         os.Getenv("SPACE_EDGE_KEY"),
+		Domain:          *domain,
+		MaxBufferedBody: *maxBody,
+		Logger:          log,
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "space-edge:", err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := e.Run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "space-edge:", err)
+		os.Exit(1)
+	}
+}
+
+func envOr(k, d string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return d
+}

@@ -1,0 +1,167 @@
+package edge
+
+import (
+	"context"
+	"crypto/sha256"
+	"net/url"
+	"time"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/identity"
+)
+
+// cacheKey identifies one cached authorization. The caller's token is
+// kept only as a SHA-256 digest.
+type cacheKey struct {
+	sandbox  string
+	purpose  capability.Purpose
+	port     int
+	protocol string
+	caller   [32]byte
+}
+
+func keyFor(t target, callerToken string) cacheKey {
+	return cacheKey{t.sandbox, t.purpose, t.port, t.protocol, sha256.Sum256([]byte(callerToken))}
+}
+
+// entry is an immutable cached route; replacements install a new entry.
+type entry struct {
+	route   identity.Route
+	token   string
+	expires time.Time
+	node    *url.URL
+	// authorizedUntil bounds the caller's authorization. It is set by a
+	// caller-authorized response only; renewals and repairs may shorten
+	// it but never extend it.
+	authorizedUntil time.Time
+}
+
+func newEntry(cr *spacev1.CapabilityResponse, authorizedUntil time.Time) *entry {
+	node, _ := url.Parse(cr.NodeURL) // validated by fetchCapability
+	return &entry{route: cr.Route, token: cr.Token, expires: cr.ExpiresAt, node: node, authorizedUntil: authorizedUntil}
+}
+
+// capAuthorization applies a response's AuthorizedUntil to an existing
+// bound: it can only shorten it.
+func capAuthorization(bound time.Time, cr *spacev1.CapabilityResponse) time.Time {
+	if !cr.AuthorizedUntil.IsZero() && cr.AuthorizedUntil.Before(bound) {
+		return cr.AuthorizedUntil
+	}
+	return bound
+}
+
+func (e *Edge) load(k cacheKey) *entry {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.cache[k]
+}
+
+// store installs ent unconditionally (a fresh caller authorization).
+func (e *Edge) store(k cacheKey, ent *entry) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(e.cache) >= e.cfg.MaxEntries {
+		e.sweepLocked()
+	}
+	if len(e.cache) >= e.cfg.MaxEntries {
+		return // still full of live entries: serve without caching
+	}
+	e.cache[k] = ent
+}
+
+// replaceIf installs ent only if the cache still holds an entry for the
+// same route as old (compare-and-swap on the route). It reports whether it
+// replaced. A late rejection of an older route therefore never evicts a
+// newer entry, and an evicted entry is not resurrected.
+func (e *Edge) replaceIf(k cacheKey, old, ent *entry) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	cur := e.cache[k]
+	if cur == nil || cur.route != old.route {
+		return false
+	}
+	e.cache[k] = ent
+	return true
+}
+
+func (e *Edge) deleteIf(k cacheKey, old *entry) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.cache[k] == old {
+		delete(e.cache, k)
+	}
+}
+
+// sweepLocked drops entries whose authorization or capability has passed.
+func (e *Edge) sweepLocked() {
+	now := e.cfg.Clock()
+	for k, v := range e.cache {
+		if !now.Before(v.authorizedUntil) || !now.Before(v.expires) {
+			delete(e.cache, k)
+		}
+	}
+}
+
+// resolve returns a usable route for the request: the cached one, a renewed
+// one (edge key, same authorization bound) or a freshly authorized one
+// (caller's token).
+func (e *Edge) resolve(ctx context.Context, k cacheKey, t target, callerToken string) (*entry, error) {
+	now := e.cfg.Clock()
+	ent := e.load(k)
+	if ent != nil && now.Before(ent.authorizedUntil) {
+		if now.Before(ent.expires.Add(-e.cfg.RenewBefore)) {
+			return ent, nil
+		}
+		cr, err := e.fetchCapability(ctx, t, "", true)
+		if err == nil {
+			ne := newEntry(cr, capAuthorization(ent.authorizedUntil, cr))
+			e.metrics.renewals.Inc()
+			e.replaceIf(k, ent, ne)
+			return ne, nil
+		}
+		if isNotFound(err) {
+			e.deleteIf(k, ent)
+			return nil, err
+		}
+		if ctx.Err() == nil && now.Before(ent.expires) {
+			// The control plane is unavailable but the capability is
+			// still valid: use it; the next request renews again.
+			e.log.Warn("capability renewal failed; using current capability", "sandbox", t.sandbox, "err", err)
+			return ent, nil
+		}
+		return nil, err
+	}
+	cr, err := e.fetchCapability(ctx, t, callerToken, false)
+	if err != nil {
+		if ent != nil {
+			e.deleteIf(k, ent)
+		}
+		return nil, err
+	}
+	until := cr.AuthorizedUntil
+	if until.IsZero() {
+		until = cr.ExpiresAt
+	}
+	ne := newEntry(cr, until)
+	e.store(k, ne)
+	return ne, nil
+}
+
+// repair resolves the current route after the node answered RefreshRoute
+// for old. The result keeps old's authorization bound and replaces the
+// cache entry only if it still holds old's route.
+func (e *Edge) repair(ctx context.Context, k cacheKey, t target, old *entry) (*entry, error) {
+	cr, err := e.fetchCapability(ctx, t, "", true)
+	if err != nil {
+		if isNotFound(err) {
+			e.deleteIf(k, old)
+		}
+		return nil, err
+	}
+	ne := newEntry(cr, capAuthorization(old.authorizedUntil, cr))
+	replaced := e.replaceIf(k, old, ne)
+	e.log.Info("route repaired", "sandbox", t.sandbox, "purpose", t.purpose,
+		"rejected", old.route.String(), "current", ne.route.String(), "cache_replaced", replaced)
+	return ne, nil
+}

@@ -1,0 +1,437 @@
+// Package edge is space-edge, the client-facing data-plane entry point
+// (E2B_SANDBOX_URL). It authenticates callers through the control plane,
+// caches routes and capabilities, forwards requests to the node-api of the
+// selected worker with a Space-Capability header, and repairs stale routes
+// (DESIGN.md sections 2, 4, 6 and 7).
+//
+// Addressing: the e2b SDKs send E2b-Sandbox-Id and E2b-Sandbox-Port headers;
+// public URLs use Host "<port>-<sandbox>.<domain>". Port 49983 is the guest
+// agent (envd): /process.Process/* needs a "process" capability,
+// /filesystem.Filesystem/* a "filesystem" one, /files and /health a "files"
+// one. Every other port is a service port ("service-port" capability with
+// port and protocol http or ws).
+//
+// Route repair: when node-api answers 421 with Space-Route-Outcome
+// refresh-route, the edge resolves the current route from the control plane
+// (repair request, edge key) and makes exactly one rebuilt attempt, provided
+// the request body is still held. A 403 deny is final.
+package edge
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/spacesbx/space/api/spacev1"
+)
+
+// Edge is a space-edge instance. It is safe for concurrent use.
+type Edge struct {
+	cfg     Config
+	log     *slog.Logger
+	metrics *metrics
+	proxy   *httputil.ReverseProxy
+	own     *http.ServeMux
+	handler http.Handler
+
+	mu    sync.Mutex
+	cache map[cacheKey]*entry
+
+	srvMu  sync.Mutex
+	srv    *http.Server
+	closed bool
+}
+
+type metrics struct {
+	reg        *prometheus.Registry
+	requests   *prometheus.CounterVec
+	repairs    *prometheus.CounterVec
+	denies     *prometheus.CounterVec
+	retries    prometheus.Counter
+	renewals   prometheus.Counter
+	capFetches *prometheus.CounterVec
+}
+
+func newMetrics() *metrics {
+	m := &metrics{
+		reg: prometheus.NewRegistry(),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_edge_requests_total", Help: "Sandbox requests by purpose and response status.",
+		}, []string{"purpose", "code"}),
+		repairs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_edge_route_repairs_total", Help: "RefreshRoute answers and what the edge did with them.",
+		}, []string{"result"}),
+		denies: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_edge_denies_total", Help: "Deny answers from receivers, by purpose.",
+		}, []string{"purpose"}),
+		retries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_edge_transport_retries_total", Help: "Idempotent reads retried after a transport failure.",
+		}),
+		renewals: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_edge_capability_renewals_total", Help: "Capabilities renewed before expiry.",
+		}),
+		capFetches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_edge_capability_requests_total", Help: "Capability requests to the control plane.",
+		}, []string{"kind", "result"}),
+	}
+	m.reg.MustRegister(m.requests, m.repairs, m.denies, m.retries, m.renewals, m.capFetches)
+	return m
+}
+
+// New returns an Edge for cfg.
+func New(cfg Config) (*Edge, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.withDefaults()
+	e := &Edge{
+		cfg:     cfg,
+		log:     cfg.Logger.With("component", "space-edge"),
+		metrics: newMetrics(),
+		cache:   make(map[cacheKey]*entry),
+	}
+	e.proxy = &httputil.ReverseProxy{
+		Rewrite:        e.rewrite,
+		Transport:      &forwarder{e: e},
+		FlushInterval:  -1, // flush every write: Connect server streams, PTY output
+		ErrorHandler:   e.proxyError,
+		ModifyResponse: e.modifyResponse,
+		ErrorLog:       slog.NewLogLogger(e.log.Handler(), slog.LevelWarn),
+	}
+	e.own = http.NewServeMux()
+	e.own.Handle("GET /metrics", promhttp.HandlerFor(e.metrics.reg, promhttp.HandlerOpts{}))
+	e.own.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain")
+		_, _ = io.WriteString(w, "ok\n")
+	})
+	e.own.HandleFunc("/", func(w http.ResponseWriter, _ *http.Request) {
+		writeError(w, &httpError{status: http.StatusBadRequest, reason: "no_sandbox",
+			msg: "request names no sandbox: set " + HeaderSandboxID + " and " + HeaderSandboxPort + " or use host <port>-<sandbox>." + cfg.Domain})
+	})
+	e.handler = http.HandlerFunc(e.serveHTTP)
+	return e, nil
+}
+
+// Handler returns the edge's HTTP handler: sandbox traffic, and the edge's
+// own /metrics and /healthz for requests that address no sandbox.
+func (e *Edge) Handler() http.Handler { return e.handler }
+
+// Run listens on cfg.Addr and serves until ctx is done or Close is called.
+func (e *Edge) Run(ctx context.Context) error {
+	ln, err := net.Listen("tcp", e.cfg.Addr)
+	if err != nil {
+		return err
+	}
+	return e.Serve(ctx, ln)
+}
+
+// Serve serves on ln until ctx is done or Close is called.
+func (e *Edge) Serve(ctx context.Context, ln net.Listener) error {
+	srv := &http.Server{
+		Handler:           e.handler,
+		ReadHeaderTimeout: 30 * time.Second,
+		MaxHeaderBytes:    1 << 20,
+		ErrorLog:          slog.NewLogLogger(e.log.Handler(), slog.LevelWarn),
+	}
+	e.srvMu.Lock()
+	if e.closed {
+		e.srvMu.Unlock()
+		ln.Close()
+		return http.ErrServerClosed
+	}
+	e.srv = srv
+	e.srvMu.Unlock()
+	e.log.Info("space-edge listening", "addr", ln.Addr().String(), "domain", e.cfg.Domain)
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		select {
+		case <-ctx.Done():
+			sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_ = srv.Shutdown(sctx)
+			_ = srv.Close()
+		case <-done:
+		}
+	}()
+	err := srv.Serve(ln)
+	if errors.Is(err, http.ErrServerClosed) {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return nil
+	}
+	return err
+}
+
+// Close stops a running server and releases idle node connections.
+func (e *Edge) Close() error {
+	e.srvMu.Lock()
+	e.closed = true
+	srv := e.srv
+	e.srvMu.Unlock()
+	var err error
+	if srv != nil {
+		err = srv.Close()
+	}
+	if t, ok := e.cfg.NodeTransport.(interface{ CloseIdleConnections() }); ok {
+		t.CloseIdleConnections()
+	}
+	e.cfg.ControlPlaneClient.CloseIdleConnections()
+	return err
+}
+
+// reqState travels with a forwarded request in its context.
+type reqState struct {
+	t           target
+	key         cacheKey
+	entry       *entry
+	body        []byte // held body; nil when streamed
+	held        bool   // body is held (possibly empty) and can be resent
+	streamBody  io.ReadCloser
+	callerToken string
+}
+
+type stateKey struct{}
+
+func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
+	defer func() {
+		if v := recover(); v != nil {
+			if v == http.ErrAbortHandler {
+				panic(v)
+			}
+			e.log.Error("panic serving request", "panic", v)
+			writeError(w, &httpError{status: http.StatusInternalServerError, reason: "internal", msg: "internal error"})
+		}
+	}()
+	sandbox, port, ok, herr := parseSandboxPort(r, e.cfg.Domain)
+	if herr != nil {
+		e.metrics.requests.WithLabelValues("none", "400").Inc()
+		writeError(w, herr)
+		return
+	}
+	if !ok {
+		e.own.ServeHTTP(w, r)
+		return
+	}
+	t, herr := classify(r, sandbox, port)
+	if herr != nil {
+		e.metrics.requests.WithLabelValues("none", itoa(herr.status)).Inc()
+		writeError(w, herr)
+		return
+	}
+	sw := &statusWriter{ResponseWriter: w}
+	defer func() { e.metrics.requests.WithLabelValues(string(t.purpose), itoa(sw.code())).Inc() }()
+
+	callerToken := r.Header.Get(spacev1.HeaderAccessToken)
+	st := &reqState{t: t, key: keyFor(t, callerToken), callerToken: callerToken}
+	if herr := e.holdBody(r, st); herr != nil {
+		writeError(sw, herr)
+		return
+	}
+	ent, err := e.resolve(r.Context(), st.key, t, callerToken)
+	if err != nil {
+		var he *httpError
+		if errors.As(err, &he) {
+			writeError(sw, he)
+		}
+		return // context cancelled: the client is gone
+	}
+	st.entry = ent
+	if t.clientStream {
+		// Let the handler read the request body while the response
+		// streams (HTTP/1.1 full duplex).
+		_ = http.NewResponseController(w).EnableFullDuplex()
+	}
+	e.proxy.ServeHTTP(sw, r.WithContext(context.WithValue(r.Context(), stateKey{}, st)))
+}
+
+// holdBody reads bodies up to MaxBufferedBody into memory so that a rebuilt
+// attempt can resend them. Bodies of client-streaming calls and larger
+// bodies are streamed (not retryable).
+func (e *Edge) holdBody(r *http.Request, st *reqState) *httpError {
+	if r.Body == nil || r.Body == http.NoBody || r.ContentLength == 0 {
+		st.held = true
+		return nil
+	}
+	if st.t.clientStream || r.ContentLength > e.cfg.MaxBufferedBody {
+		st.streamBody = r.Body
+		return nil
+	}
+	max := e.cfg.MaxBufferedBody
+	buf, err := io.ReadAll(io.LimitReader(r.Body, max+1))
+	if err != nil {
+		return &httpError{status: http.StatusBadRequest, reason: "bad_request", msg: "reading request body failed"}
+	}
+	if int64(len(buf)) > max {
+		// Unknown length beyond the limit: stream what was read and the rest.
+		st.streamBody = struct {
+			io.Reader
+			io.Closer
+		}{io.MultiReader(bytes.NewReader(buf), r.Body), r.Body}
+		return nil
+	}
+	st.body, st.held = buf, true
+	return nil
+}
+
+// rewrite prepares the outbound request; the forwarder sets the node URL
+// and capability per attempt.
+func (e *Edge) rewrite(pr *httputil.ProxyRequest) {
+	pr.SetXForwarded()
+	pr.Out.Header.Del(spacev1.HeaderAccessToken)
+	pr.Out.Header.Del(spacev1.HeaderCapability)
+	pr.Out.Host = ""
+}
+
+func (e *Edge) modifyResponse(res *http.Response) error {
+	st, _ := res.Request.Context().Value(stateKey{}).(*reqState)
+	if res.StatusCode == http.StatusForbidden && res.Header.Get(spacev1.HeaderRouteOutcome) == spacev1.OutcomeDeny && st != nil {
+		e.metrics.denies.WithLabelValues(string(st.t.purpose)).Inc()
+		e.log.Warn("receiver denied capability", "sandbox", st.t.sandbox, "purpose", st.t.purpose, "route", st.entry.route.String())
+	}
+	return nil
+}
+
+func (e *Edge) proxyError(w http.ResponseWriter, r *http.Request, err error) {
+	var he *httpError
+	switch {
+	case errors.As(err, &he):
+		writeError(w, he)
+	case r.Context().Err() != nil:
+		// Client went away; nothing to answer.
+	default:
+		e.log.Warn("forwarding to node failed", "err", err)
+		writeError(w, &httpError{status: http.StatusBadGateway, reason: "node_unreachable", msg: "sandbox node unreachable"})
+	}
+}
+
+// forwarder is the proxy's transport: it addresses the selected node-api,
+// attaches the capability and performs route repair and transport retries.
+type forwarder struct{ e *Edge }
+
+func (f *forwarder) RoundTrip(out *http.Request) (*http.Response, error) {
+	e := f.e
+	st, _ := out.Context().Value(stateKey{}).(*reqState)
+	if st == nil {
+		return nil, errors.New("edge: request without route state")
+	}
+	ctx := out.Context()
+	res, err := f.send(out, st, st.entry)
+	if err != nil && st.t.idempotent && st.held && ctx.Err() == nil {
+		e.metrics.retries.Inc()
+		e.log.Info("retrying idempotent read after transport failure", "sandbox", st.t.sandbox, "path", out.URL.Path, "err", err)
+		res, err = f.send(out, st, st.entry)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if res.StatusCode != http.StatusMisdirectedRequest || res.Header.Get(spacev1.HeaderRouteOutcome) != spacev1.OutcomeRefreshRoute {
+		return res, nil
+	}
+	if !st.held {
+		e.metrics.repairs.WithLabelValues("not_replayable").Inc()
+		e.log.Warn("refresh-route for a streamed body; returned to client", "sandbox", st.t.sandbox)
+		// The entry is stale anyway: the next request re-resolves it.
+		e.deleteIf(st.key, st.entry)
+		return res, nil
+	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(res.Body, 64<<10))
+	res.Body.Close()
+	ne, err := e.repair(ctx, st.key, st.t, st.entry)
+	if err != nil {
+		e.metrics.repairs.WithLabelValues("resolve_failed").Inc()
+		return nil, err
+	}
+	e.metrics.repairs.WithLabelValues("rebuilt").Inc()
+	// Exactly one rebuilt attempt: its answer, even another 421, goes to
+	// the client.
+	return f.send(out, st, ne)
+}
+
+// send makes one attempt against ent's node with ent's capability.
+func (f *forwarder) send(out *http.Request, st *reqState, ent *entry) (*http.Response, error) {
+	req := out.Clone(out.Context())
+	u := *ent.node
+	u.Path = joinPath(ent.node.Path, out.URL.Path)
+	u.RawPath = ""
+	u.RawQuery = out.URL.RawQuery
+	req.URL = &u
+	req.Host = ""
+	req.Header.Set(spacev1.HeaderCapability, ent.token)
+	switch {
+	case st.held && len(st.body) > 0:
+		req.Body = io.NopCloser(bytes.NewReader(st.body))
+		req.ContentLength = int64(len(st.body))
+		req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(st.body)), nil }
+	case st.held:
+		req.Body = nil
+		req.ContentLength = 0
+	default:
+		req.Body = st.streamBody
+		st.held = false
+	}
+	return f.e.cfg.NodeTransport.RoundTrip(req)
+}
+
+func joinPath(base, p string) string {
+	if base == "" || base == "/" {
+		return p
+	}
+	if base[len(base)-1] == '/' {
+		return base + p[1:]
+	}
+	return base + p
+}
+
+// statusWriter records the response status for metrics. It unwraps for
+// http.ResponseController (flush, hijack, full duplex).
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (s *statusWriter) WriteHeader(code int) {
+	if s.status == 0 {
+		s.status = code
+	}
+	s.ResponseWriter.WriteHeader(code)
+}
+
+func (s *statusWriter) Write(b []byte) (int, error) {
+	if s.status == 0 {
+		s.status = http.StatusOK
+	}
+	return s.ResponseWriter.Write(b)
+}
+
+func (s *statusWriter) Flush() {
+	_ = http.NewResponseController(s.ResponseWriter).Flush()
+}
+
+func (s *statusWriter) Unwrap() http.ResponseWriter { return s.ResponseWriter }
+
+func (s *statusWriter) code() int {
+	if s.status == 0 {
+		return 499 // client closed before an answer
+	}
+	return s.status
+}
+
+func itoa(n int) string {
+	const digits = "0123456789"
+	if n >= 100 && n <= 999 {
+		return string([]byte{digits[n/100], digits[n/10%10], digits[n%10]})
+	}
+	return "other"
+}

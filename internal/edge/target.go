@@ -1,0 +1,131 @@
+package edge
+
+import (
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/identity"
+)
+
+// Header names the e2b SDK sets on every envd request sent to
+// E2B_SANDBOX_URL.
+const (
+	HeaderSandboxID   = "E2b-Sandbox-Id"
+	HeaderSandboxPort = "E2b-Sandbox-Port"
+)
+
+// Service-port protocols.
+const (
+	ProtocolHTTP = "http"
+	ProtocolWS   = "ws"
+)
+
+// target is what a client request addresses.
+type target struct {
+	sandbox  string
+	port     int
+	purpose  capability.Purpose
+	protocol string // service ports only
+	// idempotent reads may be retried once on a transport failure.
+	idempotent bool
+	// clientStream marks calls whose request body is an open-ended stream:
+	// it is never held for a rebuilt attempt.
+	clientStream bool
+}
+
+// parseSandboxPort extracts sandbox id and port from the E2B headers or the
+// Host. ok is false when the request addresses no sandbox at all (the edge's
+// own endpoints); err is set for malformed sandbox addressing.
+func parseSandboxPort(r *http.Request, domain string) (sandbox string, port int, ok bool, err *httpError) {
+	id, ph := r.Header.Get(HeaderSandboxID), r.Header.Get(HeaderSandboxPort)
+	if id != "" || ph != "" {
+		if id == "" || ph == "" {
+			return "", 0, false, badRequest("both " + HeaderSandboxID + " and " + HeaderSandboxPort + " are required")
+		}
+		p, perr := parsePort(ph)
+		if perr != nil {
+			return "", 0, false, perr
+		}
+		if e := identity.ValidateSandboxID(id); e != nil {
+			return "", 0, false, badRequest("invalid sandbox id")
+		}
+		return id, p, true, nil
+	}
+	host := r.Host
+	if h, _, e := net.SplitHostPort(host); e == nil {
+		host = h
+	}
+	host = strings.ToLower(strings.TrimSuffix(host, "."))
+	suffix := "." + domain
+	if !strings.HasSuffix(host, suffix) {
+		return "", 0, false, nil
+	}
+	label := strings.TrimSuffix(host, suffix)
+	ps, id, found := strings.Cut(label, "-")
+	if !found || strings.Contains(label, ".") {
+		return "", 0, false, badRequest("host must have the form <port>-<sandbox>." + domain)
+	}
+	p, perr := parsePort(ps)
+	if perr != nil {
+		return "", 0, false, perr
+	}
+	if e := identity.ValidateSandboxID(id); e != nil {
+		return "", 0, false, badRequest("invalid sandbox id")
+	}
+	return id, p, true, nil
+}
+
+func parsePort(s string) (int, *httpError) {
+	if len(s) == 0 || len(s) > 5 {
+		return 0, badRequest("invalid sandbox port")
+	}
+	for _, c := range s {
+		if c < '0' || c > '9' {
+			return 0, badRequest("invalid sandbox port")
+		}
+	}
+	p, err := strconv.Atoi(s)
+	if err != nil || p < 1 || p > 65535 {
+		return 0, badRequest("invalid sandbox port")
+	}
+	return p, nil
+}
+
+// classify maps a request for (sandbox, port) to a capability purpose.
+func classify(r *http.Request, sandbox string, port int) (target, *httpError) {
+	t := target{sandbox: sandbox, port: port}
+	if port != EnvdPort {
+		t.purpose = capability.PurposeServicePort
+		t.protocol = ProtocolHTTP
+		if r.Header.Get("Upgrade") != "" {
+			t.protocol = ProtocolWS
+			t.clientStream = true
+		}
+		// Service-port bodies of unknown length may be open-ended.
+		if r.ContentLength < 0 {
+			t.clientStream = true
+		}
+		return t, nil
+	}
+	p := r.URL.Path
+	switch {
+	case strings.HasPrefix(p, "/process.Process/"):
+		t.purpose = capability.PurposeProcess
+		t.clientStream = p == "/process.Process/StreamInput"
+	case strings.HasPrefix(p, "/filesystem.Filesystem/"):
+		t.purpose = capability.PurposeFilesystem
+		switch p {
+		case "/filesystem.Filesystem/Stat", "/filesystem.Filesystem/ListDir":
+			t.idempotent = true
+		}
+	case p == "/files" || p == "/health":
+		t.purpose = capability.PurposeFiles
+		t.idempotent = r.Method == http.MethodGet || r.Method == http.MethodHead
+	default:
+		return t, &httpError{status: http.StatusNotFound, reason: "not_found", msg: "no such envd endpoint"}
+	}
+	return t, nil
+}
