@@ -1,0 +1,165 @@
+// Package guest implements spaced-guest, the agent that runs inside a SPACE
+// sandbox. It serves an API compatible with E2B's "envd" (Connect services
+// process.Process and filesystem.Filesystem, plus /files and /health) so the
+// unmodified e2b SDK works against it, and /_space/identity for the host
+// bridge.
+//
+// The package deliberately imports no other internal package of this
+// repository: only the standard library, the generated api/envd code,
+// connect, protobuf, creack/pty, fsnotify and x/sys.
+package guest
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+)
+
+// EnvdVersion is the envd version the agent claims to be compatible with.
+//
+// The e2b SDK gates features on this version (compareVersions in the SDK):
+//   - 0.3.0 stdin=false on Start, 0.4.0 default user taken from the agent,
+//   - 0.5.2 CloseStdin, 0.5.7 application/octet-stream (and gzip) upload,
+//   - 0.6.2 file metadata (X-Metadata-* headers stored as user.e2b.* xattrs),
+//   - 0.6.3 WatchDir include_entry,
+//   - 0.6.4 WatchDir allow_network_mounts (network mounts rejected by default).
+//
+// All of these are implemented, and the SDK has no gate above 0.6.4, so we
+// claim exactly 0.6.4 and no higher.
+const EnvdVersion = "0.6.4"
+
+// Identity is the execution identity the agent was activated with (DESIGN.md
+// section 3). The host bridge reads it from GET /_space/identity and compares
+// it with the identity it expects.
+type Identity struct {
+	Sandbox    string `json:"sandbox"`
+	Generation uint64 `json:"generation"`
+	Execution  string `json:"execution"`
+	Worker     string `json:"worker"`
+	Substrate  string `json:"substrate"`
+	Activation string `json:"activation"`
+	PodUID     string `json:"pod_uid,omitempty"`
+}
+
+// Validate reports whether the identity is complete.
+func (id Identity) Validate() error {
+	var missing []string
+	for _, f := range []struct{ name, v string }{
+		{"sandbox", id.Sandbox}, {"execution", id.Execution}, {"worker", id.Worker},
+		{"substrate", id.Substrate}, {"activation", id.Activation},
+	} {
+		if f.v == "" {
+			missing = append(missing, f.name)
+		}
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("identity: missing %s", strings.Join(missing, ", "))
+	}
+	return nil
+}
+
+// Defaults applied by New for zero-valued Config fields.
+const (
+	DefaultUser             = "user"
+	DefaultPasswdPath       = "/etc/passwd"
+	DefaultGroupPath        = "/etc/group"
+	DefaultMaxUploadBytes   = int64(4) << 30 // per /files request
+	DefaultMaxMessageBytes  = 16 << 20       // per Connect message
+	DefaultMaxWatcherEvents = 10000          // buffered per polled watcher
+	DefaultMaxWatchers      = 256            // polled watchers + WatchDir streams
+	DefaultShutdownTimeout  = 5 * time.Second
+	DefaultPath             = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+)
+
+// Config configures the agent. The zero value of every field means "use the
+// default" documented on the field. Fields with JSON tags can be passed to
+// cmd/spaced-guest as JSON in SPACE_GUEST_CONFIG.
+type Config struct {
+	// Identity is the execution identity the agent was activated with.
+	// Required (all fields but pod_uid).
+	Identity Identity `json:"identity"`
+	// Env holds default environment variables of every started process.
+	// Request envs override them; HOME, USER, LOGNAME and PWD are always set
+	// for the process's user; PATH defaults to DefaultPath.
+	Env map[string]string `json:"env,omitempty"`
+	// DefaultUser is the user when a request names none. Default "user".
+	DefaultUser string `json:"default_user,omitempty"`
+	// PasswdPath and GroupPath are the account databases users are looked up
+	// in. Defaults /etc/passwd and /etc/group.
+	PasswdPath string `json:"passwd_path,omitempty"`
+	GroupPath  string `json:"group_path,omitempty"`
+	// MaxUploadBytes bounds the body of one POST /files. Default 4 GiB.
+	MaxUploadBytes int64 `json:"max_upload_bytes,omitempty"`
+	// MaxMessageBytes bounds one Connect request message. Default 16 MiB.
+	MaxMessageBytes int `json:"max_message_bytes,omitempty"`
+	// MaxWatcherEvents bounds the events buffered by one CreateWatcher
+	// watcher between polls; further events are dropped. Default 10000.
+	MaxWatcherEvents int `json:"max_watcher_events,omitempty"`
+	// MaxWatchers bounds concurrent watches (WatchDir streams plus
+	// CreateWatcher watchers). Default 256.
+	MaxWatchers int `json:"max_watchers,omitempty"`
+	// ShutdownTimeout bounds Close. Default 5s. (JSON: nanoseconds.)
+	ShutdownTimeout time.Duration `json:"shutdown_timeout,omitempty"`
+	// Logger receives operational logs. Default: slog.Default().
+	Logger *slog.Logger `json:"-"`
+}
+
+// withDefaults returns a copy of c with defaults filled in.
+func (c Config) withDefaults() Config {
+	if c.DefaultUser == "" {
+		c.DefaultUser = DefaultUser
+	}
+	if c.PasswdPath == "" {
+		c.PasswdPath = DefaultPasswdPath
+	}
+	if c.GroupPath == "" {
+		c.GroupPath = DefaultGroupPath
+	}
+	if c.MaxUploadBytes == 0 {
+		c.MaxUploadBytes = DefaultMaxUploadBytes
+	}
+	if c.MaxMessageBytes == 0 {
+		c.MaxMessageBytes = DefaultMaxMessageBytes
+	}
+	if c.MaxWatcherEvents == 0 {
+		c.MaxWatcherEvents = DefaultMaxWatcherEvents
+	}
+	if c.MaxWatchers == 0 {
+		c.MaxWatchers = DefaultMaxWatchers
+	}
+	if c.ShutdownTimeout == 0 {
+		c.ShutdownTimeout = DefaultShutdownTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// Validate reports whether the configuration (after defaults) is usable.
+func (c Config) Validate() error {
+	c = c.withDefaults()
+	var errs []error
+	if err := c.Identity.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if strings.ContainsAny(c.DefaultUser, ":\n\x00") {
+		errs = append(errs, fmt.Errorf("default_user %q: invalid user name", c.DefaultUser))
+	}
+	for k := range c.Env {
+		if k == "" || strings.ContainsAny(k, "=\x00") {
+			errs = append(errs, fmt.Errorf("env: invalid variable name %q", k))
+		}
+	}
+	for k, v := range c.Env {
+		if strings.ContainsRune(v, 0) {
+			errs = append(errs, fmt.Errorf("env: value of %q contains NUL", k))
+		}
+	}
+	if c.MaxUploadBytes < 0 || c.MaxMessageBytes < 0 || c.MaxWatcherEvents < 0 || c.MaxWatchers < 0 || c.ShutdownTimeout < 0 {
+		errs = append(errs, errors.New("limits must not be negative"))
+	}
+	return errors.Join(errs...)
+}

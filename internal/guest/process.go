@@ -1,0 +1,678 @@
+package guest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/creack/pty"
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
+
+	processpb "github.com/spacesbx/space/api/envd/process"
+)
+
+const (
+	// drainGrace is how long output readers keep reading after the process
+	// exited, while more output keeps arriving (e.g. from children that
+	// outlive it). A whole grace period without output ends the stream.
+	drainGrace = 100 * time.Millisecond
+	// readerWait bounds how long the waiter waits for readers after the
+	// grace logic, before closing their files.
+	readerWait = 5 * time.Second
+	// subscriberBuffer is the number of events queued per stream before
+	// backpressure reaches the process's output pipes.
+	subscriberBuffer = 64
+	readBufferSize   = 32 << 10
+	defaultPTYCols   = 80
+	defaultPTYRows   = 24
+)
+
+// proc is a process started by the agent.
+type proc struct {
+	pid   uint32
+	tag   *string
+	cfg   *processpb.ProcessConfig // as requested, for List
+	cmd   *exec.Cmd
+	pty   *os.File // PTY master, nil without PTY
+	stdin *os.File // stdin pipe write end, nil when stdin was not requested
+	// stdinClosed is set by CloseStdin.
+	stdinClosed atomic.Bool
+	// waited is set once the process has been reaped.
+	waited atomic.Bool
+
+	mu   sync.Mutex
+	subs map[*subscriber]struct{}
+	end  *processpb.ProcessEvent // set when the process ended and output is drained
+}
+
+type subscriber struct {
+	ch   chan *processpb.ProcessEvent // closed after the end event
+	done chan struct{}                // closed by unsubscribe
+}
+
+// subscribe registers a new stream. If the process already ended, it returns
+// the end event instead.
+func (p *proc) subscribe() (*subscriber, *processpb.ProcessEvent) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.end != nil {
+		return nil, p.end
+	}
+	sub := &subscriber{ch: make(chan *processpb.ProcessEvent, subscriberBuffer), done: make(chan struct{})}
+	p.subs[sub] = struct{}{}
+	return sub, nil
+}
+
+func (p *proc) unsubscribe(sub *subscriber) {
+	if sub == nil {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if _, ok := p.subs[sub]; ok {
+		delete(p.subs, sub)
+		close(sub.done)
+	}
+}
+
+// publish delivers ev to every current subscriber, blocking while a live
+// subscriber's queue is full (backpressure), never after it unsubscribed.
+func (p *proc) publish(ev *processpb.ProcessEvent) {
+	p.mu.Lock()
+	subs := make([]*subscriber, 0, len(p.subs))
+	for s := range p.subs {
+		subs = append(subs, s)
+	}
+	p.mu.Unlock()
+	for _, s := range subs {
+		select {
+		case s.ch <- ev:
+		case <-s.done:
+		}
+	}
+}
+
+// finish publishes the end event and closes every subscriber queue. Called
+// once, by the waiter, after all readers returned.
+func (p *proc) finish(end *processpb.ProcessEvent) {
+	p.publish(end)
+	p.mu.Lock()
+	p.end = end
+	for s := range p.subs {
+		close(s.ch)
+	}
+	p.mu.Unlock()
+}
+
+// signal sends sig to the process group of the process (the process leads
+// its own group or session), falling back to the process itself.
+func (p *proc) signal(sig syscall.Signal) error {
+	if p.waited.Load() {
+		return nil
+	}
+	if err := unix.Kill(-int(p.pid), sig); err == nil {
+		return nil
+	}
+	err := p.cmd.Process.Signal(sig)
+	if errors.Is(err, os.ErrProcessDone) {
+		return nil
+	}
+	return err
+}
+
+func (p *proc) kill() { _ = p.signal(syscall.SIGKILL) }
+
+func dataEvent(kind int, b []byte) *processpb.ProcessEvent {
+	d := &processpb.ProcessEvent_DataEvent{}
+	switch kind {
+	case 1:
+		d.Output = &processpb.ProcessEvent_DataEvent_Stdout{Stdout: b}
+	case 2:
+		d.Output = &processpb.ProcessEvent_DataEvent_Stderr{Stderr: b}
+	default:
+		d.Output = &processpb.ProcessEvent_DataEvent_Pty{Pty: b}
+	}
+	return &processpb.ProcessEvent{Event: &processpb.ProcessEvent_Data{Data: d}}
+}
+
+func startEvent(pid uint32) *processpb.ProcessEvent {
+	return &processpb.ProcessEvent{Event: &processpb.ProcessEvent_Start{Start: &processpb.ProcessEvent_StartEvent{Pid: pid}}}
+}
+
+func keepaliveEvent() *processpb.ProcessEvent {
+	return &processpb.ProcessEvent{Event: &processpb.ProcessEvent_Keepalive{Keepalive: &processpb.ProcessEvent_KeepAlive{}}}
+}
+
+// readLoop publishes what f yields until EOF, close, or a full drainGrace
+// period without output after the process exited (the waiter arms the read
+// deadline).
+func (p *proc) readLoop(f *os.File, kind int) {
+	buf := make([]byte, readBufferSize)
+	rearmed := false
+	for {
+		n, err := f.Read(buf)
+		if n > 0 {
+			rearmed = false
+			p.publish(dataEvent(kind, bytes.Clone(buf[:n])))
+		}
+		if err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) && !rearmed {
+				// The deadline may have expired while we were publishing:
+				// give buffered or still-arriving output one fresh period.
+				rearmed = true
+				if f.SetReadDeadline(time.Now().Add(drainGrace)) == nil {
+					continue
+				}
+			}
+			return
+		}
+	}
+}
+
+// startProcess validates the request, starts the process and registers it.
+// The returned subscriber was registered before any output was read.
+func (s *Server) startProcess(h http.Header, req *processpb.StartRequest) (*proc, *subscriber, error) {
+	acct, _, err := s.userFromAuth(h)
+	if err != nil {
+		return nil, nil, err
+	}
+	pc := req.GetProcess()
+	if pc == nil || pc.GetCmd() == "" {
+		return nil, nil, connect.NewError(connect.CodeInvalidArgument, errors.New("process.cmd is required"))
+	}
+	for _, a := range append([]string{pc.GetCmd()}, pc.GetArgs()...) {
+		if strings.IndexByte(a, 0) >= 0 {
+			return nil, nil, connect.NewError(connect.CodeInvalidArgument, errors.New("command and arguments must not contain NUL bytes"))
+		}
+	}
+	cwd := acct.Home
+	if pc.Cwd != nil && pc.GetCwd() != "" {
+		cwd, err = ResolvePath(pc.GetCwd(), acct.Home)
+		if err != nil {
+			return nil, nil, connect.NewError(connect.CodeInvalidArgument, err)
+		}
+		if st, err := os.Stat(cwd); err != nil || !st.IsDir() {
+			return nil, nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("cwd %s does not exist or is not a directory", quote(cwd)))
+		}
+	} else if st, err := os.Stat(cwd); err != nil || !st.IsDir() {
+		cwd = "/"
+	}
+	env, err := s.processEnv(acct, cwd, pc.GetEnvs())
+	if err != nil {
+		return nil, nil, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	path, err := lookPath(pc.GetCmd(), cwd, env)
+	if err != nil {
+		return nil, nil, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	cmd := &exec.Cmd{
+		Path: path,
+		Args: append([]string{pc.GetCmd()}, pc.GetArgs()...),
+		Env:  env,
+		Dir:  cwd,
+	}
+	attrs := &syscall.SysProcAttr{
+		Credential: &syscall.Credential{Uid: acct.UID, Gid: acct.GID, Groups: acct.Groups},
+	}
+	if os.Getuid() != 0 && uint32(os.Getuid()) == acct.UID {
+		attrs.Credential = nil // unprivileged agent running as that user (tests, dev)
+	}
+
+	p := &proc{
+		tag:  req.Tag,
+		cfg:  proto.Clone(pc).(*processpb.ProcessConfig),
+		cmd:  cmd,
+		subs: make(map[*subscriber]struct{}),
+	}
+	sub, _ := p.subscribe()
+
+	var readers []*os.File
+	var kinds []int
+	var childEnds []*os.File
+	closeAll := func(fs []*os.File) {
+		for _, f := range fs {
+			_ = f.Close()
+		}
+	}
+
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, nil, errClosing
+	}
+	if req.GetPty() != nil {
+		size := req.GetPty().GetSize()
+		ws := &pty.Winsize{Cols: defaultPTYCols, Rows: defaultPTYRows}
+		if size.GetCols() > 0 && size.GetRows() > 0 {
+			ws = &pty.Winsize{Cols: uint16(min(size.GetCols(), 0xffff)), Rows: uint16(min(size.GetRows(), 0xffff))}
+		}
+		attrs.Setsid = true
+		attrs.Setctty = true
+		master, err := pty.StartWithAttrs(cmd, ws, attrs)
+		if err != nil {
+			return nil, nil, startError(err)
+		}
+		p.pty = master
+		readers, kinds = []*os.File{master}, []int{3}
+	} else {
+		attrs.Setpgid = true
+		cmd.SysProcAttr = attrs
+		outR, outW, err := os.Pipe()
+		if err != nil {
+			return nil, nil, connect.NewError(connect.CodeInternal, err)
+		}
+		errR, errW, err := os.Pipe()
+		if err != nil {
+			closeAll([]*os.File{outR, outW})
+			return nil, nil, connect.NewError(connect.CodeInternal, err)
+		}
+		readers, kinds = []*os.File{outR, errR}, []int{1, 2}
+		childEnds = []*os.File{outW, errW}
+		cmd.Stdout, cmd.Stderr = outW, errW
+		if req.GetStdin() {
+			inR, inW, err := os.Pipe()
+			if err != nil {
+				closeAll(append(readers, childEnds...))
+				return nil, nil, connect.NewError(connect.CodeInternal, err)
+			}
+			cmd.Stdin = inR
+			childEnds = append(childEnds, inR)
+			p.stdin = inW
+		}
+		err = cmd.Start()
+		closeAll(childEnds)
+		if err != nil {
+			closeAll(readers)
+			if p.stdin != nil {
+				_ = p.stdin.Close()
+			}
+			return nil, nil, startError(err)
+		}
+	}
+	p.pid = uint32(cmd.Process.Pid)
+	s.procs[p.pid] = p
+	// s.closed is false and s.mu is held: register the goroutines directly.
+	var readersWG sync.WaitGroup
+	for i, f := range readers {
+		readersWG.Add(1)
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			defer readersWG.Done()
+			p.readLoop(f, kinds[i])
+		}()
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.waitProcess(p, readers, &readersWG)
+	}()
+	s.log.Info("process started", "pid", p.pid, "cmd", pc.GetCmd(), "user", acct.Name, "pty", p.pty != nil)
+	return p, sub, nil
+}
+
+func startError(err error) error {
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, fs.ErrPermission) || errors.Is(err, exec.ErrNotFound) {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("error starting process: %w", err))
+	}
+	return connect.NewError(connect.CodeInternal, fmt.Errorf("error starting process: %w", err))
+}
+
+// waitProcess reaps the process, drains its output, publishes the end event
+// and unregisters it.
+func (s *Server) waitProcess(p *proc, readers []*os.File, readersWG *sync.WaitGroup) {
+	werr := p.cmd.Wait()
+	p.waited.Store(true)
+	for _, f := range readers {
+		if f.SetReadDeadline(time.Now().Add(drainGrace)) != nil {
+			// Not pollable: closing is the only way to stop the reader.
+			_ = f.Close()
+		}
+	}
+	done := make(chan struct{})
+	go func() { readersWG.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(readerWait):
+		for _, f := range readers {
+			_ = f.Close()
+		}
+		<-done
+	}
+	for _, f := range readers {
+		_ = f.Close()
+	}
+	if p.stdin != nil {
+		_ = p.stdin.Close()
+	}
+	end := &processpb.ProcessEvent_EndEvent{}
+	if st := p.cmd.ProcessState; st != nil {
+		end.ExitCode = int32(st.ExitCode())
+		end.Exited = st.Exited()
+		end.Status = st.String()
+	}
+	if werr != nil {
+		msg := werr.Error()
+		end.Error = &msg
+	}
+	p.finish(&processpb.ProcessEvent{Event: &processpb.ProcessEvent_End{End: end}})
+	s.mu.Lock()
+	if s.procs[p.pid] == p {
+		delete(s.procs, p.pid)
+	}
+	s.mu.Unlock()
+	s.log.Info("process ended", "pid", p.pid, "status", end.Status)
+}
+
+// processEnv builds the environment: PATH default, Config.Env, the user's
+// HOME/USER/LOGNAME, PWD, then the request's envs (which win).
+func (s *Server) processEnv(acct *account, cwd string, reqEnv map[string]string) ([]string, error) {
+	m := map[string]string{"PATH": DefaultPath}
+	for k, v := range s.cfg.Env {
+		m[k] = v
+	}
+	m["HOME"] = acct.Home
+	m["USER"] = acct.Name
+	m["LOGNAME"] = acct.Name
+	m["PWD"] = cwd
+	for k, v := range reqEnv {
+		if k == "" || strings.ContainsAny(k, "=\x00") || strings.IndexByte(v, 0) >= 0 {
+			return nil, fmt.Errorf("invalid environment variable %q", k)
+		}
+		m[k] = v
+	}
+	env := make([]string, 0, len(m))
+	for k, v := range m {
+		env = append(env, k+"="+v)
+	}
+	sort.Strings(env)
+	return env, nil
+}
+
+// lookPath resolves cmd like a shell would for the child: names with a slash
+// are used as is (relative to cwd), bare names are searched in the child's
+// PATH.
+func lookPath(cmd, cwd string, env []string) (string, error) {
+	if strings.Contains(cmd, "/") {
+		return cmd, nil
+	}
+	pathVar := ""
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "PATH="); ok {
+			pathVar = v
+		}
+	}
+	for _, dir := range filepath.SplitList(pathVar) {
+		if dir == "" {
+			dir = "."
+		}
+		if !filepath.IsAbs(dir) {
+			dir = filepath.Join(cwd, dir)
+		}
+		cand := filepath.Join(dir, cmd)
+		if st, err := os.Stat(cand); err == nil && st.Mode().IsRegular() && st.Mode()&0o111 != 0 {
+			return cand, nil
+		}
+	}
+	return "", fmt.Errorf("executable %s not found in $PATH", quote(cmd))
+}
+
+// lookupProc finds a running process by selector.
+func (s *Server) lookupProc(sel *processpb.ProcessSelector) (*proc, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch v := sel.GetSelector().(type) {
+	case *processpb.ProcessSelector_Pid:
+		if p, ok := s.procs[v.Pid]; ok {
+			return p, nil
+		}
+		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("process with pid %d not found", v.Pid))
+	case *processpb.ProcessSelector_Tag:
+		for _, p := range s.procs {
+			if p.tag != nil && *p.tag == v.Tag {
+				return p, nil
+			}
+		}
+		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("process with tag %s not found", quote(v.Tag)))
+	default:
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("process selector (pid or tag) is required"))
+	}
+}
+
+// keepaliveInterval parses the Keepalive-Ping-Interval header (seconds).
+func keepaliveInterval(h http.Header) time.Duration {
+	v := strings.TrimSpace(h.Get(keepaliveHeader))
+	if v == "" {
+		return 0
+	}
+	n, err := strconv.ParseUint(v, 10, 32)
+	if err != nil || n == 0 {
+		return 0
+	}
+	return time.Duration(min(n, 3600)) * time.Second
+}
+
+// pump forwards a subscriber's events to a stream, with keepalives, until
+// the end event was sent, the client went away or the server closes.
+func (s *Server) pump(ctx context.Context, h http.Header, sub *subscriber, send func(*processpb.ProcessEvent) error) error {
+	var tick <-chan time.Time
+	if iv := keepaliveInterval(h); iv > 0 {
+		t := time.NewTicker(iv)
+		defer t.Stop()
+		tick = t.C
+	}
+	for {
+		select {
+		case ev, ok := <-sub.ch:
+			if !ok {
+				return nil
+			}
+			if err := send(ev); err != nil {
+				return err
+			}
+		case <-tick:
+			if err := send(keepaliveEvent()); err != nil {
+				return err
+			}
+		case <-ctx.Done():
+			if s.ctx.Err() != nil {
+				return errClosing
+			}
+			return connect.NewError(connect.CodeCanceled, ctx.Err())
+		case <-s.ctx.Done():
+			return errClosing
+		}
+	}
+}
+
+type processService struct{ s *Server }
+
+func (ps *processService) Start(ctx context.Context, req *connect.Request[processpb.StartRequest], stream *connect.ServerStream[processpb.StartResponse]) error {
+	p, sub, err := ps.s.startProcess(req.Header(), req.Msg)
+	if err != nil {
+		return err
+	}
+	defer p.unsubscribe(sub)
+	send := func(ev *processpb.ProcessEvent) error { return stream.Send(&processpb.StartResponse{Event: ev}) }
+	if err := send(startEvent(p.pid)); err != nil {
+		return err
+	}
+	return ps.s.pump(ctx, req.Header(), sub, send)
+}
+
+func (ps *processService) Connect(ctx context.Context, req *connect.Request[processpb.ConnectRequest], stream *connect.ServerStream[processpb.ConnectResponse]) error {
+	p, err := ps.s.lookupProc(req.Msg.GetProcess())
+	if err != nil {
+		return err
+	}
+	sub, end := p.subscribe()
+	defer p.unsubscribe(sub)
+	send := func(ev *processpb.ProcessEvent) error { return stream.Send(&processpb.ConnectResponse{Event: ev}) }
+	if err := send(startEvent(p.pid)); err != nil {
+		return err
+	}
+	if end != nil {
+		return send(end)
+	}
+	return ps.s.pump(ctx, req.Header(), sub, send)
+}
+
+func (ps *processService) List(context.Context, *connect.Request[processpb.ListRequest]) (*connect.Response[processpb.ListResponse], error) {
+	ps.s.mu.Lock()
+	defer ps.s.mu.Unlock()
+	out := &processpb.ListResponse{}
+	for _, p := range ps.s.procs {
+		out.Processes = append(out.Processes, &processpb.ProcessInfo{Config: p.cfg, Pid: p.pid, Tag: p.tag})
+	}
+	sort.Slice(out.Processes, func(i, j int) bool { return out.Processes[i].Pid < out.Processes[j].Pid })
+	return connect.NewResponse(out), nil
+}
+
+func (ps *processService) Update(_ context.Context, req *connect.Request[processpb.UpdateRequest]) (*connect.Response[processpb.UpdateResponse], error) {
+	p, err := ps.s.lookupProc(req.Msg.GetProcess())
+	if err != nil {
+		return nil, err
+	}
+	if req.Msg.GetPty() != nil {
+		if p.pty == nil {
+			return nil, connect.NewError(connect.CodeFailedPrecondition, errors.New("process has no pty"))
+		}
+		size := req.Msg.GetPty().GetSize()
+		if size.GetCols() == 0 || size.GetRows() == 0 || size.GetCols() > 0xffff || size.GetRows() > 0xffff {
+			return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("pty size must have cols and rows in 1..65535"))
+		}
+		if err := pty.Setsize(p.pty, &pty.Winsize{Cols: uint16(size.GetCols()), Rows: uint16(size.GetRows())}); err != nil {
+			return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("error resizing pty: %w", err))
+		}
+	}
+	return connect.NewResponse(&processpb.UpdateResponse{}), nil
+}
+
+// writeInput writes client input to the process's stdin pipe or PTY.
+func writeInput(p *proc, in *processpb.ProcessInput) error {
+	var (
+		f    *os.File
+		data []byte
+	)
+	switch v := in.GetInput().(type) {
+	case *processpb.ProcessInput_Pty:
+		if p.pty == nil {
+			return connect.NewError(connect.CodeFailedPrecondition, errors.New("process has no pty"))
+		}
+		f, data = p.pty, v.Pty
+	case *processpb.ProcessInput_Stdin:
+		switch {
+		case p.stdin != nil:
+			f = p.stdin
+		case p.pty != nil:
+			f = p.pty // envd writes stdin of a PTY process to the PTY
+		default:
+			return connect.NewError(connect.CodeFailedPrecondition, errors.New("stdin is not enabled for this process"))
+		}
+		data = v.Stdin
+	default:
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("input (stdin or pty) is required"))
+	}
+	if f == p.stdin && p.stdinClosed.Load() {
+		return connect.NewError(connect.CodeFailedPrecondition, errors.New("stdin is closed"))
+	}
+	if _, err := f.Write(data); err != nil {
+		if errors.Is(err, os.ErrClosed) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.EIO) {
+			return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("process input is closed: %w", err))
+		}
+		return connect.NewError(connect.CodeInternal, fmt.Errorf("error writing input: %w", err))
+	}
+	return nil
+}
+
+func (ps *processService) SendInput(_ context.Context, req *connect.Request[processpb.SendInputRequest]) (*connect.Response[processpb.SendInputResponse], error) {
+	p, err := ps.s.lookupProc(req.Msg.GetProcess())
+	if err != nil {
+		return nil, err
+	}
+	if err := writeInput(p, req.Msg.GetInput()); err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&processpb.SendInputResponse{}), nil
+}
+
+func (ps *processService) StreamInput(ctx context.Context, stream *connect.ClientStream[processpb.StreamInputRequest]) (*connect.Response[processpb.StreamInputResponse], error) {
+	var p *proc
+	for stream.Receive() {
+		switch ev := stream.Msg().GetEvent().(type) {
+		case *processpb.StreamInputRequest_Start:
+			if p != nil {
+				return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("duplicate start event"))
+			}
+			var err error
+			if p, err = ps.s.lookupProc(ev.Start.GetProcess()); err != nil {
+				return nil, err
+			}
+		case *processpb.StreamInputRequest_Data:
+			if p == nil {
+				return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("first event must be start"))
+			}
+			if err := writeInput(p, ev.Data.GetInput()); err != nil {
+				return nil, err
+			}
+		case *processpb.StreamInputRequest_Keepalive:
+		default:
+			return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("empty stream input event"))
+		}
+	}
+	if err := stream.Err(); err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&processpb.StreamInputResponse{}), nil
+}
+
+func (ps *processService) SendSignal(_ context.Context, req *connect.Request[processpb.SendSignalRequest]) (*connect.Response[processpb.SendSignalResponse], error) {
+	p, err := ps.s.lookupProc(req.Msg.GetProcess())
+	if err != nil {
+		return nil, err
+	}
+	var sig syscall.Signal
+	switch req.Msg.GetSignal() {
+	case processpb.Signal_SIGNAL_SIGKILL:
+		sig = syscall.SIGKILL
+	case processpb.Signal_SIGNAL_SIGTERM:
+		sig = syscall.SIGTERM
+	default:
+		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("unsupported signal %d", req.Msg.GetSignal()))
+	}
+	if err := p.signal(sig); err != nil {
+		return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("error sending signal: %w", err))
+	}
+	return connect.NewResponse(&processpb.SendSignalResponse{}), nil
+}
+
+func (ps *processService) CloseStdin(_ context.Context, req *connect.Request[processpb.CloseStdinRequest]) (*connect.Response[processpb.CloseStdinResponse], error) {
+	p, err := ps.s.lookupProc(req.Msg.GetProcess())
+	if err != nil {
+		return nil, err
+	}
+	if p.stdin == nil {
+		return nil, connect.NewError(connect.CodeFailedPrecondition, errors.New("stdin is not enabled for this process"))
+	}
+	if p.stdinClosed.CompareAndSwap(false, true) {
+		if err := p.stdin.Close(); err != nil && !errors.Is(err, os.ErrClosed) {
+			return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("error closing stdin: %w", err))
+		}
+	}
+	return connect.NewResponse(&processpb.CloseStdinResponse{}), nil
+}

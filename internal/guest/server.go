@@ -1,0 +1,220 @@
+package guest
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/spacesbx/space/api/envd/filesystem/filesystempbconnect"
+	"github.com/spacesbx/space/api/envd/process/processpbconnect"
+)
+
+// Paths served besides the Connect services.
+const (
+	PathFiles    = "/files"
+	PathHealth   = "/health"
+	PathIdentity = "/_space/identity"
+)
+
+// keepaliveHeader is the request header the e2b SDK sets on streaming calls
+// (Start, Connect, WatchDir): interval in seconds between keepalive events.
+const keepaliveHeader = "Keepalive-Ping-Interval"
+
+// Server is the guest agent. Create it with New, serve with Serve, stop with
+// Close.
+type Server struct {
+	cfg     Config
+	log     *slog.Logger
+	handler http.Handler
+	http    *http.Server
+
+	// ctx is the parent of every request context and owned goroutine; it is
+	// canceled by Close.
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup // every goroutine the server owns
+
+	mu        sync.Mutex
+	closed    bool
+	procs     map[uint32]*proc
+	watchers  map[string]*pollWatcher
+	nwatches  int // live WatchDir streams + pollWatchers
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// New validates cfg and returns a server ready to Serve.
+func New(cfg Config) (*Server, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("guest: invalid config: %w", err)
+	}
+	cfg = cfg.withDefaults()
+	ctx, cancel := context.WithCancel(context.Background())
+	s := &Server{
+		cfg:      cfg,
+		log:      cfg.Logger,
+		ctx:      ctx,
+		cancel:   cancel,
+		procs:    make(map[uint32]*proc),
+		watchers: make(map[string]*pollWatcher),
+	}
+	opts := []connect.HandlerOption{connect.WithReadMaxBytes(cfg.MaxMessageBytes)}
+	mux := http.NewServeMux()
+	mux.Handle(processpbconnect.NewProcessHandler(&processService{s}, opts...))
+	mux.Handle(filesystempbconnect.NewFilesystemHandler(&filesystemService{s}, opts...))
+	mux.HandleFunc("GET "+PathFiles, s.handleDownload)
+	mux.HandleFunc("POST "+PathFiles, s.handleUpload)
+	mux.HandleFunc("GET "+PathHealth, func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Cache-Control", "no-store")
+		w.WriteHeader(http.StatusNoContent)
+	})
+	mux.HandleFunc("GET "+PathIdentity, func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Cache-Control", "no-store")
+		_ = json.NewEncoder(w).Encode(s.cfg.Identity)
+	})
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeJSONError(w, http.StatusNotFound, "no route for "+r.Method+" "+r.URL.Path)
+	})
+	s.handler = mux
+	var protocols http.Protocols
+	protocols.SetHTTP1(true)
+	protocols.SetUnencryptedHTTP2(true)
+	s.http = &http.Server{
+		Handler:           mux,
+		ReadHeaderTimeout: 30 * time.Second,
+		MaxHeaderBytes:    1 << 20,
+		Protocols:         &protocols,
+		BaseContext:       func(net.Listener) context.Context { return s.ctx },
+		ErrorLog:          slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelWarn),
+	}
+	return s, nil
+}
+
+// Handler returns the HTTP handler of the whole API (for tests and for
+// embedding). Requests served through it outside Serve are not canceled by
+// Close, but processes and watchers they started are.
+func (s *Server) Handler() http.Handler { return s.handler }
+
+// Serve serves the API on l until Close. It returns nil after Close.
+func (s *Server) Serve(l net.Listener) error {
+	err := s.http.Serve(l)
+	if errors.Is(err, http.ErrServerClosed) {
+		return nil
+	}
+	return err
+}
+
+// Close stops serving, kills every process the server started (SIGKILL to
+// its process group), stops every watcher and waits for every goroutine the
+// server owns, bounded by Config.ShutdownTimeout.
+func (s *Server) Close() error {
+	s.closeOnce.Do(func() {
+		deadline := time.Now().Add(s.cfg.ShutdownTimeout)
+		s.mu.Lock()
+		s.closed = true
+		procs := make([]*proc, 0, len(s.procs))
+		for _, p := range s.procs {
+			procs = append(procs, p)
+		}
+		watchers := make([]*pollWatcher, 0, len(s.watchers))
+		for id, w := range s.watchers {
+			watchers = append(watchers, w)
+			delete(s.watchers, id)
+		}
+		s.mu.Unlock()
+
+		s.cancel() // ends streaming handlers and owned goroutines
+		for _, p := range procs {
+			p.kill()
+		}
+		for _, w := range watchers {
+			w.stop()
+		}
+		ctx, cancel := context.WithDeadline(context.Background(), deadline)
+		defer cancel()
+		if err := s.http.Shutdown(ctx); err != nil {
+			_ = s.http.Close()
+		}
+		done := make(chan struct{})
+		go func() { s.wg.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(time.Until(deadline)):
+			s.closeErr = errors.New("guest: close: timed out waiting for goroutines")
+		}
+	})
+	return s.closeErr
+}
+
+// goOwned runs fn in a goroutine the server waits for in Close. It returns
+// false (and does not run fn) once the server is closing.
+func (s *Server) goOwned(fn func()) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		fn()
+	}()
+	return true
+}
+
+var errClosing = connect.NewError(connect.CodeUnavailable, errors.New("agent is shutting down"))
+
+// users loads the account database.
+func (s *Server) users() (*userDB, error) {
+	return loadUserDB(s.cfg.PasswdPath, s.cfg.GroupPath)
+}
+
+// userFromAuth returns the account named by an "Authorization: Basic
+// base64(user:)" header (as sent by the e2b SDK), or the default user.
+func (s *Server) userFromAuth(h http.Header) (*account, *userDB, error) {
+	name := s.cfg.DefaultUser
+	if a := h.Get("Authorization"); a != "" {
+		u, ok := basicUser(a)
+		if !ok {
+			return nil, nil, connect.NewError(connect.CodeUnauthenticated, errors.New("malformed authorization header: want Basic base64(user:)"))
+		}
+		if u != "" {
+			name = u
+		}
+	}
+	db, err := s.users()
+	if err != nil {
+		return nil, nil, connect.NewError(connect.CodeInternal, err)
+	}
+	acct, err := db.lookup(name)
+	if err != nil {
+		return nil, nil, connect.NewError(connect.CodeUnauthenticated, fmt.Errorf("invalid username: %s", quote(name)))
+	}
+	return acct, db, nil
+}
+
+// envdError is the JSON error body of the envd HTTP API.
+type envdError struct {
+	Code    int    `json:"code"`
+	Message string `json:"message"`
+}
+
+func writeJSONError(w http.ResponseWriter, status int, msg string) {
+	h := w.Header()
+	h.Del("Content-Disposition")
+	h.Del("Content-Encoding")
+	h.Del("Content-Length")
+	h.Set("Content-Type", "application/json")
+	h.Set("Cache-Control", "no-store")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(envdError{Code: status, Message: msg})
+}

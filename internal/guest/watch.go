@@ -1,0 +1,323 @@
+package guest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/fsnotify/fsnotify"
+	"golang.org/x/sys/unix"
+
+	filesystempb "github.com/spacesbx/space/api/envd/filesystem"
+)
+
+// networkFS are the filesystem magics WatchDir rejects unless
+// allow_network_mounts is set (envd 0.6.4): inotify is unreliable on them.
+var networkFS = map[int64]string{
+	0x6969:     "nfs",
+	0x517B:     "smb",
+	0xFF534D42: "cifs",
+	0xFE534D42: "smb2",
+	0x65735546: "fuse",
+}
+
+// dirWatch is an fsnotify watch of one directory, optionally recursive.
+type dirWatch struct {
+	fsw          *fsnotify.Watcher
+	root         string
+	recursive    bool
+	includeEntry bool
+	db           *userDB
+}
+
+// newDirWatch validates the request and starts watching. The caller must
+// call release (which closes the watch) when done.
+func (s *Server) newDirWatch(h http.Header, p string, recursive, includeEntry, allowNetwork bool) (*dirWatch, func(), error) {
+	acct, db, err := s.userFromAuth(h)
+	if err != nil {
+		return nil, nil, err
+	}
+	root, err := ResolvePath(p, acct.Home)
+	if err != nil {
+		return nil, nil, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	st, err := os.Stat(root)
+	if err != nil {
+		return nil, nil, fsError(err, "error getting directory info for "+quote(root))
+	}
+	if !st.IsDir() {
+		return nil, nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %s is not a directory", quote(root)))
+	}
+	if !allowNetwork {
+		var sfs unix.Statfs_t
+		if err := unix.Statfs(root, &sfs); err == nil {
+			if name, ok := networkFS[int64(sfs.Type)]; ok {
+				return nil, nil, connect.NewError(connect.CodeInvalidArgument,
+					fmt.Errorf("path %s is on a network mount (%s); watching it requires allowNetworkMounts", quote(root), name))
+			}
+		}
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, nil, errClosing
+	}
+	if s.nwatches >= s.cfg.MaxWatchers {
+		s.mu.Unlock()
+		return nil, nil, connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("too many watchers (max %d)", s.cfg.MaxWatchers))
+	}
+	s.nwatches++
+	s.mu.Unlock()
+	fsw, err := fsnotify.NewWatcher()
+	if err == nil {
+		err = fsw.Add(root)
+		if err != nil {
+			_ = fsw.Close()
+		}
+	}
+	if err != nil {
+		s.mu.Lock()
+		s.nwatches--
+		s.mu.Unlock()
+		return nil, nil, fsError(err, "error watching "+quote(root))
+	}
+	w := &dirWatch{fsw: fsw, root: root, recursive: recursive, includeEntry: includeEntry, db: db}
+	if recursive {
+		w.addTree(root)
+	}
+	var once sync.Once
+	release := func() {
+		once.Do(func() {
+			_ = fsw.Close()
+			s.mu.Lock()
+			s.nwatches--
+			s.mu.Unlock()
+		})
+	}
+	return w, release, nil
+}
+
+// addTree adds watches for every directory below dir (best effort).
+func (w *dirWatch) addTree(dir string) {
+	_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return nil
+		}
+		if d.IsDir() && p != dir {
+			_ = w.fsw.Add(p)
+		}
+		return nil
+	})
+	_ = w.fsw.Add(dir)
+}
+
+// convert turns one fsnotify event into envd events (one per op bit) and
+// extends a recursive watch to new directories.
+func (w *dirWatch) convert(ev fsnotify.Event) []*filesystempb.FilesystemEvent {
+	if w.recursive && ev.Has(fsnotify.Create) {
+		if st, err := os.Lstat(ev.Name); err == nil && st.IsDir() {
+			w.addTree(ev.Name)
+		}
+	}
+	name, err := filepath.Rel(w.root, ev.Name)
+	if err != nil {
+		name = ev.Name
+	}
+	var entry *filesystempb.EntryInfo
+	if w.includeEntry {
+		entry, _ = entryInfo(ev.Name, w.db)
+	}
+	var out []*filesystempb.FilesystemEvent
+	for _, m := range []struct {
+		op fsnotify.Op
+		t  filesystempb.EventType
+	}{
+		{fsnotify.Create, filesystempb.EventType_EVENT_TYPE_CREATE},
+		{fsnotify.Write, filesystempb.EventType_EVENT_TYPE_WRITE},
+		{fsnotify.Remove, filesystempb.EventType_EVENT_TYPE_REMOVE},
+		{fsnotify.Rename, filesystempb.EventType_EVENT_TYPE_RENAME},
+		{fsnotify.Chmod, filesystempb.EventType_EVENT_TYPE_CHMOD},
+	} {
+		if ev.Has(m.op) {
+			out = append(out, &filesystempb.FilesystemEvent{Name: name, Type: m.t, Entry: entry})
+		}
+	}
+	return out
+}
+
+func (f *filesystemService) WatchDir(ctx context.Context, req *connect.Request[filesystempb.WatchDirRequest], stream *connect.ServerStream[filesystempb.WatchDirResponse]) error {
+	m := req.Msg
+	w, release, err := f.s.newDirWatch(req.Header(), m.GetPath(), m.GetRecursive(), m.GetIncludeEntry(), m.GetAllowNetworkMounts())
+	if err != nil {
+		return err
+	}
+	defer release()
+	start := &filesystempb.WatchDirResponse{Event: &filesystempb.WatchDirResponse_Start{Start: &filesystempb.WatchDirResponse_StartEvent{}}}
+	if err := stream.Send(start); err != nil {
+		return err
+	}
+	var tick <-chan time.Time
+	if iv := keepaliveInterval(req.Header()); iv > 0 {
+		t := time.NewTicker(iv)
+		defer t.Stop()
+		tick = t.C
+	}
+	for {
+		select {
+		case ev, ok := <-w.fsw.Events:
+			if !ok {
+				return nil
+			}
+			for _, fe := range w.convert(ev) {
+				if err := stream.Send(&filesystempb.WatchDirResponse{Event: &filesystempb.WatchDirResponse_Filesystem{Filesystem: fe}}); err != nil {
+					return err
+				}
+			}
+		case err, ok := <-w.fsw.Errors:
+			if !ok {
+				return nil
+			}
+			if errors.Is(err, fsnotify.ErrEventOverflow) {
+				f.s.log.Warn("watch: event overflow", "path", w.root)
+				continue
+			}
+			return connect.NewError(connect.CodeInternal, fmt.Errorf("watch error: %w", err))
+		case <-tick:
+			ka := &filesystempb.WatchDirResponse{Event: &filesystempb.WatchDirResponse_Keepalive{Keepalive: &filesystempb.WatchDirResponse_KeepAlive{}}}
+			if err := stream.Send(ka); err != nil {
+				return err
+			}
+		case <-ctx.Done():
+			if f.s.ctx.Err() != nil {
+				return errClosing
+			}
+			return connect.NewError(connect.CodeCanceled, ctx.Err())
+		case <-f.s.ctx.Done():
+			return errClosing
+		}
+	}
+}
+
+// pollWatcher buffers the events of a dirWatch for GetWatcherEvents.
+type pollWatcher struct {
+	w       *dirWatch
+	release func()
+	max     int
+
+	mu      sync.Mutex
+	events  []*filesystempb.FilesystemEvent
+	dropped int
+	err     error
+}
+
+func (p *pollWatcher) stop() { p.release() }
+
+// run collects events until the watch is closed. Owned by the server.
+func (p *pollWatcher) run() {
+	for {
+		select {
+		case ev, ok := <-p.w.fsw.Events:
+			if !ok {
+				return
+			}
+			fes := p.w.convert(ev)
+			p.mu.Lock()
+			for _, fe := range fes {
+				if len(p.events) >= p.max {
+					p.dropped++
+					continue
+				}
+				p.events = append(p.events, fe)
+			}
+			p.mu.Unlock()
+		case err, ok := <-p.w.fsw.Errors:
+			if !ok {
+				return
+			}
+			if !errors.Is(err, fsnotify.ErrEventOverflow) {
+				p.mu.Lock()
+				p.err = err
+				p.mu.Unlock()
+			}
+		}
+	}
+}
+
+func newWatcherID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+func (f *filesystemService) CreateWatcher(_ context.Context, req *connect.Request[filesystempb.CreateWatcherRequest]) (*connect.Response[filesystempb.CreateWatcherResponse], error) {
+	m := req.Msg
+	w, release, err := f.s.newDirWatch(req.Header(), m.GetPath(), m.GetRecursive(), m.GetIncludeEntry(), m.GetAllowNetworkMounts())
+	if err != nil {
+		return nil, err
+	}
+	pw := &pollWatcher{w: w, release: release, max: f.s.cfg.MaxWatcherEvents}
+	id := newWatcherID()
+	f.s.mu.Lock()
+	if f.s.closed {
+		f.s.mu.Unlock()
+		release()
+		return nil, errClosing
+	}
+	f.s.watchers[id] = pw
+	f.s.wg.Add(1)
+	go func() {
+		defer f.s.wg.Done()
+		pw.run()
+	}()
+	f.s.mu.Unlock()
+	return connect.NewResponse(&filesystempb.CreateWatcherResponse{WatcherId: id}), nil
+}
+
+func (f *filesystemService) watcher(id string) (*pollWatcher, error) {
+	f.s.mu.Lock()
+	defer f.s.mu.Unlock()
+	pw, ok := f.s.watchers[id]
+	if !ok {
+		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("watcher %s not found", quote(id)))
+	}
+	return pw, nil
+}
+
+func (f *filesystemService) GetWatcherEvents(_ context.Context, req *connect.Request[filesystempb.GetWatcherEventsRequest]) (*connect.Response[filesystempb.GetWatcherEventsResponse], error) {
+	pw, err := f.watcher(req.Msg.GetWatcherId())
+	if err != nil {
+		return nil, err
+	}
+	pw.mu.Lock()
+	events, dropped, werr := pw.events, pw.dropped, pw.err
+	pw.events, pw.dropped, pw.err = nil, 0, nil
+	pw.mu.Unlock()
+	if dropped > 0 {
+		f.s.log.Warn("watcher dropped events", "watcher", req.Msg.GetWatcherId(), "dropped", dropped)
+	}
+	if werr != nil && len(events) == 0 {
+		return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("watch error: %w", werr))
+	}
+	return connect.NewResponse(&filesystempb.GetWatcherEventsResponse{Events: events}), nil
+}
+
+func (f *filesystemService) RemoveWatcher(_ context.Context, req *connect.Request[filesystempb.RemoveWatcherRequest]) (*connect.Response[filesystempb.RemoveWatcherResponse], error) {
+	f.s.mu.Lock()
+	pw, ok := f.s.watchers[req.Msg.GetWatcherId()]
+	delete(f.s.watchers, req.Msg.GetWatcherId())
+	f.s.mu.Unlock()
+	if !ok {
+		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("watcher %s not found", quote(req.Msg.GetWatcherId())))
+	}
+	pw.stop()
+	return connect.NewResponse(&filesystempb.RemoveWatcherResponse{}), nil
+}
