@@ -1,0 +1,262 @@
+package store
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/spacesbx/space/api/spacev1"
+)
+
+// MinWorkerTTL is the shortest registration lease accepted. etcd itself
+// raises very short leases to its own minimum (about 2 s on defaults).
+const MinWorkerTTL = time.Second
+
+// Registration keeps a worker's entry alive under an etcd lease. A goroutine
+// it owns renews the lease; if the lease is lost (etcd unreachable for longer
+// than the TTL) it registers again. Close revokes the lease, which removes the
+// entry at once.
+type Registration struct {
+	s   *Store
+	ttl time.Duration
+	log *slog.Logger
+
+	mu    sync.Mutex
+	w     spacev1.Worker
+	lease clientv3.LeaseID
+
+	ctx       context.Context
+	cancel    context.CancelFunc
+	done      chan struct{}
+	closeOnce sync.Once
+	closeErr  error
+}
+
+func workerKey(id string) string { return workersPrefix + id }
+
+func validateWorker(w spacev1.Worker) error {
+	if w.ID == "" || len(w.ID) > 253 || strings.ContainsAny(w.ID, "/ \t\r\n") {
+		return fmt.Errorf("%w: worker id %q must be 1..253 characters without '/' or spaces", ErrInvalid, w.ID)
+	}
+	if w.NodeURL == "" {
+		return fmt.Errorf("%w: worker %q has no node url", ErrInvalid, w.ID)
+	}
+	return nil
+}
+
+// RegisterWorker puts w under /space/workers/<id> with a lease of ttl and
+// keeps the lease alive until the Registration is closed. Since defaults to
+// now when zero.
+func (s *Store) RegisterWorker(ctx context.Context, w spacev1.Worker, ttl time.Duration) (*Registration, error) {
+	if err := validateWorker(w); err != nil {
+		return nil, fmt.Errorf("store: register worker: %w", err)
+	}
+	if ttl < MinWorkerTTL {
+		return nil, fmt.Errorf("store: register worker: %w: ttl %s below %s", ErrInvalid, ttl, MinWorkerTTL)
+	}
+	if w.Since.IsZero() {
+		w.Since = time.Now().UTC()
+	}
+	rctx, cancel := context.WithCancel(context.Background())
+	r := &Registration{
+		s: s, ttl: ttl, w: w, ctx: rctx, cancel: cancel, done: make(chan struct{}),
+		log: s.log.With("worker", w.ID),
+	}
+	ch, err := r.register(ctx)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	go r.run(ch)
+	return r, nil
+}
+
+// register grants a lease, puts the entry and starts keep-alives.
+func (r *Registration) register(ctx context.Context) (<-chan *clientv3.LeaseKeepAliveResponse, error) {
+	secs := int64((r.ttl + time.Second - 1) / time.Second)
+	g, err := r.s.cli.Grant(ctx, secs)
+	if err != nil {
+		return nil, wrapErr("grant worker lease", err)
+	}
+	r.mu.Lock()
+	w := r.w
+	r.lease = g.ID
+	r.mu.Unlock()
+	b, _ := json.Marshal(w)
+	if _, err := r.s.cli.Put(ctx, workerKey(w.ID), string(b), clientv3.WithLease(g.ID)); err != nil {
+		r.revoke(g.ID)
+		return nil, wrapErr("put worker", err)
+	}
+	ch, err := r.s.cli.KeepAlive(r.ctx, g.ID)
+	if err != nil {
+		r.revoke(g.ID)
+		return nil, wrapErr("keep worker lease alive", err)
+	}
+	return ch, nil
+}
+
+func (r *Registration) run(ch <-chan *clientv3.LeaseKeepAliveResponse) {
+	defer close(r.done)
+	backoff := 200 * time.Millisecond
+	for {
+		for range ch { //nolint:revive // drain keep-alive responses
+		}
+		if r.ctx.Err() != nil {
+			return
+		}
+		r.log.Warn("worker lease lost; registering again")
+		for {
+			if !sleepCtx(r.ctx, backoff) {
+				return
+			}
+			ctx, cancel := context.WithTimeout(r.ctx, r.ttl+5*time.Second)
+			var err error
+			ch, err = r.register(ctx)
+			cancel()
+			if err == nil {
+				backoff = 200 * time.Millisecond
+				break
+			}
+			if r.ctx.Err() != nil {
+				return
+			}
+			r.log.Warn("worker registration failed; retrying", "err", err)
+			backoff = min(backoff*2, 5*time.Second)
+		}
+	}
+}
+
+// Update replaces the registered entry (e.g. a new load or state) under the
+// same lease. The id cannot change.
+func (r *Registration) Update(ctx context.Context, w spacev1.Worker) error {
+	r.mu.Lock()
+	if w.ID != r.w.ID {
+		r.mu.Unlock()
+		return fmt.Errorf("store: update worker: %w: id cannot change", ErrInvalid)
+	}
+	if w.Since.IsZero() {
+		w.Since = r.w.Since
+	}
+	r.w = w
+	lease := r.lease
+	r.mu.Unlock()
+	if err := validateWorker(w); err != nil {
+		return fmt.Errorf("store: update worker: %w", err)
+	}
+	b, _ := json.Marshal(w)
+	if _, err := r.s.cli.Put(ctx, workerKey(w.ID), string(b), clientv3.WithLease(lease)); err != nil {
+		return wrapErr("update worker", err)
+	}
+	return nil
+}
+
+// Close stops the keep-alives and revokes the lease (bounded to 5 s), which
+// removes the worker entry.
+func (r *Registration) Close() error {
+	r.closeOnce.Do(func() {
+		r.cancel()
+		<-r.done
+		r.mu.Lock()
+		lease := r.lease
+		r.mu.Unlock()
+		r.closeErr = r.revoke(lease)
+	})
+	return r.closeErr
+}
+
+func (r *Registration) revoke(id clientv3.LeaseID) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := r.s.cli.Revoke(ctx, id); err != nil {
+		return wrapErr("revoke worker lease", err)
+	}
+	return nil
+}
+
+// abandon stops keep-alives without revoking (tests: simulate a dead worker).
+func (r *Registration) abandon() {
+	r.closeOnce.Do(func() {
+		r.cancel()
+		<-r.done
+	})
+}
+
+// ListWorkers returns the registered (live) workers sorted by id. Entries
+// that fail to decode are skipped and logged.
+func (s *Store) ListWorkers(ctx context.Context) ([]spacev1.Worker, error) {
+	resp, err := s.cli.Get(ctx, workersPrefix, clientv3.WithPrefix())
+	if err != nil {
+		return nil, wrapErr("list workers", err)
+	}
+	out := make([]spacev1.Worker, 0, len(resp.Kvs))
+	for _, kv := range resp.Kvs {
+		var w spacev1.Worker
+		if err := json.Unmarshal(kv.Value, &w); err != nil {
+			s.log.Warn("skipping undecodable worker entry", "key", string(kv.Key), "err", err)
+			continue
+		}
+		out = append(out, w)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out, nil
+}
+
+// GetWorker returns one registered worker or ErrNotFound.
+func (s *Store) GetWorker(ctx context.Context, id string) (spacev1.Worker, error) {
+	resp, err := s.cli.Get(ctx, workerKey(id))
+	if err != nil {
+		return spacev1.Worker{}, wrapErr("get worker", err)
+	}
+	if len(resp.Kvs) == 0 {
+		return spacev1.Worker{}, fmt.Errorf("store: worker %q: %w", id, ErrNotFound)
+	}
+	var w spacev1.Worker
+	if err := json.Unmarshal(resp.Kvs[0].Value, &w); err != nil {
+		return spacev1.Worker{}, fmt.Errorf("store: decode worker %q: %w", id, err)
+	}
+	return w, nil
+}
+
+// WatchWorkers calls fn with the full list of live workers now and after
+// every change, until ctx ends (it then returns ctx.Err()). fn runs on the
+// watching goroutine.
+func (s *Store) WatchWorkers(ctx context.Context, fn func([]spacev1.Worker)) error {
+	workers := map[string]spacev1.Worker{}
+	emit := func() {
+		out := make([]spacev1.Worker, 0, len(workers))
+		for _, w := range workers {
+			out = append(out, w)
+		}
+		sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+		fn(out)
+	}
+	return s.watchLoop(ctx, workersPrefix, true, func(resp *clientv3.GetResponse) {
+		clear(workers)
+		for _, kv := range resp.Kvs {
+			var w spacev1.Worker
+			if json.Unmarshal(kv.Value, &w) == nil {
+				workers[strings.TrimPrefix(string(kv.Key), workersPrefix)] = w
+			}
+		}
+		emit()
+	}, func(ev *clientv3.Event) {
+		id := strings.TrimPrefix(string(ev.Kv.Key), workersPrefix)
+		if ev.Type == clientv3.EventTypeDelete {
+			delete(workers, id)
+		} else {
+			var w spacev1.Worker
+			if json.Unmarshal(ev.Kv.Value, &w) != nil {
+				return
+			}
+			workers[id] = w
+		}
+		emit()
+	})
+}
