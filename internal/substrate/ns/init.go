@@ -250,7 +250,7 @@ func setupDev(r string) error {
 	for _, dir := range []struct {
 		name string
 		mode os.FileMode
-	}{{"pts", 0o755}, {"shm", 0o1777}, {"mqueue", 0o755}} {
+	}{{"pts", 0o755}, {"shm", os.ModeSticky | 0o777}, {"mqueue", 0o755}} {
 		if err := os.Mkdir(filepath.Join(d, dir.name), dir.mode); err != nil {
 			return err
 		}

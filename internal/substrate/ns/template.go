@@ -19,7 +19,7 @@ const TemplateBase = "base"
 
 // baseVersion is stamped into the template; a different stamp on disk makes
 // ensureTemplate rebuild it. Bump it whenever buildBase changes.
-const baseVersion = "base-v1"
+const baseVersion = "base-v2"
 
 // templateStamp is the stamp file inside a template (visible to sandboxes,
 // harmless).
@@ -122,9 +122,9 @@ func buildBase(root, usr string) error {
 		uid  int
 	}{
 		{"etc", 0o755, 0}, {"home", 0o755, 0}, {"home/user", 0o755, 1000},
-		{"root", 0o700, 0}, {"tmp", 0o1777, 0}, {"usr", 0o755, 0},
+		{"root", 0o700, 0}, {"tmp", os.ModeSticky | 0o777, 0}, {"usr", 0o755, 0},
 		{"proc", 0o555, 0}, {"dev", 0o755, 0}, {"sys", 0o555, 0},
-		{"run", 0o755, 0}, {"var", 0o755, 0}, {"var/tmp", 0o1777, 0},
+		{"run", 0o755, 0}, {"var", 0o755, 0}, {"var/tmp", os.ModeSticky | 0o777, 0},
 		{"var/log", 0o755, 0}, {"var/cache", 0o755, 0}, {"var/lib", 0o755, 0},
 		{"mnt", 0o755, 0}, {"opt", 0o755, 0}, {"srv", 0o755, 0},
 		{".space", 0o755, 0},

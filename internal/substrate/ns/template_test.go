@@ -1,0 +1,70 @@
+//go:build linux
+
+package ns
+
+import (
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+)
+
+func TestTemplateBase(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (chown)")
+	}
+	s := &Substrate{cfg: Config{StateDir: t.TempDir()}.withDefaults(), tmplReady: map[string]bool{}}
+	dir, err := s.ensureTemplate(TemplateBase)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, secret := range []string{"etc/shadow", "etc/gshadow", "etc/ssh", "etc/sudoers", "etc/sudoers.d", "etc/machine-id", "etc/ssl/private"} {
+		if _, err := os.Lstat(filepath.Join(dir, secret)); !os.IsNotExist(err) {
+			t.Errorf("template has %s", secret)
+		}
+	}
+	if b, _ := os.ReadFile(filepath.Join(dir, "etc/passwd")); string(b) != basePasswd {
+		t.Errorf("passwd %q", b)
+	}
+	for p, want := range map[string]os.FileMode{"root": 0o700 | os.ModeDir, "tmp": 0o777 | os.ModeDir | os.ModeSticky, "var/tmp": 0o777 | os.ModeDir | os.ModeSticky, "home/user": 0o755 | os.ModeDir} {
+		fi, err := os.Stat(filepath.Join(dir, p))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Mode()&(os.ModeDir|os.ModeSticky|os.ModePerm) != want&(os.ModeDir|os.ModeSticky|os.ModePerm) {
+			t.Errorf("%s mode %v, want %v", p, fi.Mode(), want)
+		}
+	}
+	if fi, _ := os.Stat(filepath.Join(dir, "home/user")); fi.Sys().(*syscall.Stat_t).Uid != 1000 {
+		t.Error("home/user not owned by 1000")
+	}
+	if l, _ := os.Readlink(filepath.Join(dir, "bin")); l != "usr/bin" {
+		t.Errorf("bin -> %q", l)
+	}
+	// Idempotent, and rebuilt when the stamp changes.
+	if _, err := s.ensureTemplate(TemplateBase); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, templateStamp), []byte("base-v0"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "stale"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	s2 := &Substrate{cfg: s.cfg, tmplReady: map[string]bool{}}
+	if _, err := s2.ensureTemplate(TemplateBase); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(dir, templateStamp)); string(b) != baseVersion {
+		t.Errorf("stamp %q after rebuild", b)
+	}
+	if _, err := os.Lstat(filepath.Join(dir, "stale")); !os.IsNotExist(err) {
+		t.Error("old template not replaced")
+	}
+	ents, _ := os.ReadDir(filepath.Dir(dir))
+	for _, e := range ents {
+		if e.Name() != TemplateBase && e.Name() != ".lock" {
+			t.Errorf("leftover %s in templates dir", e.Name())
+		}
+	}
+}
