@@ -227,8 +227,17 @@ func containsWord(s, w string) bool {
 	return false
 }
 
+// writeCgroupFile writes val to an existing control file (never creating
+// one: a missing file is reported as os.ErrNotExist).
 func writeCgroupFile(dir, file, val string) error {
-	if err := os.WriteFile(filepath.Join(dir, file), []byte(val), 0); err != nil {
+	f, err := os.OpenFile(filepath.Join(dir, file), os.O_WRONLY|os.O_TRUNC, 0)
+	if err == nil {
+		_, err = f.WriteString(val)
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+	}
+	if err != nil {
 		return fmt.Errorf("ns: cgroup %s/%s=%s: %w", dir, file, val, err)
 	}
 	return nil

@@ -617,3 +617,38 @@ func BenchmarkStart(b *testing.B) {
 	b.ReportMetric(float64(startTotal.Microseconds())/1000/float64(b.N), "start-ms/op")
 	b.ReportMetric(float64(stopTotal.Microseconds())/1000/float64(b.N), "stop-ms/op")
 }
+
+func TestConcurrentStarts(t *testing.T) {
+	needRoot(t)
+	const n = 4
+	var wg sync.WaitGroup
+	insts := make([]*instance, n)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s := testSub
+			spec := newSpec(t, substrate.Limits{})
+			in, err := s.Start(context.Background(), spec)
+			if err != nil {
+				t.Errorf("Start %d: %v", i, err)
+				return
+			}
+			insts[i] = in.(*instance)
+		}()
+	}
+	wg.Wait()
+	for _, in := range insts {
+		if in == nil {
+			continue
+		}
+		if out := mustOK(t, in, 0, "cat /proc/sys/kernel/hostname"); strings.TrimSpace(out) != in.Route().SandboxID {
+			t.Errorf("hostname %q for %s", out, in.Route().SandboxID)
+		}
+	}
+	for _, in := range insts {
+		if in != nil {
+			stopAndCheck(t, in)
+		}
+	}
+}
