@@ -10,7 +10,7 @@
 // "space-nsinit" in new mount, pid, network, IPC, UTS and cgroup
 // namespaces. There is NO user namespace: root inside a sandbox is root
 // on the host as far as the kernel's uid checks go (DESIGN.md section 10
-// asks for one; it is left for later, see the package report). That is
+// asks for one; it is left for later). That is
 // why the remaining layers matter:
 //
 //   - root filesystem: overlayfs with the template as the read-only lower
@@ -43,12 +43,33 @@
 //	guest.sock  the agent's listening socket (removed by Stop)
 //	agent.log   the agent's stdout/stderr, capped at 4 MiB (kept)
 //
+// A caller that no longer needs the writable layer removes Spec.Dir after
+// Stop.
+//
 // The agent (Spec.AgentPath) runs as pid 1 of the sandbox with fd 3 a
 // listening Unix socket bound at Spec.Dir/guest.sock, uid 0, a clean
 // environment (PATH, HOME=/root, LANG, TERM, HOSTNAME, SPACE_SANDBOX_ID,
 // SPACE_LISTEN_FD=3) plus Spec.AgentEnv. Being pid 1 it must reap orphans.
 //
-// Binaries that host the substrate must call MaybeInit first in main().
+// # Hosting binaries
+//
+// Every binary that hosts the substrate re-executes itself as the sandbox
+// init, so it must call MaybeInit as the first statement of main():
+//
+//	func main() {
+//		ns.MaybeInit() // returns unless this process is a sandbox init
+//		...
+//	}
+//
+// Sandboxes die with the hosting process (parent-death signal); they are
+// forked from one dedicated locked OS thread that lives until Close, so
+// Go retiring threads never kills them. Stop every instance before Close.
+//
+// # Known limits
+//
+// No user namespace (see above); no disk quota on Spec.Dir/upper; /sys is
+// absent; the sandbox's /proc/self/mountinfo shows the host paths of the
+// overlay layers.
 package ns
 
 import (
