@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -127,6 +128,11 @@ func (w *dirWatch) convert(ev fsnotify.Event) []*filesystempb.FilesystemEvent {
 		if st, err := os.Lstat(ev.Name); err == nil && st.IsDir() {
 			w.addTree(ev.Name)
 		}
+	}
+	if isUploadTemp(filepath.Base(ev.Name)) {
+		// Our own atomic-upload temp file: watchers see only the final
+		// rename into place (a create event for the target name).
+		return nil
 	}
 	name, err := filepath.Rel(w.root, ev.Name)
 	if err != nil {
@@ -320,4 +326,19 @@ func (f *filesystemService) RemoveWatcher(_ context.Context, req *connect.Reques
 	}
 	pw.stop()
 	return connect.NewResponse(&filesystempb.RemoveWatcherResponse{}), nil
+}
+
+// isUploadTemp reports whether base is a temp file name of writeFile
+// (".<name>.upload-<digits>").
+func isUploadTemp(base string) bool {
+	i := strings.LastIndex(base, ".upload-")
+	if !strings.HasPrefix(base, ".") || i <= 0 || i+len(".upload-") == len(base) {
+		return false
+	}
+	for _, c := range base[i+len(".upload-"):] {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return true
 }
