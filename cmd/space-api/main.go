@@ -1,0 +1,56 @@
+// Command space-api runs SPACE's control plane.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+
+	"github.com/spacesbx/space/internal/controlplane"
+	"github.com/spacesbx/space/internal/store"
+)
+
+func main() {
+	addr := flag.String("addr", controlplane.DefaultAddr, "listen address")
+	dataDir := flag.String("data-dir", "/var/lib/space/api", "signing key and embedded etcd data")
+	etcd := flag.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
+	apiKey := flag.String("api-key", os.Getenv("SPACE_API_KEY"), "bootstrap API key e2b_<40 hex> (env SPACE_API_KEY; generated if empty)")
+	edgeKey := flag.String("edge-key", os.Getenv("SPACE_EDGE_KEY"), "space-edge service key (env SPACE_EDGE_KEY)")
+	domain := flag.String("domain", controlplane.DefaultDomain, "domain reported to E2B clients")
+	flag.Parse()
+	if err := run(*addr, *dataDir, *etcd, *apiKey, *edgeKey, *domain); err != nil {
+		fmt.Fprintln(os.Stderr, "space-api:", err)
+		os.Exit(1)
+	}
+}
+
+func run(addr, dataDir, etcd, apiKey, edgeKey, domain string) error {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	scfg := store.Config{DataDir: filepath.Join(dataDir, "store"), Logger: log}
+	if etcd != "" {
+		scfg.Endpoints = strings.Split(etcd, ",")
+	}
+	st, err := store.Open(ctx, scfg)
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	srv, err := controlplane.New(controlplane.Config{Addr: addr, DataDir: dataDir, BootstrapAPIKey: apiKey,
+		EdgeKey: edgeKey, Domain: domain}, controlplane.Deps{Store: st, Logger: log})
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+	if key, generated := srv.BootstrapAPIKey(); generated {
+		fmt.Printf("SPACE_API_KEY=%s\n", key)
+	}
+	return srv.Run(ctx)
+}

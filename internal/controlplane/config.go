@@ -1,0 +1,167 @@
+// Package controlplane is space-api: the E2B-compatible REST API, SPACE's
+// /space/v1 extensions, the capability signer, placement and the sandbox
+// lifecycle. State lives in etcd through package store.
+package controlplane
+
+import (
+	"fmt"
+	"log/slog"
+	"net/http"
+	"regexp"
+	"time"
+
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/store"
+)
+
+// Defaults.
+const (
+	DefaultAddr           = "127.0.0.1:3000"
+	DefaultDomain         = "localhost"
+	DefaultTimeout        = 300 * time.Second
+	DefaultMaxTimeout     = 24 * time.Hour
+	DefaultEnvdVersion    = "0.2.0"
+	DefaultTeamID         = "default"
+	DefaultInstallTimeout = 60 * time.Second
+	DefaultNodeTimeout    = 30 * time.Second
+	DefaultReapInterval   = time.Second
+	DefaultTombstoneTTL   = time.Hour
+	// MaxAuthorization bounds AuthorizedUntil of a capability response.
+	MaxAuthorization = 10 * time.Minute
+	// MaxBodyBytes bounds every request body.
+	MaxBodyBytes = 1 << 20
+)
+
+// apiKeyRE is the form of E2B API keys: "e2b_" and 40 hex digits.
+var apiKeyRE = regexp.MustCompile(`^e2b_[0-9a-f]{40}$`)
+
+// Template describes what a template gives a sandbox (reported to E2B
+// clients; CPU and memory are passed to the worker as limits).
+type Template struct {
+	CPUCount   int
+	MemoryMB   int
+	DiskSizeMB int
+}
+
+// DefaultTemplate is the "base" template's size.
+var DefaultTemplate = Template{CPUCount: 2, MemoryMB: 512, DiskSizeMB: 1024}
+
+// Config holds the control plane's settings.
+type Config struct {
+	// Addr is the listen address of Run (default 127.0.0.1:3000).
+	Addr string
+	// DataDir holds signing.key (mode 0600, created if missing). Required.
+	DataDir string
+	// BootstrapAPIKey is an admin key of team BootstrapTeamID, stored (by
+	// hash) at start. Form "e2b_" + 40 hex. Generated when empty: read it
+	// back with Server.BootstrapAPIKey.
+	BootstrapAPIKey string
+	// BootstrapTeamID is the team of the bootstrap key (default "default").
+	BootstrapTeamID string
+	// EdgeKey is space-edge's service key (any string of 16..256 bytes),
+	// or empty to disable the edge role.
+	EdgeKey string
+	// Domain is reported in E2B "domain" fields (default "localhost").
+	Domain string
+	// DefaultTimeout is a sandbox's time to live when the create request
+	// names none (default 300 s); MaxTimeout bounds any requested timeout
+	// (default 24 h).
+	DefaultTimeout time.Duration
+	MaxTimeout     time.Duration
+	// Templates that may be created, by template id (default: "base" with
+	// DefaultTemplate's resources).
+	Templates map[string]Template
+	// Substrate of new executions (default "ns").
+	Substrate string
+	// DefaultEnvdVersion is reported when a worker's install response
+	// names no envd version (default "0.2.0").
+	DefaultEnvdVersion string
+	// InstallTimeout bounds one install call to a worker (default 60 s);
+	// NodeTimeout bounds other node calls (default 30 s).
+	InstallTimeout time.Duration
+	NodeTimeout    time.Duration
+	// ReapInterval is how often expired sandboxes are looked for
+	// (default 1 s); TombstoneTTL is how long killed or failed records
+	// stay readable (executions history) before they are purged (1 h).
+	ReapInterval time.Duration
+	TombstoneTTL time.Duration
+}
+
+// Deps are the objects the control plane uses.
+type Deps struct {
+	// Store is required; the caller opens and closes it.
+	Store *store.Store
+	// HTTPClient calls node-api (default: a client without overall timeout;
+	// each call has its own deadline).
+	HTTPClient *http.Client
+	// Logger (default slog.Default()).
+	Logger *slog.Logger
+	// Clock (default time.Now).
+	Clock func() time.Time
+}
+
+func (c *Config) setDefaults() {
+	if c.Addr == "" {
+		c.Addr = DefaultAddr
+	}
+	if c.BootstrapTeamID == "" {
+		c.BootstrapTeamID = DefaultTeamID
+	}
+	if c.Domain == "" {
+		c.Domain = DefaultDomain
+	}
+	if c.DefaultTimeout == 0 {
+		c.DefaultTimeout = DefaultTimeout
+	}
+	if c.MaxTimeout == 0 {
+		c.MaxTimeout = DefaultMaxTimeout
+	}
+	if len(c.Templates) == 0 {
+		c.Templates = map[string]Template{"base": DefaultTemplate}
+	}
+	if c.Substrate == "" {
+		c.Substrate = identity.SubstrateNS
+	}
+	if c.DefaultEnvdVersion == "" {
+		c.DefaultEnvdVersion = DefaultEnvdVersion
+	}
+	if c.InstallTimeout == 0 {
+		c.InstallTimeout = DefaultInstallTimeout
+	}
+	if c.NodeTimeout == 0 {
+		c.NodeTimeout = DefaultNodeTimeout
+	}
+	if c.ReapInterval == 0 {
+		c.ReapInterval = DefaultReapInterval
+	}
+	if c.TombstoneTTL == 0 {
+		c.TombstoneTTL = DefaultTombstoneTTL
+	}
+}
+
+// Validate checks c after defaults are applied (New applies them).
+func (c Config) Validate() error {
+	c.setDefaults()
+	switch {
+	case c.DataDir == "":
+		return fmt.Errorf("controlplane config: data dir required")
+	case c.BootstrapAPIKey != "" && !apiKeyRE.MatchString(c.BootstrapAPIKey):
+		return fmt.Errorf("controlplane config: bootstrap api key must be e2b_ followed by 40 lowercase hex digits")
+	case c.EdgeKey != "" && (len(c.EdgeKey) < 16 || len(c.EdgeKey) > 256):
+		return fmt.Errorf("controlplane config: edge key must be 16..256 bytes")
+	case c.EdgeKey != "" && c.EdgeKey == c.BootstrapAPIKey:
+		return fmt.Errorf("controlplane config: edge key must differ from the bootstrap api key")
+	case c.DefaultTimeout < time.Second || c.MaxTimeout < time.Second:
+		return fmt.Errorf("controlplane config: timeouts must be at least 1 s")
+	case c.DefaultTimeout > c.MaxTimeout:
+		return fmt.Errorf("controlplane config: default timeout %s above max %s", c.DefaultTimeout, c.MaxTimeout)
+	case c.InstallTimeout < 0 || c.NodeTimeout < 0 || c.ReapInterval < 0 || c.TombstoneTTL < 0:
+		return fmt.Errorf("controlplane config: negative duration")
+	}
+	for name, t := range c.Templates {
+		if name == "" || t.CPUCount < 0 || t.MemoryMB < 0 || t.DiskSizeMB < 0 {
+			return fmt.Errorf("controlplane config: bad template %q", name)
+		}
+	}
+	return nil
+}

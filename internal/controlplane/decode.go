@@ -1,0 +1,91 @@
+package controlplane
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+
+	"github.com/spacesbx/space/internal/identity"
+)
+
+// decodeJSON reads one JSON value of at most MaxBodyBytes from r's body into
+// v. strict rejects unknown fields. Every failure is ErrInvalid (or
+// ErrTooLarge) with a message naming the problem.
+func decodeJSON(w http.ResponseWriter, r *http.Request, v any, strict bool) error {
+	body := http.MaxBytesReader(w, r.Body, MaxBodyBytes)
+	defer body.Close()
+	return decodeReader(body, v, strict)
+}
+
+func decodeReader(rd io.Reader, v any, strict bool) error {
+	dec := json.NewDecoder(rd)
+	if strict {
+		dec.DisallowUnknownFields()
+	}
+	if err := dec.Decode(v); err != nil {
+		return classifyDecodeError(err)
+	}
+	// Only whitespace may follow.
+	var extra json.RawMessage
+	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return fmt.Errorf("%w: body exceeds %d bytes", ErrTooLarge, mbe.Limit)
+		}
+		return fmt.Errorf("%w: unexpected data after the JSON body", ErrInvalid)
+	}
+	return nil
+}
+
+func classifyDecodeError(err error) error {
+	var (
+		mbe *http.MaxBytesError
+		se  *json.SyntaxError
+		te  *json.UnmarshalTypeError
+	)
+	switch {
+	case errors.As(err, &mbe):
+		return fmt.Errorf("%w: body exceeds %d bytes", ErrTooLarge, mbe.Limit)
+	case errors.Is(err, io.EOF):
+		return fmt.Errorf("%w: empty body, expected a JSON object", ErrInvalid)
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return fmt.Errorf("%w: truncated JSON body", ErrInvalid)
+	case errors.As(err, &se):
+		return fmt.Errorf("%w: malformed JSON at byte %d", ErrInvalid, se.Offset)
+	case errors.As(err, &te):
+		if te.Field != "" {
+			return fmt.Errorf("%w: field %q must be %s", ErrInvalid, te.Field, jsonKind(te.Type.String()))
+		}
+		return fmt.Errorf("%w: body must be a JSON object", ErrInvalid)
+	case strings.HasPrefix(err.Error(), "json: unknown field "):
+		return fmt.Errorf("%w: %s", ErrInvalid, strings.TrimPrefix(err.Error(), "json: "))
+	}
+	return fmt.Errorf("%w: undecodable JSON body", ErrInvalid)
+}
+
+func jsonKind(goType string) string {
+	switch {
+	case strings.Contains(goType, "int"):
+		return "an integer in range"
+	case strings.Contains(goType, "bool"):
+		return "a boolean"
+	case strings.Contains(goType, "string") && strings.HasPrefix(goType, "map"):
+		return "an object of strings"
+	case goType == "string":
+		return "a string"
+	case strings.HasPrefix(goType, "[]"):
+		return "an array"
+	}
+	return "of type " + goType
+}
+
+// parseSandboxID validates a sandbox id from a path.
+func parseSandboxID(raw string) (string, error) {
+	if err := identity.ValidateSandboxID(raw); err != nil {
+		return "", fmt.Errorf("%w: sandbox id must be 1..63 lowercase letters, digits or inner hyphens", ErrInvalid)
+	}
+	return raw, nil
+}

@@ -1,0 +1,224 @@
+package controlplane
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+
+	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/store"
+)
+
+func (s *Server) domain() *string { d := s.cfg.Domain; return &d }
+
+func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request, c caller, v2 bool) {
+	var req e2bapi.NewSandbox
+	// Unknown fields are ignored, as E2B does: newer SDKs add fields, and
+	// every field we do not implement only asks for more than we give.
+	if err := decodeJSON(w, r, &req, false); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	p, err := s.validateCreate(req, v2)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	rec, err := s.createSandbox(r.Context(), c, p)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, e2bapi.Sandbox{
+		SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
+		EnvdVersion: rec.EnvdVersion, EnvdAccessToken: rec.AccessToken, Domain: s.domain(),
+	})
+}
+
+// clientID fills E2B's deprecated clientID field.
+const clientID = "space"
+
+func (s *Server) detail(rec store.SandboxRecord) e2bapi.SandboxDetail {
+	onTimeout := "kill"
+	if rec.AutoPause {
+		onTimeout = "pause"
+	}
+	return e2bapi.SandboxDetail{
+		SandboxID: rec.ID, TemplateID: rec.TemplateID, Alias: rec.Alias, ClientID: clientID,
+		CPUCount: rec.CPUCount, MemoryMB: rec.MemoryMB, DiskSizeMB: rec.DiskSizeMB, Domain: s.domain(),
+		StartedAt: rec.StartedAt, EndAt: rec.EndAt, EnvdVersion: rec.EnvdVersion,
+		EnvdAccessToken: rec.AccessToken, Metadata: rec.Metadata, State: string(rec.State),
+		Lifecycle:    &e2bapi.SandboxLifecycle{OnTimeout: onTimeout},
+		VolumeMounts: []e2bapi.SandboxVolumeMount{},
+	}
+}
+
+func listed(rec store.SandboxRecord) e2bapi.ListedSandbox {
+	return e2bapi.ListedSandbox{
+		SandboxID: rec.ID, TemplateID: rec.TemplateID, Alias: rec.Alias, ClientID: clientID,
+		CPUCount: rec.CPUCount, MemoryMB: rec.MemoryMB, DiskSizeMB: rec.DiskSizeMB,
+		StartedAt: rec.StartedAt, EndAt: rec.EndAt, EnvdVersion: rec.EnvdVersion,
+		Metadata: rec.Metadata, State: string(rec.State), VolumeMounts: []e2bapi.SandboxVolumeMount{},
+	}
+}
+
+func (s *Server) handleGet(w http.ResponseWriter, r *http.Request, c caller) {
+	id, err := parseSandboxID(r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	rec, err := s.getSandbox(r.Context(), c, id)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, s.detail(rec))
+}
+
+func (s *Server) handleList(w http.ResponseWriter, r *http.Request, c caller, v2 bool) {
+	lq, err := parseListQuery(r.URL.Query(), v2)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	entries, err := s.st.ListSandboxes(r.Context())
+	if err != nil {
+		s.writeError(w, r, fmt.Errorf("%w: %v", ErrUnavailable, err))
+		return
+	}
+	page, next, running := filterSandboxes(entries, c.TeamID, lq)
+	out := make([]e2bapi.ListedSandbox, 0, len(page))
+	for _, rec := range page {
+		out = append(out, listed(rec))
+	}
+	if next != "" {
+		w.Header().Set(e2bapi.HeaderNextToken, next)
+	}
+	if v2 && lq.States[e2bapi.StateRunning] {
+		w.Header().Set(e2bapi.HeaderTotalRunning, strconv.Itoa(running))
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (s *Server) handleListV1(w http.ResponseWriter, r *http.Request, c caller) {
+	s.handleList(w, r, c, false)
+}
+func (s *Server) handleListV2(w http.ResponseWriter, r *http.Request, c caller) {
+	s.handleList(w, r, c, true)
+}
+
+func (s *Server) handleKill(w http.ResponseWriter, r *http.Request, c caller) {
+	id, err := parseSandboxID(r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	// A kill runs to completion even if the client goes away.
+	if err := s.killSandbox(context.WithoutCancel(r.Context()), id, c.TeamID, "killed by "+c.KeyID, func(rec store.SandboxRecord) error {
+		if !visible(rec, c.TeamID) {
+			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+		}
+		return nil
+	}); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *Server) handleTimeout(w http.ResponseWriter, r *http.Request, c caller) {
+	id, err := parseSandboxID(r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	var req struct {
+		Timeout *int32 `json:"timeout"`
+	}
+	if err := decodeJSON(w, r, &req, false); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if req.Timeout == nil {
+		s.writeError(w, r, fmt.Errorf("%w: timeout is required", ErrInvalid))
+		return
+	}
+	if err := s.setTimeout(r.Context(), c, id, *req.Timeout); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// handleWorkers lists the worker registry (admin keys and the edge).
+func (s *Server) handleWorkers(w http.ResponseWriter, r *http.Request) {
+	c, err := s.authenticate(r.Context(), r.Header.Get(spacev1.HeaderAPIKey))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if c.Role != store.RoleAdmin && !c.edge() {
+		s.writeError(w, r, fmt.Errorf("%w: listing workers needs an admin key", ErrDenied))
+		return
+	}
+	ws, err := s.workersWithLoad(r.Context())
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, ws)
+}
+
+// handleExecutions lists a sandbox's executions (owner's key or the edge),
+// tombstoned sandboxes included until they are purged.
+func (s *Server) handleExecutions(w http.ResponseWriter, r *http.Request) {
+	c, err := s.authenticate(r.Context(), r.Header.Get(spacev1.HeaderAPIKey))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	id, err := parseSandboxID(r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	rec, _, err := s.st.GetSandbox(r.Context(), id)
+	if errors.Is(err, store.ErrNotFound) || (err == nil && !c.edge() && rec.TeamID != c.TeamID) {
+		s.writeError(w, r, fmt.Errorf("%w: sandbox %s", ErrNotFound, id))
+		return
+	}
+	if err != nil {
+		s.writeError(w, r, fmt.Errorf("%w: %v", ErrUnavailable, err))
+		return
+	}
+	out := rec.Executions
+	if out == nil {
+		out = []spacev1.Execution{}
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (s *Server) handleCapability(w http.ResponseWriter, r *http.Request) {
+	id, err := parseSandboxID(r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	var req spacev1.CapabilityRequest
+	if err := decodeJSON(w, r, &req, true); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	resp, err := s.issueCapability(r.Context(), credentials{
+		APIKey: r.Header.Get(spacev1.HeaderAPIKey), AccessToken: r.Header.Get(spacev1.HeaderAccessToken),
+	}, id, req)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, resp)
+}

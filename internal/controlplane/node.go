@@ -1,0 +1,134 @@
+package controlplane
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strings"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/identity"
+)
+
+// maxNodeResponse bounds what is read from a node-api answer.
+const maxNodeResponse = 1 << 20
+
+// controlToken issues a control capability for route (so its worker claim
+// names the target worker).
+func (s *Server) controlToken(route identity.Route) (string, error) {
+	tok, _, err := s.signer.Issue(capability.Claims{
+		Route: route, Purpose: capability.PurposeControl, Caller: "space-api", IssuedAt: s.now(),
+	})
+	if err != nil {
+		return "", fmt.Errorf("issue control capability: %w", err)
+	}
+	return tok, nil
+}
+
+// nodeCall POSTs body to nodeURL+path with a control capability for route
+// and decodes a 2xx answer into out (if non-nil).
+func (s *Server) nodeCall(ctx context.Context, nodeURL, path string, route identity.Route, body, out any) error {
+	u, err := url.Parse(nodeURL)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return fmt.Errorf("%w: worker %s has a bad node url", ErrUnavailable, route.WorkerID)
+	}
+	tok, err := s.controlToken(route)
+	if err != nil {
+		return err
+	}
+	data, err := json.Marshal(body)
+	if err != nil {
+		return err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(nodeURL, "/")+path, bytes.NewReader(data))
+	if err != nil {
+		return fmt.Errorf("%w: worker %s: %v", ErrUnavailable, route.WorkerID, err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set(spacev1.HeaderCapability, tok)
+	resp, err := s.http.Do(req)
+	if err != nil {
+		if errors.Is(err, context.DeadlineExceeded) {
+			return fmt.Errorf("%w: worker %s did not answer in time", ErrUnavailable, route.WorkerID)
+		}
+		return fmt.Errorf("%w: worker %s unreachable", ErrUnavailable, route.WorkerID)
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxNodeResponse))
+	if err != nil {
+		return fmt.Errorf("%w: worker %s: reading answer: %v", ErrUpstream, route.WorkerID, err)
+	}
+	if resp.StatusCode/100 != 2 {
+		var e spacev1.Error
+		msg := http.StatusText(resp.StatusCode)
+		if json.Unmarshal(raw, &e) == nil && e.Message != "" {
+			msg = e.Message
+		}
+		return &nodeError{Status: resp.StatusCode, Worker: route.WorkerID, Message: truncate(msg, 300)}
+	}
+	if out != nil {
+		if err := json.Unmarshal(raw, out); err != nil {
+			return fmt.Errorf("%w: worker %s: undecodable answer: %v", ErrUpstream, route.WorkerID, err)
+		}
+	}
+	return nil
+}
+
+// nodeError is a non-2xx answer from node-api.
+type nodeError struct {
+	Status  int
+	Worker  string
+	Message string
+}
+
+func (e *nodeError) Error() string {
+	return fmt.Sprintf("worker %s answered %d: %s", e.Worker, e.Status, e.Message)
+}
+
+func (e *nodeError) Unwrap() error {
+	if e.Status == http.StatusServiceUnavailable || e.Status == http.StatusTooManyRequests {
+		return ErrUnavailable
+	}
+	return ErrUpstream
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}
+
+// install asks the worker to persist and activate the execution.
+func (s *Server) install(ctx context.Context, nodeURL string, req spacev1.InstallRequest) (spacev1.InstallResponse, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.InstallTimeout)
+	defer cancel()
+	var resp spacev1.InstallResponse
+	if err := s.nodeCall(ctx, nodeURL, spacev1.NodePathInstall, req.Route, req, &resp); err != nil {
+		return resp, err
+	}
+	if resp.Route != (identity.Route{}) && resp.Route != req.Route {
+		return resp, fmt.Errorf("%w: worker %s installed another identity (%s)", ErrUpstream, req.Route.WorkerID,
+			strings.Join(identity.Diff(req.Route, resp.Route), ","))
+	}
+	return resp, nil
+}
+
+// teardown asks the worker to stop the execution and delete its record. A
+// 404 (nothing installed) counts as done.
+func (s *Server) teardown(ctx context.Context, nodeURL string, route identity.Route) error {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.NodeTimeout)
+	defer cancel()
+	err := s.nodeCall(ctx, nodeURL, spacev1.NodePathTeardown, route, spacev1.TeardownRequest{Route: route}, nil)
+	var ne *nodeError
+	if errors.As(err, &ne) && ne.Status == http.StatusNotFound {
+		return nil
+	}
+	return err
+}

@@ -1,0 +1,325 @@
+package controlplane
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"time"
+	"unicode/utf8"
+
+	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/store"
+)
+
+// Input limits.
+const (
+	maxMetadataEntries = 64
+	maxMetadataKey     = 256
+	maxMetadataValue   = 4096
+	maxEnvVars         = 256
+	maxEnvValue        = 64 << 10
+	// installAttempts: a failed install is retried once on another worker
+	// under a new generation.
+	installAttempts = 2
+)
+
+var envNameRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+
+// createParams is a validated create request.
+type createParams struct {
+	Template  string
+	Spec      Template
+	Timeout   time.Duration
+	Metadata  map[string]string
+	EnvVars   map[string]string
+	Secure    bool
+	AutoPause bool
+}
+
+func (s *Server) validateCreate(req e2bapi.NewSandbox, v2 bool) (createParams, error) {
+	p := createParams{Template: req.TemplateID, Metadata: req.Metadata, EnvVars: req.EnvVars}
+	if req.TemplateID == "" {
+		return p, fmt.Errorf("%w: templateID is required", ErrInvalid)
+	}
+	spec, ok := s.cfg.Templates[req.TemplateID]
+	if !ok {
+		return p, fmt.Errorf("%w: template %q", ErrNotFound, truncate(req.TemplateID, 64))
+	}
+	p.Spec = spec
+	p.Timeout = s.cfg.DefaultTimeout
+	if req.Timeout != nil {
+		if *req.Timeout <= 0 {
+			return p, fmt.Errorf("%w: timeout must be a positive number of seconds", ErrInvalid)
+		}
+		p.Timeout = time.Duration(*req.Timeout) * time.Second
+		if p.Timeout > s.cfg.MaxTimeout {
+			return p, fmt.Errorf("%w: timeout exceeds the maximum of %d seconds", ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
+		}
+	}
+	if err := validateMetadata(req.Metadata); err != nil {
+		return p, err
+	}
+	if len(req.EnvVars) > maxEnvVars {
+		return p, fmt.Errorf("%w: at most %d envVars", ErrInvalid, maxEnvVars)
+	}
+	for k, v := range req.EnvVars {
+		if !envNameRE.MatchString(k) || len(k) > 256 {
+			return p, fmt.Errorf("%w: envVars name %q is not a valid variable name", ErrInvalid, truncate(k, 64))
+		}
+		if len(v) > maxEnvValue || !utf8.ValidString(v) || containsNUL(v) {
+			return p, fmt.Errorf("%w: envVars %s: value must be UTF-8 without NUL, at most %d bytes", ErrInvalid, k, maxEnvValue)
+		}
+	}
+	if len(req.VolumeMounts) > 0 {
+		return p, fmt.Errorf("%w: volumeMounts are not supported", ErrInvalid)
+	}
+	if req.AutoResume != nil && req.AutoResume.Enabled {
+		return p, fmt.Errorf("%w: autoResume is not supported", ErrInvalid)
+	}
+	p.Secure = v2 || (req.Secure != nil && *req.Secure)
+	p.AutoPause = req.AutoPause != nil && *req.AutoPause
+	return p, nil
+}
+
+func validateMetadata(m map[string]string) error {
+	if len(m) > maxMetadataEntries {
+		return fmt.Errorf("%w: at most %d metadata entries", ErrInvalid, maxMetadataEntries)
+	}
+	for k, v := range m {
+		if k == "" || len(k) > maxMetadataKey || len(v) > maxMetadataValue {
+			return fmt.Errorf("%w: metadata keys must be 1..%d bytes and values at most %d", ErrInvalid, maxMetadataKey, maxMetadataValue)
+		}
+		if !utf8.ValidString(k) || !utf8.ValidString(v) || containsNUL(k) || containsNUL(v) {
+			return fmt.Errorf("%w: metadata must be UTF-8 without NUL", ErrInvalid)
+		}
+	}
+	return nil
+}
+
+func containsNUL(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] == 0 {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *Server) newRoute(id string, gen uint64, workerID string) identity.Route {
+	return identity.Route{
+		SandboxID: id, Generation: gen, ExecutionID: randHex(16), WorkerID: workerID,
+		Substrate: s.cfg.Substrate, ActivationID: randHex(16),
+	}
+}
+
+// loads returns each worker's placements as the store sees them (creating
+// and running sandboxes), which may be ahead of the worker's own report.
+func (s *Server) workersWithLoad(ctx context.Context) ([]spacev1.Worker, error) {
+	ws, err := s.st.ListWorkers(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("%w: worker registry: %v", ErrUnavailable, err)
+	}
+	entries, err := s.st.ListSandboxes(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("%w: sandbox records: %v", ErrUnavailable, err)
+	}
+	placed := map[string]int{}
+	for _, e := range entries {
+		if e.Record.State == store.StateCreating || e.Record.State == store.StateRunning {
+			placed[e.Record.Route.WorkerID]++
+		}
+	}
+	for i := range ws {
+		ws[i].Load = max(ws[i].Load, placed[ws[i].ID])
+	}
+	return ws, nil
+}
+
+// createSandbox places, records and installs a new sandbox. It runs to
+// completion even if ctx is cancelled (the client went away), so the
+// record never stays half-made.
+func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (store.SandboxRecord, error) {
+	ctx = context.WithoutCancel(ctx)
+	now := s.now().UTC()
+	rec := store.SandboxRecord{
+		ID: newSandboxID(), TeamID: c.TeamID, KeyID: c.KeyID, TemplateID: p.Template,
+		Metadata: p.Metadata, EnvVars: p.EnvVars, State: store.StateCreating,
+		CPUCount: p.Spec.CPUCount, MemoryMB: p.Spec.MemoryMB, DiskSizeMB: p.Spec.DiskSizeMB,
+		AutoPause: p.AutoPause, CreatedAt: now, EndAt: now.Add(p.Timeout),
+	}
+	if p.Secure {
+		rec.AccessToken = randHex(32)
+	}
+	var (
+		rev     int64
+		tried   []string
+		lastErr error
+	)
+	for attempt := 0; attempt < installAttempts; attempt++ {
+		ws, err := s.workersWithLoad(ctx)
+		if err != nil {
+			lastErr = err
+			break
+		}
+		w, err := s.sched.Pick(ws, tried...)
+		if err != nil {
+			if lastErr == nil {
+				lastErr = err
+			}
+			break
+		}
+		tried = append(tried, w.ID)
+		rec.Generation++
+		rec.Route = s.newRoute(rec.ID, rec.Generation, w.ID)
+		rec.NodeURL = w.NodeURL
+		if attempt == 0 {
+			rev, err = s.st.CreateSandbox(ctx, rec)
+		} else {
+			rev, err = s.st.UpdateSandbox(ctx, rec.ID, rev, rec)
+		}
+		if err != nil {
+			lastErr = err
+			break
+		}
+		log := s.log.With("sandbox", rec.ID, "generation", rec.Route.Generation, "worker", w.ID)
+		resp, err := s.install(ctx, w.NodeURL, spacev1.InstallRequest{
+			Route: rec.Route, Template: rec.TemplateID, EnvVars: rec.EnvVars,
+			Limits: spacev1.Limits{MemoryBytes: int64(rec.MemoryMB) << 20, CPUMillis: int64(rec.CPUCount) * 1000},
+		})
+		if err != nil {
+			log.Warn("install failed", "err", err)
+			lastErr = err
+			if terr := s.teardown(ctx, w.NodeURL, rec.Route); terr != nil {
+				log.Warn("teardown after failed install failed", "err", terr)
+			}
+			continue
+		}
+		started := s.now().UTC()
+		rec.State = store.StateRunning
+		rec.StartedAt = started
+		rec.EndAt = started.Add(p.Timeout)
+		rec.EnvdVersion = resp.EnvdVersion
+		if rec.EnvdVersion == "" {
+			rec.EnvdVersion = s.cfg.DefaultEnvdVersion
+		}
+		rec.Executions = append(rec.Executions, spacev1.Execution{Route: rec.Route, State: "running", StartedAt: started})
+		if _, err := s.st.UpdateSandbox(ctx, rec.ID, rev, rec); err != nil {
+			// Killed while installing: undo the install.
+			log.Warn("sandbox changed during install; tearing down", "err", err)
+			if terr := s.teardown(ctx, w.NodeURL, rec.Route); terr != nil {
+				log.Warn("teardown failed", "err", terr)
+			}
+			return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s was removed while starting", ErrConflict, rec.ID)
+		}
+		log.Info("sandbox created", "template", rec.TemplateID, "end_at", rec.EndAt)
+		return rec, nil
+	}
+	if rev != 0 {
+		rec.State = store.StateFailed
+		rec.EndedAt = s.now().UTC()
+		rec.Reason = "install failed: " + truncate(errString(lastErr), 200)
+		if _, err := s.st.UpdateSandbox(ctx, rec.ID, rev, rec); err != nil {
+			s.log.Warn("marking sandbox failed", "sandbox", rec.ID, "err", err)
+		}
+	}
+	if lastErr == nil {
+		lastErr = fmt.Errorf("%w: sandbox could not be placed", ErrUnavailable)
+	}
+	return store.SandboxRecord{}, fmt.Errorf("create sandbox: %w", lastErr)
+}
+
+func errString(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
+}
+
+// visible reports whether an E2B route shows the record: an owner's,
+// started and not a tombstone.
+func visible(rec store.SandboxRecord, team string) bool {
+	return rec.TeamID == team && (rec.State == store.StateRunning || rec.State == store.StatePaused)
+}
+
+func (s *Server) getSandbox(ctx context.Context, c caller, id string) (store.SandboxRecord, error) {
+	rec, _, err := s.st.GetSandbox(ctx, id)
+	if errors.Is(err, store.ErrNotFound) || (err == nil && !visible(rec, c.TeamID)) {
+		return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+	}
+	if err != nil {
+		return store.SandboxRecord{}, fmt.Errorf("%w: %v", ErrUnavailable, err)
+	}
+	return rec, nil
+}
+
+// killSandbox marks the sandbox killed (so no capability is issued for it
+// from now on), then tears its execution down on the worker. check, when
+// non-nil, must accept the current record (the reaper re-checks expiry).
+// team "" skips the ownership check.
+func (s *Server) killSandbox(ctx context.Context, id, team, reason string, check func(store.SandboxRecord) error) error {
+	now := s.now().UTC()
+	rec, _, err := s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
+		if (team != "" && r.TeamID != team) || r.State.Terminal() {
+			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+		}
+		if check != nil {
+			if err := check(*r); err != nil {
+				return err
+			}
+		}
+		r.State = store.StateKilled
+		r.EndedAt = now
+		r.Reason = reason
+		if n := len(r.Executions); n > 0 && r.Executions[n-1].EndedAt == nil {
+			r.Executions[n-1].State = "killed"
+			r.Executions[n-1].EndedAt = &now
+		}
+		return nil
+	})
+	if err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+		}
+		return err
+	}
+	log := s.log.With("sandbox", id, "generation", rec.Route.Generation, "worker", rec.Route.WorkerID)
+	log.Info("sandbox killed", "reason", reason)
+	if rec.Route.WorkerID != "" {
+		if err := s.teardown(ctx, s.nodeURL(ctx, rec), rec.Route); err != nil {
+			// The record is killed: no new capability names this
+			// execution, and workers learn of it through the record watch.
+			log.Warn("teardown failed; execution left to worker reconciliation", "err", err)
+		}
+	}
+	return nil
+}
+
+// nodeURL is the worker's registered node-api URL, or the one recorded at
+// install when the worker is not registered now.
+func (s *Server) nodeURL(ctx context.Context, rec store.SandboxRecord) string {
+	if w, err := s.st.GetWorker(ctx, rec.Route.WorkerID); err == nil && w.NodeURL != "" {
+		return w.NodeURL
+	}
+	return rec.NodeURL
+}
+
+func (s *Server) setTimeout(ctx context.Context, c caller, id string, secs int32) error {
+	if secs < 0 || time.Duration(secs)*time.Second > s.cfg.MaxTimeout {
+		return fmt.Errorf("%w: timeout must be 0..%d seconds", ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
+	}
+	end := s.now().UTC().Add(time.Duration(secs) * time.Second)
+	_, _, err := s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
+		if !visible(*r, c.TeamID) {
+			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+		}
+		r.EndAt = end
+		return nil
+	})
+	if errors.Is(err, store.ErrNotFound) {
+		return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+	}
+	return err
+}
