@@ -103,16 +103,50 @@ func (e *Edge) sweepLocked() {
 	}
 }
 
+// flight is one in-progress control-plane resolution for a cache key;
+// concurrent misses for the same key (same caller token) wait for it.
+type flight struct {
+	done chan struct{}
+	ent  *entry
+	err  error
+}
+
 // resolve returns a usable route for the request: the cached one, a renewed
 // one (edge key, same authorization bound) or a freshly authorized one
-// (caller's token).
+// (caller's token). Concurrent resolutions of one key are coalesced.
 func (e *Edge) resolve(ctx context.Context, k cacheKey, t target, callerToken string) (*entry, error) {
 	now := e.cfg.Clock()
-	ent := e.load(k)
-	if ent != nil && now.Before(ent.authorizedUntil) {
-		if now.Before(ent.expires.Add(-e.cfg.RenewBefore)) {
-			return ent, nil
+	e.mu.Lock()
+	ent := e.cache[k]
+	if ent != nil && now.Before(ent.authorizedUntil) && now.Before(ent.expires.Add(-e.cfg.RenewBefore)) {
+		e.mu.Unlock()
+		return ent, nil
+	}
+	if f, ok := e.inflight[k]; ok {
+		e.mu.Unlock()
+		select {
+		case <-f.done:
+			return f.ent, f.err
+		case <-ctx.Done():
+			return nil, ctx.Err()
 		}
+	}
+	f := &flight{done: make(chan struct{})}
+	e.inflight[k] = f
+	e.mu.Unlock()
+	// The leader's cancellation must not fail the requests waiting on it.
+	lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), DefaultControlPlaneTimeout)
+	f.ent, f.err = e.resolveSlow(lctx, k, t, callerToken, ent, now)
+	cancel()
+	e.mu.Lock()
+	delete(e.inflight, k)
+	e.mu.Unlock()
+	close(f.done)
+	return f.ent, f.err
+}
+
+func (e *Edge) resolveSlow(ctx context.Context, k cacheKey, t target, callerToken string, ent *entry, now time.Time) (*entry, error) {
+	if ent != nil && now.Before(ent.authorizedUntil) {
 		cr, err := e.fetchCapability(ctx, t, "", true)
 		if err == nil {
 			ne := newEntry(cr, capAuthorization(ent.authorizedUntil, cr))

@@ -44,8 +44,9 @@ type Edge struct {
 	own     *http.ServeMux
 	handler http.Handler
 
-	mu    sync.Mutex
-	cache map[cacheKey]*entry
+	mu       sync.Mutex
+	cache    map[cacheKey]*entry
+	inflight map[cacheKey]*flight
 
 	srvMu  sync.Mutex
 	srv    *http.Server
@@ -95,10 +96,11 @@ func New(cfg Config) (*Edge, error) {
 	}
 	cfg = cfg.withDefaults()
 	e := &Edge{
-		cfg:     cfg,
-		log:     cfg.Logger.With("component", "space-edge"),
-		metrics: newMetrics(),
-		cache:   make(map[cacheKey]*entry),
+		cfg:      cfg,
+		log:      cfg.Logger.With("component", "space-edge"),
+		metrics:  newMetrics(),
+		cache:    make(map[cacheKey]*entry),
+		inflight: make(map[cacheKey]*flight),
 	}
 	e.proxy = &httputil.ReverseProxy{
 		Rewrite:        e.rewrite,
@@ -164,14 +166,10 @@ func (e *Edge) Serve(ctx context.Context, ln net.Listener) error {
 		case <-done:
 		}
 	}()
-	err := srv.Serve(ln)
-	if errors.Is(err, http.ErrServerClosed) {
-		if ctx.Err() != nil {
-			return nil
-		}
-		return nil
+	if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+		return err
 	}
-	return err
+	return nil
 }
 
 // Close stops a running server and releases idle node connections.
@@ -291,6 +289,7 @@ func (e *Edge) rewrite(pr *httputil.ProxyRequest) {
 	pr.SetXForwarded()
 	pr.Out.Header.Del(spacev1.HeaderAccessToken)
 	pr.Out.Header.Del(spacev1.HeaderCapability)
+	pr.Out.Header.Del(spacev1.HeaderAPIKey)
 	pr.Out.Host = ""
 }
 

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -537,4 +538,39 @@ func TestRunAndClose(t *testing.T) {
 		t.Fatal("Run did not return")
 	}
 	_ = e.Close()
+}
+
+func TestConcurrentMissesAreCoalesced(t *testing.T) {
+	h := newHarness(t)
+	h.sandbox("sbx1")
+	h.cp.delay = 100 * time.Millisecond
+	var wg sync.WaitGroup
+	codes := make(chan int, 20)
+	for i := 0; i < 20; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, _ := http.NewRequest("GET", h.srv.URL+"/health", nil)
+			req.Header.Set(HeaderSandboxID, "sbx1")
+			req.Header.Set(HeaderSandboxPort, "49983")
+			res, err := h.cl.Do(req)
+			if err != nil {
+				codes <- 0
+				return
+			}
+			io.Copy(io.Discard, res.Body)
+			res.Body.Close()
+			codes <- res.StatusCode
+		}()
+	}
+	wg.Wait()
+	close(codes)
+	for c := range codes {
+		if c != 200 {
+			t.Fatalf("status %d", c)
+		}
+	}
+	if n := len(h.cp.callsCopy()); n != 1 {
+		t.Fatalf("control plane calls = %d, want 1", n)
+	}
 }

@@ -62,6 +62,7 @@ type fakeCP struct {
 	calls    []cpCall
 	status   int // if non-zero, answer this status
 	onRepair func()
+	delay    time.Duration
 }
 
 func newFakeCP(t *testing.T, signer *capability.Signer, clk *clock) *fakeCP {
@@ -88,8 +89,9 @@ func (cp *fakeCP) serve(w http.ResponseWriter, r *http.Request) {
 	cp.calls = append(cp.calls, cpCall{sb, req, r.Header.Get(spacev1.HeaderAPIKey), r.Header.Get(spacev1.HeaderAccessToken)})
 	status, rt, ok, need, hook := cp.status, cp.routes[sb], false, cp.tokens[sb], cp.onRepair
 	_, ok = cp.routes[sb]
-	node, authFor := cp.nodeURL, cp.authFor
+	node, authFor, delay := cp.nodeURL, cp.authFor, cp.delay
 	cp.mu.Unlock()
+	time.Sleep(delay)
 	if req.Repair && hook != nil {
 		hook()
 		cp.mu.Lock()
