@@ -260,6 +260,9 @@ func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) 
 	}
 	w.WriteHeader(resp.StatusCode)
 	fl, _ := w.(http.Flusher)
+	if fl != nil {
+		fl.Flush() // a stream's headers must not wait for its first event
+	}
 	buf := make([]byte, 32*1024)
 	var copyErr error
 	for {

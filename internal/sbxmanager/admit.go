@@ -105,4 +105,3 @@ func writeError(w http.ResponseWriter, err error) {
 
 // WriteError writes err as SPACE's JSON error body with its class's status.
 func WriteError(w http.ResponseWriter, err error) { writeError(w, err) }
-
