@@ -30,7 +30,7 @@ type Config struct {
 	// "http://127.0.0.1:3000".
 	APIURL string
 	// SandboxURL is the data-plane edge's base URL (E2B_SANDBOX_URL), e.g.
-	// "http://127.0.0.1:3002". Needed only for sandbox operations.
+	// "http://127.0.0.1:3001". Needed only for sandbox operations.
 	SandboxURL string
 	// APIKey authenticates control-plane calls (X-API-Key).
 	APIKey string

@@ -54,6 +54,18 @@ func (e *Error) Error() string {
 // Unwrap returns the error class (ErrNotFound, ...).
 func (e *Error) Unwrap() error { return e.kind }
 
+// ReasonSandboxNotFound is the edge's reason for a sandbox that is gone; it
+// comes with status 502 as on E2B.
+const ReasonSandboxNotFound = "sandbox_not_found"
+
+// kindFor classifies a response by status, letting a known reason refine it.
+func kindFor(status int, reason string) error {
+	if reason == ReasonSandboxNotFound {
+		return ErrNotFound
+	}
+	return kindForStatus(status)
+}
+
 func kindForStatus(status int) error {
 	switch {
 	case status == http.StatusBadRequest, status == http.StatusUnprocessableEntity:
@@ -98,6 +110,7 @@ func errorFromResponse(res *http.Response) error {
 	var w wireError
 	if json.Unmarshal(raw, &w) == nil && w.Message != "" {
 		e.Message, e.Reason = w.Message, w.Reason
+		e.kind = kindFor(res.StatusCode, w.Reason)
 	} else if len(raw) > 0 && len(raw) < 512 {
 		e.Message = string(raw)
 	} else {

@@ -94,7 +94,7 @@ func (t *sandboxTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	res.Body.Close()
 	var w wireError
 	if json.Unmarshal(raw, &w) == nil && w.Code != 0 {
-		e := &Error{Status: res.StatusCode, kind: kindForStatus(res.StatusCode), Message: w.Message, Reason: w.Reason}
+		e := &Error{Status: res.StatusCode, kind: kindFor(res.StatusCode, w.Reason), Message: w.Message, Reason: w.Reason}
 		if e.Message == "" {
 			e.Message = http.StatusText(res.StatusCode)
 		}

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/spacesbx/space/internal/up"
 	"io"
 	"os"
 	"sort"
@@ -32,7 +33,7 @@ const (
 // Defaults for a local `space up`.
 const (
 	DefaultAPIURL     = "http://127.0.0.1:3000"
-	DefaultSandboxURL = "http://127.0.0.1:3002"
+	DefaultSandboxURL = "http://127.0.0.1:3001"
 )
 
 const usage = `space: SPACE sandboxes from the command line
@@ -41,6 +42,8 @@ Usage:
   space [global flags] <command> [flags] [args]
 
 Commands:
+  up [--workers N] [--api-key K] [--data-dir D] [--api-addr A] [--edge-addr A]
+                 run a single-machine SPACE (etcd, control plane, workers, edge)
   sandbox create [--template base] [--timeout 300] [--metadata k=v]... [--env k=v]... [--secure=true]
   sandbox list [--json]
   sandbox get <id>
@@ -239,7 +242,11 @@ func dispatch(ctx context.Context, args []string, e *env) error {
 		return usagef("fs: unknown subcommand %q", args[0])
 	case "term", "terminal":
 		return cmdTerm(ctx, g, args, e)
-		// "up" is delegated to internal/up once it exists (see report).
+	case "up":
+		if code := up.Run(ctx, args, e.getenv, e.stdout, e.stderr); code != 0 {
+			return exitCode(code)
+		}
+		return nil
 	}
 	return usagef("unknown command %q", cmd)
 }

@@ -15,7 +15,7 @@ const EnvdPort = 49983
 
 // Defaults.
 const (
-	DefaultAddr            = "127.0.0.1:3002"
+	DefaultAddr            = "127.0.0.1:3001"
 	DefaultDomain          = "localhost"
 	DefaultMaxBufferedBody = 16 << 20
 	// DefaultRenewBefore is how long before a capability's expiry the edge

@@ -95,6 +95,13 @@ func (e *Edge) doFetch(ctx context.Context, t target, callerToken string, repair
 			e.log.Warn("control plane error", "sandbox", t.sandbox, "status", res.StatusCode, "message", msg)
 			return nil, &httpError{status: http.StatusBadGateway, reason: "control_plane_error", msg: "control plane error: " + orDefault(msg, http.StatusText(res.StatusCode))}
 		}
+		if res.StatusCode == http.StatusNotFound {
+			// E2B's proxy answers 502 for a sandbox that is gone (killed,
+			// timed out, never existed); the e2b SDK maps exactly that to
+			// its "sandbox not found / timed out" error and isRunning()==false.
+			return nil, &httpError{status: http.StatusBadGateway, reason: reasonSandboxNotFound,
+				msg: "sandbox " + t.sandbox + " not found: " + orDefault(msg, "it may have been killed or timed out")}
+		}
 		reason := ae.Reason
 		if reason == "" {
 			reason = strings.ToLower(strings.ReplaceAll(http.StatusText(res.StatusCode), " ", "_"))
@@ -128,8 +135,11 @@ func orDefault(s, d string) string {
 	return s
 }
 
+// reasonSandboxNotFound marks a control-plane 404: the sandbox is gone.
+const reasonSandboxNotFound = "sandbox_not_found"
+
 // isNotFound reports whether err is a control-plane 404 (sandbox gone).
 func isNotFound(err error) bool {
 	var he *httpError
-	return errors.As(err, &he) && he.status == http.StatusNotFound
+	return errors.As(err, &he) && he.reason == reasonSandboxNotFound
 }

@@ -458,7 +458,7 @@ func TestBadInput(t *testing.T) {
 		{"unknown envd path", map[string]string{HeaderSandboxID: "sbx1", HeaderSandboxPort: "49983"}, "", "/init", 404},
 		{"bad host", nil, "nonsense.localhost", "/", 400},
 		{"bad host port", nil, "99999-sbx1.localhost", "/", 400},
-		{"unknown sandbox", map[string]string{HeaderSandboxID: "nope", HeaderSandboxPort: "49983"}, "", "/health", 404},
+		{"unknown sandbox (502 as E2B)", map[string]string{HeaderSandboxID: "nope", HeaderSandboxPort: "49983"}, "", "/health", 502},
 		{"no sandbox", nil, "", "/anything", 400},
 	}
 	for _, c := range cases {

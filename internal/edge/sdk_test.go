@@ -3,6 +3,7 @@ package edge
 import (
 	"bytes"
 	"context"
+	"errors"
 	"net/http"
 	"net/http/httputil"
 	"net/url"
@@ -66,7 +67,7 @@ func TestSDKThroughEdge(t *testing.T) {
 	}
 	// Unknown sandbox: typed error through the edge.
 	_, err = c.Attach("nosuch", "").ListDir(ctx, "/")
-	if se, ok := err.(*sdk.Error); !ok || se.Status != http.StatusNotFound {
+	if se, ok := err.(*sdk.Error); !ok || se.Status != http.StatusBadGateway || !errors.Is(err, sdk.ErrNotFound) {
 		t.Fatalf("unknown sandbox: %v", err)
 	}
 }

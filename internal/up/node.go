@@ -1,0 +1,71 @@
+package up
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/spacesbx/space/internal/guest"
+	"github.com/spacesbx/space/internal/sbxmanager"
+	"github.com/spacesbx/space/internal/store"
+	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/worker"
+)
+
+// RunNode is space-node: one worker (node-api + sbx-manager over the ns
+// substrate) joined to an existing control plane's etcd.
+func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("space-node", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	id := fs.String("id", "", "worker id (required)")
+	addr := fs.String("addr", "127.0.0.1:0", "node-api listen address")
+	dataDir := fs.String("data-dir", "", "worker state directory (required)")
+	etcd := fs.String("etcd-endpoints", "", "comma-separated etcd endpoints of the control plane (required)")
+	binDir := fs.String("bin-dir", "", "directory of spaced-host and spaced-guest (default: next to this binary)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *id == "" || *dataDir == "" || *etcd == "" {
+		fmt.Fprintln(stderr, "space-node: --id, --data-dir and --etcd-endpoints are required")
+		return 2
+	}
+	if *binDir == "" {
+		exe, _ := os.Executable()
+		*binDir = filepath.Dir(exe)
+	}
+	log := slog.New(slog.NewTextHandler(stderr, nil))
+	st, err := store.Open(ctx, store.Config{Endpoints: strings.Split(*etcd, ","), Logger: log})
+	if err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 1
+	}
+	defer st.Close()
+	sub, err := ns.New(ns.Config{StateDir: filepath.Join(*dataDir, "ns"), Logger: log})
+	if err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 1
+	}
+	defer sub.Close()
+	w, err := worker.New(worker.Config{
+		ID: *id, Addr: *addr, StateDir: filepath.Join(*dataDir, "worker"), Logger: log,
+		Manager: sbxmanager.Config{
+			SpacedHostPath: filepath.Join(*binDir, "spaced-host"), AgentPath: filepath.Join(*binDir, "spaced-guest"),
+			EnvdVersion: guest.EnvdVersion,
+		},
+	}, worker.Deps{Substrate: sub, Registrar: registrar{st}, Bundles: st})
+	if err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "space-node %s: node-api %s\n", *id, w.URL())
+	if err := w.Run(ctx); err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 1
+	}
+	return 0
+}

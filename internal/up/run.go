@@ -1,0 +1,62 @@
+package up
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
+)
+
+// Run is `space up`: it parses args, starts the platform, prints how to
+// reach it and serves until ctx ends. getenv supplies SPACE_API_KEY.
+func Run(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("space up", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var cfg Config
+	fs.StringVar(&cfg.APIAddr, "api-addr", "127.0.0.1:3000", "control plane listen address")
+	fs.StringVar(&cfg.EdgeAddr, "edge-addr", "127.0.0.1:3001", "edge (sandbox traffic) listen address")
+	fs.StringVar(&cfg.DataDir, "data-dir", ".data", "state directory (etcd, keys, workers)")
+	fs.IntVar(&cfg.Workers, "workers", 1, "number of workers")
+	fs.StringVar(&cfg.APIKey, "api-key", getenv("SPACE_API_KEY"), "bootstrap API key e2b_<40 hex> (default $SPACE_API_KEY, else generated)")
+	fs.StringVar(&cfg.BinDir, "bin-dir", "", "directory of spaced-host and spaced-guest (default: next to this binary)")
+	fs.StringVar(&cfg.Domain, "domain", "localhost", "public sandbox domain for <port>-<id>.<domain>")
+	etcd := fs.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
+	level := fs.String("log-level", "info", "debug, info, warn or error")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *etcd != "" {
+		cfg.EtcdEndpoints = strings.Split(*etcd, ",")
+	}
+	var lv slog.Level
+	if err := lv.UnmarshalText([]byte(*level)); err != nil {
+		fmt.Fprintf(stderr, "space up: --log-level: %v\n", err)
+		return 2
+	}
+	cfg.Logger = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: lv}))
+	p, err := Start(ctx, cfg)
+	if err != nil {
+		fmt.Fprintf(stderr, "space up: %v\n", err)
+		return 1
+	}
+	defer p.Close()
+	keyNote := ""
+	if p.APIKeyGenerated {
+		keyNote = " (generated; pass --api-key or SPACE_API_KEY to keep one)"
+	}
+	fmt.Fprintf(stdout, `SPACE is up with %d worker(s).
+  control plane: %s
+  edge:          %s
+  API key:       %s%s
+
+Paste into your shell to use the e2b SDK or the space CLI:
+export E2B_API_URL=%s
+export E2B_SANDBOX_URL=%s
+export E2B_API_KEY=%s
+`, len(p.Workers), p.APIURL, p.SandboxURL, p.APIKey, keyNote, p.APIURL, p.SandboxURL, p.APIKey)
+	<-ctx.Done()
+	fmt.Fprintln(stderr, "space up: shutting down")
+	return 0
+}

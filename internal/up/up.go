@@ -1,0 +1,269 @@
+// Package up runs a whole single-machine SPACE in one process: embedded etcd,
+// the control plane, N workers (node-api + sbx-manager over the ns
+// substrate, each launching spaced-host bridges) and the edge. It is what
+// `space up` and the integration and end-to-end tests start.
+package up
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/controlplane"
+	"github.com/spacesbx/space/internal/edge"
+	"github.com/spacesbx/space/internal/guest"
+	"github.com/spacesbx/space/internal/sbxmanager"
+	"github.com/spacesbx/space/internal/store"
+	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/worker"
+)
+
+// Config configures a single-machine SPACE.
+type Config struct {
+	// APIAddr is the control plane's address. Default 127.0.0.1:3000.
+	APIAddr string
+	// EdgeAddr is the edge's address (E2B_SANDBOX_URL). Default 127.0.0.1:3001.
+	EdgeAddr string
+	// DataDir holds etcd, keys and worker state. Default ./.data.
+	DataDir string
+	// Workers is the number of workers. Default 1.
+	Workers int
+	// APIKey is the bootstrap API key (e2b_<40 hex>); generated if empty.
+	APIKey string
+	// EtcdEndpoints selects an external etcd instead of the embedded one.
+	EtcdEndpoints []string
+	// BinDir holds spaced-host and spaced-guest. Default: the directory of
+	// the running executable.
+	BinDir string
+	// Domain is the public sandbox domain. Default localhost.
+	Domain string
+	// DefaultLimits apply to sandboxes (zero: substrate defaults).
+	DefaultLimits spacev1.Limits
+	// UnsafeSkipIdentityChecks is the baseline of the on/off benchmark only.
+	UnsafeSkipIdentityChecks bool
+	Logger                   *slog.Logger
+}
+
+// Validate checks cfg and fills defaults.
+func (c *Config) Validate() error {
+	if c.APIAddr == "" {
+		c.APIAddr = "127.0.0.1:3000"
+	}
+	if c.EdgeAddr == "" {
+		c.EdgeAddr = "127.0.0.1:3001"
+	}
+	if c.DataDir == "" {
+		c.DataDir = ".data"
+	}
+	if c.Workers <= 0 {
+		c.Workers = 1
+	}
+	if c.Workers > 64 {
+		return fmt.Errorf("up: at most 64 workers")
+	}
+	if c.BinDir == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return fmt.Errorf("up: find binaries: %w", err)
+		}
+		c.BinDir = filepath.Dir(exe)
+	}
+	for _, b := range []string{"spaced-host", "spaced-guest"} {
+		if _, err := os.Stat(filepath.Join(c.BinDir, b)); err != nil {
+			return fmt.Errorf("up: %s not found in %s (run make build): %w", b, c.BinDir, err)
+		}
+	}
+	if c.Domain == "" {
+		c.Domain = "localhost"
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	var err error
+	if c.DataDir, err = filepath.Abs(c.DataDir); err != nil {
+		return fmt.Errorf("up: data dir: %w", err)
+	}
+	return nil
+}
+
+// Platform is a running single-machine SPACE.
+type Platform struct {
+	cfg     Config
+	st      *store.Store
+	cp      *controlplane.Server
+	sub     *ns.Substrate
+	Workers []*worker.Worker
+	edge    *edge.Edge
+
+	// APIURL, SandboxURL and APIKey are what clients need.
+	APIURL     string
+	SandboxURL string
+	APIKey     string
+	// APIKeyGenerated is true when no key was configured.
+	APIKeyGenerated bool
+
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	mu     sync.Mutex
+	errs   []error
+}
+
+type registrar struct{ st *store.Store }
+
+func (r registrar) RegisterWorker(ctx context.Context, w spacev1.Worker, ttl time.Duration) (io.Closer, error) {
+	return r.st.RegisterWorker(ctx, w, ttl)
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// Start brings every component up, in dependency order, and returns once
+// all workers are registered and the edge listens.
+func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	log := cfg.Logger
+	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
+		return nil, fmt.Errorf("up: %w", err)
+	}
+	rctx, cancel := context.WithCancel(context.Background())
+	p := &Platform{cfg: cfg, cancel: cancel}
+	defer func() {
+		if err != nil {
+			p.Close()
+		}
+	}()
+
+	p.st, err = store.Open(ctx, store.Config{DataDir: filepath.Join(cfg.DataDir, "store"), Endpoints: cfg.EtcdEndpoints, Logger: log})
+	if err != nil {
+		return nil, fmt.Errorf("up: store: %w", err)
+	}
+	edgeKey := "edge_" + randomHex(24)
+	p.cp, err = controlplane.New(controlplane.Config{
+		Addr: cfg.APIAddr, DataDir: filepath.Join(cfg.DataDir, "api"), BootstrapAPIKey: cfg.APIKey,
+		EdgeKey: edgeKey, Domain: cfg.Domain, DefaultEnvdVersion: guest.EnvdVersion,
+	}, controlplane.Deps{Store: p.st, Logger: log})
+	if err != nil {
+		return nil, fmt.Errorf("up: control plane: %w", err)
+	}
+	p.APIKey, p.APIKeyGenerated = p.cp.BootstrapAPIKey()
+	apiLn, err := net.Listen("tcp", cfg.APIAddr)
+	if err != nil {
+		return nil, fmt.Errorf("up: control plane listen: %w", err)
+	}
+	p.APIURL = "http://" + apiLn.Addr().String()
+	p.goRun("control plane", func() error { return p.cp.Serve(rctx, apiLn) })
+
+	p.sub, err = ns.New(ns.Config{StateDir: filepath.Join(cfg.DataDir, "ns"), Logger: log})
+	if err != nil {
+		return nil, fmt.Errorf("up: ns substrate: %w", err)
+	}
+	for i := range cfg.Workers {
+		id := fmt.Sprintf("w%d", i+1)
+		w, err := worker.New(worker.Config{
+			ID: id, StateDir: filepath.Join(cfg.DataDir, "workers", id), Logger: log,
+			Manager: sbxmanager.Config{
+				SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),
+				EnvdVersion: guest.EnvdVersion, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
+			},
+		}, worker.Deps{Substrate: p.sub, Registrar: registrar{p.st}, Bundles: p.st})
+		if err != nil {
+			return nil, fmt.Errorf("up: worker %s: %w", id, err)
+		}
+		p.Workers = append(p.Workers, w)
+		p.goRun("worker "+id, func() error { return w.Run(rctx) })
+	}
+	if err := p.waitWorkers(ctx); err != nil {
+		return nil, err
+	}
+
+	p.edge, err = edge.New(edge.Config{Addr: cfg.EdgeAddr, ControlPlaneURL: p.APIURL, EdgeKey: edgeKey, Domain: cfg.Domain, Logger: log})
+	if err != nil {
+		return nil, fmt.Errorf("up: edge: %w", err)
+	}
+	edgeLn, err := net.Listen("tcp", cfg.EdgeAddr)
+	if err != nil {
+		return nil, fmt.Errorf("up: edge listen: %w", err)
+	}
+	p.SandboxURL = "http://" + edgeLn.Addr().String()
+	p.goRun("edge", func() error { return p.edge.Serve(rctx, edgeLn) })
+	return p, nil
+}
+
+func (p *Platform) goRun(name string, f func() error) {
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		if err := f(); err != nil && !errors.Is(err, context.Canceled) {
+			p.cfg.Logger.Error("component stopped", "component", name, "err", err)
+			p.mu.Lock()
+			p.errs = append(p.errs, fmt.Errorf("%s: %w", name, err))
+			p.mu.Unlock()
+		}
+	}()
+}
+
+func (p *Platform) waitWorkers(ctx context.Context) error {
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ws, err := p.st.ListWorkers(ctx)
+		if err == nil && len(ws) >= len(p.Workers) {
+			return nil
+		}
+		p.mu.Lock()
+		errs := errors.Join(p.errs...)
+		p.mu.Unlock()
+		if errs != nil {
+			return fmt.Errorf("up: %w", errs)
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("up: workers did not register within 30s (have %d of %d): %v", len(ws), len(p.Workers), err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// Err reports components that stopped on their own.
+func (p *Platform) Err() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return errors.Join(p.errs...)
+}
+
+// Close stops the edge, then the control plane and the workers (which
+// deregister and stop their sandboxes), then the substrate and the store.
+func (p *Platform) Close() error {
+	if p.edge != nil {
+		p.edge.Close()
+	}
+	p.cancel()
+	p.wg.Wait()
+	if p.cp != nil {
+		p.cp.Close()
+	}
+	if p.sub != nil {
+		p.sub.Close()
+	}
+	if p.st != nil {
+		p.st.Close()
+	}
+	return nil
+}
