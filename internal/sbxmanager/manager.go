@@ -8,6 +8,8 @@ package sbxmanager
 
 import (
 	"bufio"
+	"crypto/sha256"
+	"encoding/hex"
 	"context"
 	"encoding/json"
 	"errors"
@@ -216,7 +218,7 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	if limits.CPUMillis == 0 {
 		limits.CPUMillis = m.cfg.DefaultLimits.CPUMillis
 	}
-	dir := filepath.Join(m.cfg.StateDir, "sandboxes", r.SandboxID, fmt.Sprintf("%d-%s", r.Generation, r.ActivationID))
+	dir := activationDir(m.cfg.StateDir, r)
 	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC()}
 
 	sctx, cancel := context.WithTimeout(ctx, m.cfg.StartTimeout)
@@ -237,6 +239,13 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	m.metrics.activations.Inc()
 	log.Info("execution installed", "execution", r.ExecutionID, "activation", r.ActivationID)
 	return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion}, nil
+}
+
+// activationDir is short on purpose: the bridge and guest sockets live in
+// it and a Unix socket path must fit in 108 bytes.
+func activationDir(stateDir string, r identity.Route) string {
+	sum := sha256.Sum256([]byte(fmt.Sprintf("%s/%d/%s/%s", r.SandboxID, r.Generation, r.ExecutionID, r.ActivationID)))
+	return filepath.Join(stateDir, "act", hex.EncodeToString(sum[:8]))
 }
 
 // guestConfig is what spaced-guest reads from SPACE_GUEST_CONFIG.
@@ -403,7 +412,7 @@ func (m *Manager) Teardown(ctx context.Context, route identity.Route) error {
 	m.mu.Lock()
 	delete(m.records, route.SandboxID)
 	m.mu.Unlock()
-	if err := os.RemoveAll(filepath.Join(m.cfg.StateDir, "sandboxes", route.SandboxID)); err != nil {
+	if err := os.RemoveAll(rec.Dir); err != nil {
 		m.log.Warn("remove sandbox dir", "sandbox", route.SandboxID, "err", err)
 	}
 	return nil
