@@ -155,22 +155,6 @@ func (s *Server) Close() error {
 	return s.closeErr
 }
 
-// goOwned runs fn in a goroutine the server waits for in Close. It returns
-// false (and does not run fn) once the server is closing.
-func (s *Server) goOwned(fn func()) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		return false
-	}
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		fn()
-	}()
-	return true
-}
-
 var errClosing = connect.NewError(connect.CodeUnavailable, errors.New("agent is shutting down"))
 
 // users loads the account database.
