@@ -1,0 +1,61 @@
+package archtest
+
+import (
+	"os/exec"
+	"strings"
+	"testing"
+)
+
+const mod = "github.com/spacesbx/space/"
+
+func deps(t *testing.T, pkg string) []string {
+	t.Helper()
+	out, err := exec.Command("go", "list", "-deps", mod+pkg).Output()
+	if err != nil {
+		t.Fatalf("go list -deps %s: %v", pkg, err)
+	}
+	return strings.Fields(string(out))
+}
+
+func TestDependencyRules(t *testing.T) {
+	rules := []struct {
+		pkg     string
+		allowed func(dep string) bool
+		why     string
+	}{
+		{"internal/identity", func(d string) bool { return !strings.HasPrefix(d, mod) || d == mod+"internal/identity" },
+			"identity depends on nothing internal"},
+		{"internal/capability", func(d string) bool {
+			return !strings.HasPrefix(d, mod) || d == mod+"internal/identity" || d == mod+"internal/capability"
+		}, "capability depends only on identity"},
+		{"internal/guest", func(d string) bool {
+			return !strings.HasPrefix(d, mod) || strings.HasPrefix(d, mod+"api/envd") || d == mod+"internal/guest"
+		}, "the guest imports no server-side package"},
+		{"cmd/spaced-guest", func(d string) bool {
+			return !strings.Contains(d, "go.etcd.io") && !strings.HasPrefix(d, mod+"internal/") || d == mod+"internal/guest"
+		}, "the in-sandbox binary carries only the guest"},
+	}
+	for _, r := range rules {
+		for _, d := range deps(t, r.pkg) {
+			if !r.allowed(d) {
+				t.Errorf("%s imports %s: %s", r.pkg, d, r.why)
+			}
+		}
+	}
+}
+
+// Only internal/store imports etcd.
+func TestOnlyStoreImportsEtcd(t *testing.T) {
+	out, err := exec.Command("go", "list", "-f", `{{.ImportPath}} {{join .Imports " "}}`, mod+"...").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		f := strings.Fields(line)
+		for _, imp := range f[1:] {
+			if strings.HasPrefix(imp, "go.etcd.io/etcd") && f[0] != mod+"internal/store" {
+				t.Errorf("%s imports %s; only internal/store may", f[0], imp)
+			}
+		}
+	}
+}

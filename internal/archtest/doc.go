@@ -1,0 +1,3 @@
+// Package archtest holds no code: its test enforces the package dependency
+// rules of docs/ARCHITECTURE.md with `go list -deps`.
+package archtest
