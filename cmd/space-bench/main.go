@@ -1,0 +1,41 @@
+// Command space-bench measures SPACE against its performance targets and
+// prints each figure beside a baseline from the same run (make bench).
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spacesbx/space/internal/bench"
+	"github.com/spacesbx/space/internal/substrate/ns"
+)
+
+func main() {
+	// Must run first: sandboxes started by this process re-execute it as
+	// their init, and MaybeInit takes over then and never returns.
+	ns.MaybeInit()
+
+	quick := flag.Bool("quick", false, "a smoke run with small sample sizes")
+	binDir := flag.String("bin-dir", os.Getenv("SPACE_BIN_DIR"), "directory of spaced-host and spaced-guest (default $SPACE_BIN_DIR)")
+	flag.Parse()
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(os.Stderr, "space-bench: needs root (namespaces, cgroups, mounts)")
+		os.Exit(2)
+	}
+	cfg := bench.DefaultConfig()
+	if *quick {
+		cfg = bench.QuickConfig()
+	}
+	cfg.BinDir = *binDir
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := bench.Run(ctx, cfg, os.Stdout)
+	stop()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "space-bench: %v\n", err)
+		os.Exit(1)
+	}
+}

@@ -1,0 +1,139 @@
+package bench
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/spacesbx/space/internal/guest"
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/sdk"
+)
+
+// CreateResult holds sandbox create latencies through the control plane
+// and the raw substrate start latencies measured between them.
+type CreateResult struct {
+	Create   []time.Duration
+	RawStart []time.Duration
+}
+
+// RawSubstrate starts bare ns sandboxes running the agent: no control
+// plane, no etcd, no sbx-manager record, no spaced-host bridge.
+type RawSubstrate struct {
+	sub   *ns.Substrate
+	dir   string
+	agent string
+	n     int
+}
+
+// NewRawSubstrate returns a substrate with its state under dir. Its
+// cgroups live under "space-bench" so they never mix with a platform's.
+func NewRawSubstrate(dir, binDir string, log *slog.Logger) (*RawSubstrate, error) {
+	sub, err := ns.New(ns.Config{StateDir: filepath.Join(dir, "state"), CgroupParent: "space-bench", Logger: log})
+	if err != nil {
+		return nil, err
+	}
+	return &RawSubstrate{sub: sub, dir: dir, agent: filepath.Join(binDir, "spaced-guest")}, nil
+}
+
+// Close closes the substrate (stop every instance first).
+func (r *RawSubstrate) Close() error { return r.sub.Close() }
+
+func randID(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// StartStop starts one sandbox (template base), returns how long Start took
+// and stops it.
+func (r *RawSubstrate) StartStop(ctx context.Context) (time.Duration, error) {
+	r.n++
+	route := identity.Route{
+		SandboxID: "rb" + randID(8), Generation: 1, ExecutionID: randID(12), WorkerID: "bench",
+		Substrate: identity.SubstrateNS, ActivationID: randID(8),
+	}
+	gcfg, _ := json.Marshal(guest.Config{Identity: guest.Identity{
+		Sandbox: route.SandboxID, Generation: 1, Execution: route.ExecutionID, Worker: route.WorkerID,
+		Substrate: route.Substrate, Activation: route.ActivationID,
+	}, DefaultUser: "user"})
+	t0 := time.Now()
+	inst, err := r.sub.Start(ctx, substrate.Spec{
+		Route: route, Template: "base", Dir: filepath.Join(r.dir, fmt.Sprintf("a%d", r.n)), AgentPath: r.agent,
+		AgentEnv: []string{"SPACE_GUEST_CONFIG=" + string(gcfg)},
+	})
+	d := time.Since(t0)
+	if err != nil {
+		return 0, err
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := inst.Stop(sctx); err != nil {
+		return 0, fmt.Errorf("stop: %w", err)
+	}
+	return d, nil
+}
+
+// MeasureCreate creates n sandboxes through the control plane's REST API
+// one at a time, killing each right after (untimed) so the worker stays
+// small; every rawEvery-th create is followed by a raw substrate start.
+func MeasureCreate(ctx context.Context, p *Platform, raw *RawSubstrate, warmup, n, rawEvery int) (CreateResult, error) {
+	var res CreateResult
+	one := func() (time.Duration, error) {
+		t0 := time.Now()
+		sbx, err := p.Client.CreateSandbox(ctx, sdk.CreateOptions{Timeout: 5 * time.Minute})
+		d := time.Since(t0)
+		if err != nil {
+			return 0, fmt.Errorf("create: %w", err)
+		}
+		if err := sbx.Kill(ctx); err != nil {
+			return 0, fmt.Errorf("kill %s: %w", sbx.ID, err)
+		}
+		return d, nil
+	}
+	for range warmup {
+		if _, err := one(); err != nil {
+			return res, err
+		}
+		if raw != nil {
+			if _, err := raw.StartStop(ctx); err != nil {
+				return res, fmt.Errorf("raw substrate start: %w", err)
+			}
+		}
+	}
+	for i := range n {
+		d, err := one()
+		if err != nil {
+			return res, err
+		}
+		res.Create = append(res.Create, d)
+		if raw != nil && rawEvery > 0 && i%rawEvery == 0 {
+			d, err := raw.StartStop(ctx)
+			if err != nil {
+				return res, fmt.Errorf("raw substrate start: %w", err)
+			}
+			res.RawStart = append(res.RawStart, d)
+		}
+	}
+	return res, nil
+}
+
+// errString shortens multi-line errors for the table.
+func errString(err error) string {
+	s := err.Error()
+	if i := strings.IndexByte(s, '\n'); i >= 0 {
+		s = s[:i]
+	}
+	if len(s) > 60 {
+		s = s[:57] + "..."
+	}
+	return s
+}
