@@ -100,6 +100,10 @@ type InstallRequest struct {
 	Template string            `json:"template"`
 	EnvVars  map[string]string `json:"env_vars,omitempty"`
 	Limits   Limits            `json:"limits"`
+	// RestoreSnapshot, when set, restores the writable layer from that
+	// snapshot before the sandbox starts (resume elsewhere: files kept,
+	// processes restarted).
+	RestoreSnapshot string `json:"restore_snapshot,omitempty"`
 }
 
 // InstallResponse answers an install once the runtime record is persisted
@@ -121,3 +125,41 @@ const (
 	NodePathTeardown = "/space/node/v1/executions/teardown"
 	NodePathHealth   = "/space/node/v1/health"
 )
+
+// Lifecycle calls from the control plane to a worker. Each carries a
+// control capability for exactly the route in its body.
+const (
+	// NodePathPause freezes the execution (same execution, processes kept).
+	NodePathPause = "/space/node/v1/executions/pause"
+	// NodePathResume thaws a paused execution on the same worker.
+	NodePathResume = "/space/node/v1/executions/resume"
+	// NodePathSnapshot archives the execution's writable layer into the
+	// snapshot store under SnapshotRequest.SnapshotID. The execution must
+	// be paused (so the layer is quiescent).
+	NodePathSnapshot = "/space/node/v1/executions/snapshot"
+	// NodePathRetire marks the execution retired (persisted) and stops it:
+	// from then on the worker answers RefreshRoute for it, even for
+	// unexpired capabilities, and its streams end.
+	NodePathRetire = "/space/node/v1/executions/retire"
+)
+
+// LifecycleRequest is the body of pause, resume and retire.
+type LifecycleRequest struct {
+	Route identity.Route `json:"route"`
+}
+
+// SnapshotRequest is the body of NodePathSnapshot.
+type SnapshotRequest struct {
+	Route      identity.Route `json:"route"`
+	SnapshotID string         `json:"snapshot_id"`
+}
+
+// SnapshotResponse answers a snapshot.
+type SnapshotResponse struct {
+	SnapshotID string `json:"snapshot_id"`
+	SizeBytes  int64  `json:"size_bytes"`
+}
+
+// ReasonExecutionReplaced is the reason (and Connect error message prefix)
+// with which streams of a replaced or retired execution end.
+const ReasonExecutionReplaced = "execution replaced"
