@@ -192,25 +192,6 @@ func (b Bundle) Validate() error {
 	return nil
 }
 
-// kidOf reads the key id from the token's footer without verifying anything.
-func kidOf(token string) (string, error) {
-	if len(token) > MaxTokenSize {
-		return "", fmt.Errorf("%w: token longer than %d bytes", ErrMalformed, MaxTokenSize)
-	}
-	if !strings.HasPrefix(token, "v4.public.") || strings.Count(token, ".") != 3 {
-		return "", fmt.Errorf("%w: not a v4.public token with footer", ErrMalformed)
-	}
-	raw, err := paseto.NewParser().UnsafeParseFooter(paseto.V4Public, token)
-	if err != nil {
-		return "", fmt.Errorf("%w: %v", ErrMalformed, err)
-	}
-	var f footer
-	if err := json.Unmarshal(raw, &f); err != nil || f.KID == "" {
-		return "", fmt.Errorf("%w: footer carries no key id", ErrMalformed)
-	}
-	return f.KID, nil
-}
-
 // PurposeForEnvdPath maps a path of the guest (envd) API to the purpose a
 // capability must carry to reach it. Unknown paths map to nothing: they are
 // refused rather than given a default.

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"aidanwoods.dev/go-paseto"
+
 	"github.com/spacesbx/space/internal/identity"
 )
 
@@ -235,4 +237,33 @@ func FuzzVerify(f *testing.F) {
 			}
 		}
 	})
+}
+
+// The verifier parses tokens itself; it must agree with the PASETO library
+// in both directions.
+func TestVerifierAgreesWithLibrary(t *testing.T) {
+	s, k := newPair(t, "k1")
+	v := newVerifier(t, k)
+	c := Claims{Route: testRoute(), Purpose: PurposeFiles, JTI: "j", IssuedAt: t0, Expiry: t0.Add(time.Minute)}
+	lib := signRaw(t, s, c) // signed by the library
+	if _, err := v.Verify(lib, PurposeFiles); err != nil {
+		t.Fatalf("library-signed token: %v", err)
+	}
+	pk, _ := paseto.NewV4AsymmetricPublicKeyFromEd25519(k.Public)
+	tok := issue(t, s, Claims{Route: testRoute(), Purpose: PurposeFiles})
+	if _, err := paseto.MakeParser(nil).ParseV4Public(pk, tok, implicitAssertion); err != nil {
+		t.Fatalf("library rejects our token: %v", err)
+	}
+	// A different implicit assertion (another capability version) fails.
+	other := paseto.NewToken()
+	other.SetFooter([]byte(`{"kid":"k1"}`))
+	if _, err := v.Verify(other.V4Sign(s.key, []byte("space.capability.v0")), PurposeFiles); !errors.Is(err, ErrBadSignature) {
+		t.Fatalf("other implicit assertion: %v", err)
+	}
+	// Two footers, bad base64, short payload.
+	for _, bad := range []string{tok + ".x", "v4.public.!!!.e30", "v4.public.AAAA.eyJraWQiOiJrMSJ9"} {
+		if _, err := v.Verify(bad, PurposeFiles); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%q: %v", bad, err)
+		}
+	}
 }

@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"sync"
 	"time"
-
-	"aidanwoods.dev/go-paseto"
 )
 
 // DefaultCacheSize bounds the verified-token cache.
@@ -19,11 +17,6 @@ type cached struct {
 	kid    string
 }
 
-type verifierKey struct {
-	Key
-	pk paseto.V4AsymmetricPublicKey
-}
-
 // Verifier checks capabilities against a key bundle. It is safe for
 // concurrent use. Its cache of verified tokens skips only the signature
 // check: purpose, key validity and the time window are re-checked on every
@@ -31,7 +24,7 @@ type verifierKey struct {
 type Verifier struct {
 	mu       sync.RWMutex
 	revision int64
-	keys     map[string]verifierKey
+	keys     map[string]Key
 	cache    map[[32]byte]cached
 	max      int
 	now      func() time.Time
@@ -59,13 +52,9 @@ func (v *Verifier) SetBundle(b Bundle) error {
 	if err := b.Validate(); err != nil {
 		return err
 	}
-	keys := make(map[string]verifierKey, len(b.Keys))
+	keys := make(map[string]Key, len(b.Keys))
 	for _, k := range b.Keys {
-		pk, err := paseto.NewV4AsymmetricPublicKeyFromEd25519(k.Public)
-		if err != nil {
-			return fmt.Errorf("bundle: key %q: %w", k.ID, err)
-		}
-		keys[k.ID] = verifierKey{Key: k, pk: pk}
+		keys[k.ID] = k
 	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
@@ -119,7 +108,7 @@ func (v *Verifier) verify(token string) (Claims, error) {
 	v.mu.RLock()
 	e, hit := v.cache[sum]
 	now := v.now()
-	var k verifierKey
+	var k Key
 	var known bool
 	if hit {
 		k, known = v.keys[e.kid]
@@ -142,7 +131,7 @@ func (v *Verifier) verify(token string) (Claims, error) {
 		// The bundle changed under a cached entry: the key is gone.
 		return Claims{}, ErrUnknownKey
 	}
-	if err := checkKeyWindow(k.Key, now); err != nil {
+	if err := checkKeyWindow(k, now); err != nil {
 		return Claims{}, err
 	}
 	if err := checkTimes(c, now); err != nil {
@@ -151,32 +140,30 @@ func (v *Verifier) verify(token string) (Claims, error) {
 	return c, nil
 }
 
-func (v *Verifier) verifySignature(token string) (Claims, verifierKey, error) {
-	kid, err := kidOf(token)
+func (v *Verifier) verifySignature(token string) (Claims, Key, error) {
+	t, err := parseToken(token)
 	if err != nil {
-		return Claims{}, verifierKey{}, err
+		return Claims{}, Key{}, err
 	}
 	v.mu.RLock()
-	k, ok := v.keys[kid]
+	k, ok := v.keys[t.kid]
 	v.mu.RUnlock()
 	if !ok {
-		return Claims{}, verifierKey{}, fmt.Errorf("%w: %q", ErrUnknownKey, kid)
+		return Claims{}, Key{}, fmt.Errorf("%w: %q", ErrUnknownKey, t.kid)
 	}
-	parser := paseto.MakeParser(nil)
-	tok, err := parser.ParseV4Public(k.pk, token, implicitAssertion)
-	if err != nil {
-		return Claims{}, verifierKey{}, fmt.Errorf("%w: %v", ErrBadSignature, err)
+	if !verifyParsed(t, k.Public) {
+		return Claims{}, Key{}, ErrBadSignature
 	}
 	var c Claims
-	if err := json.Unmarshal(tok.ClaimsJSON(), &c); err != nil {
-		return Claims{}, verifierKey{}, fmt.Errorf("%w: claims: %v", ErrMalformed, err)
+	if err := json.Unmarshal(t.message, &c); err != nil {
+		return Claims{}, Key{}, fmt.Errorf("%w: claims: %v", ErrMalformed, err)
 	}
 	if c.JTI == "" || c.IssuedAt.IsZero() || c.Expiry.IsZero() || c.Purpose == "" {
-		return Claims{}, verifierKey{}, ErrMissingClaims
+		return Claims{}, Key{}, ErrMissingClaims
 	}
 	if c.Purpose != PurposeControl {
 		if err := c.Route.Validate(); err != nil {
-			return Claims{}, verifierKey{}, fmt.Errorf("%w: %v", ErrMissingClaims, err)
+			return Claims{}, Key{}, fmt.Errorf("%w: %v", ErrMissingClaims, err)
 		}
 	}
 	return c, k, nil
