@@ -12,6 +12,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"strings"
 	"syscall"
 
@@ -26,6 +27,8 @@ func main() {
 		log.Fatalf("spaced-guest: SPACE_GUEST_CONFIG: %v", err)
 	}
 	_ = os.Unsetenv("SPACE_GUEST_CONFIG")
+	debug.SetGCPercent(50) // here, not via GOGC: user processes inherit the env
+
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))
 	srv, err := guest.New(cfg)
 	if err != nil {

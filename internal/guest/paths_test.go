@@ -72,3 +72,15 @@ func TestConfigValidate(t *testing.T) {
 		}
 	}
 }
+
+func TestParseStatState(t *testing.T) {
+	st, pp, ok := parseStatState([]byte("42 (a) b) c) Z 1 42 42 0"))
+	if !ok || st != 'Z' || pp != 1 {
+		t.Fatalf("%c %d %v", st, pp, ok)
+	}
+	for _, bad := range []string{"", "1 (x)", "1 (x) ZZ 1", "1 (x) Z y"} {
+		if _, _, ok := parseStatState([]byte(bad)); ok {
+			t.Errorf("accepted %q", bad)
+		}
+	}
+}

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 
@@ -95,6 +96,10 @@ func New(cfg Config) (*Server, error) {
 		Protocols:         &protocols,
 		BaseContext:       func(net.Listener) context.Context { return s.ctx },
 		ErrorLog:          slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelWarn),
+	}
+	if os.Getpid() == 1 {
+		s.wg.Add(1)
+		go func() { defer s.wg.Done(); s.reapOrphans() }()
 	}
 	return s, nil
 }
