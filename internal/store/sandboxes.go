@@ -25,6 +25,12 @@ const (
 	StateCreating SandboxState = "creating"
 	StateRunning  SandboxState = "running"
 	StatePaused   SandboxState = "paused"
+	// Transitional states: one lifecycle operation (SandboxRecord.Op) is
+	// in flight. No capability is issued while a record is in one of them.
+	StatePausing      SandboxState = "pausing"
+	StateResuming     SandboxState = "resuming"
+	StateMigrating    SandboxState = "migrating"
+	StateSnapshotting SandboxState = "snapshotting"
 	// StateKilled and StateFailed are tombstones: the id is never reused,
 	// the executions history stays readable until the record is purged.
 	StateKilled SandboxState = "killed"
@@ -33,6 +39,24 @@ const (
 
 // Terminal reports whether s is a tombstone state.
 func (s SandboxState) Terminal() bool { return s == StateKilled || s == StateFailed }
+
+// Transitional reports whether a lifecycle operation holds the record.
+func (s SandboxState) Transitional() bool {
+	return s == StatePausing || s == StateResuming || s == StateMigrating || s == StateSnapshotting
+}
+
+// LifecycleOp is the lifecycle operation that holds a record in a
+// transitional state. Only the operation with this ID may move the record
+// out of it (every step is a revision-guarded write that re-checks the ID).
+type LifecycleOp struct {
+	ID   string `json:"id"`
+	Kind string `json:"kind"`
+	// From is the stable state (running or paused) the operation started in.
+	From      SandboxState `json:"from"`
+	StartedAt time.Time    `json:"started_at"`
+	// Target is the requested target worker, if any.
+	Target string `json:"target,omitempty"`
+}
 
 // SandboxRecord is the control plane's durable record of one sandbox.
 //
@@ -49,6 +73,9 @@ type SandboxRecord struct {
 	// AccessToken is the envd access token (E2B's "secure" sandboxes);
 	// empty when the sandbox has none.
 	AccessToken string       `json:"access_token,omitempty"`
+	// TrafficAccessToken guards service-port traffic of sandboxes created
+	// with private traffic (e2b-traffic-access-token); empty: public ports.
+	TrafficAccessToken string `json:"traffic_access_token,omitempty"`
 	State       SandboxState `json:"state"`
 	// Route is the current (or last) execution's identity.
 	Route identity.Route `json:"route"`
@@ -70,6 +97,17 @@ type SandboxRecord struct {
 	// Reason explains a kill or failure.
 	Reason     string              `json:"reason,omitempty"`
 	Executions []spacev1.Execution `json:"executions,omitempty"`
+	// Op is the lifecycle operation in flight (set exactly when State is
+	// transitional).
+	Op *LifecycleOp `json:"op,omitempty"`
+	// PendingRoute is the next execution while it is being installed (its
+	// generation is already reserved in Generation). It is not published:
+	// no capability names it and workers must not treat it as the current
+	// route until it becomes Route.
+	PendingRoute *identity.Route `json:"pending_route,omitempty"`
+	// PausedSnapshot is a snapshot of Route's writable layer taken while
+	// Route stayed paused (so it is still current); empty otherwise.
+	PausedSnapshot string `json:"paused_snapshot,omitempty"`
 }
 
 // LogValue renders the record without secrets.
@@ -92,9 +130,16 @@ func (r SandboxRecord) Validate() error {
 		return fmt.Errorf("%w: sandbox %s has no team", ErrInvalid, r.ID)
 	}
 	switch r.State {
-	case StateCreating, StateRunning, StatePaused, StateKilled, StateFailed:
+	case StateCreating, StateRunning, StatePaused, StateKilled, StateFailed,
+		StatePausing, StateResuming, StateMigrating, StateSnapshotting:
 	default:
 		return fmt.Errorf("%w: sandbox %s has unknown state %q", ErrInvalid, r.ID, r.State)
+	}
+	if r.State.Transitional() != (r.Op != nil) {
+		return fmt.Errorf("%w: sandbox %s: state %s with operation %v", ErrInvalid, r.ID, r.State, r.Op != nil)
+	}
+	if p := r.PendingRoute; p != nil && (p.SandboxID != r.ID || p.Generation > r.Generation || p.Generation <= r.Route.Generation) {
+		return fmt.Errorf("%w: sandbox %s: pending route generation %d outside (%d, %d]", ErrInvalid, r.ID, p.Generation, r.Route.Generation, r.Generation)
 	}
 	if r.Route.SandboxID != "" && r.Route.SandboxID != r.ID {
 		return fmt.Errorf("%w: sandbox %s route names sandbox %q", ErrInvalid, r.ID, r.Route.SandboxID)
