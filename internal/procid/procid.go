@@ -27,36 +27,65 @@ type Process struct {
 	// ExeDev and ExeIno identify the executable file.
 	ExeDev uint64 `json:"exe_dev"`
 	ExeIno uint64 `json:"exe_ino"`
+	// ExeSHA256 is the hex SHA-256 of the executable's content. Only Open
+	// computes it (once, when the process is recorded); Read leaves it
+	// empty, and Process.Check ignores it.
+	ExeSHA256 string `json:"exe_sha256,omitempty"`
+}
+
+// exeMeta is what a stat of the executable says about its content: any
+// write to the file changes its size or its mtime/ctime.
+type exeMeta struct {
+	size         int64
+	mtime, ctime unix.Timespec
 }
 
 // Read returns the identity of pid as it is now.
 func Read(pid int) (Process, error) {
+	p, _, err := read(pid)
+	return p, err
+}
+
+func read(pid int) (Process, exeMeta, error) {
 	st, err := StartTime(pid)
 	if err != nil {
-		return Process{}, err
+		return Process{}, exeMeta{}, err
 	}
 	var s unix.Stat_t
 	if err := unix.Stat(fmt.Sprintf("/proc/%d/exe", pid), &s); err != nil {
-		return Process{}, fmt.Errorf("procid: stat exe of %d: %w", pid, err)
+		return Process{}, exeMeta{}, fmt.Errorf("procid: stat exe of %d: %w", pid, err)
 	}
 	// Re-read the start time: if the pid was reused between the two reads
 	// the executable we looked at may belong to the newcomer.
 	st2, err := StartTime(pid)
 	if err != nil || st2 != st {
-		return Process{}, fmt.Errorf("procid: %w: pid %d changed while reading", ErrMismatch, pid)
+		return Process{}, exeMeta{}, fmt.Errorf("procid: %w: pid %d changed while reading", ErrMismatch, pid)
 	}
-	return Process{PID: pid, StartTime: st, ExeDev: uint64(s.Dev), ExeIno: s.Ino}, nil
+	return Process{PID: pid, StartTime: st, ExeDev: uint64(s.Dev), ExeIno: s.Ino},
+		exeMeta{size: s.Size, mtime: s.Mtim, ctime: s.Ctim}, nil
 }
 
-// Check verifies that p still names the same live process.
+// same reports whether now (from Read) is the process p: pid, start time
+// and executable file.
+func (p Process) same(now Process) bool {
+	return now.PID == p.PID && now.StartTime == p.StartTime && now.ExeDev == p.ExeDev && now.ExeIno == p.ExeIno
+}
+
+func (p Process) mismatch(now Process) error {
+	return fmt.Errorf("procid: %w: pid %d is not the recorded process (start %d/%d, exe %d:%d/%d:%d)",
+		ErrMismatch, p.PID, now.StartTime, p.StartTime, now.ExeDev, now.ExeIno, p.ExeDev, p.ExeIno)
+}
+
+// Check verifies that p still names the same live process: pid, start
+// time and executable device+inode. It is the fallback when no pidfd is
+// held (see Handle for the stronger check).
 func (p Process) Check() error {
 	now, err := Read(p.PID)
 	if err != nil {
 		return fmt.Errorf("procid: %w: pid %d: %v", ErrMismatch, p.PID, err)
 	}
-	if now != p {
-		return fmt.Errorf("procid: %w: pid %d is not the recorded process (start %d/%d, exe %d:%d/%d:%d)",
-			ErrMismatch, p.PID, now.StartTime, p.StartTime, now.ExeDev, now.ExeIno, p.ExeDev, p.ExeIno)
+	if !p.same(now) {
+		return p.mismatch(now)
 	}
 	return nil
 }
