@@ -46,6 +46,10 @@ func (m *Manager) Admit(token string, purpose capability.Purpose) Admission {
 // /filesystem.Filesystem/...) for every sandbox on this worker, routed by
 // the capability's sandbox. Nothing is forwarded before admission.
 func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if isServicePort(r) {
+		m.serveServicePort(w, r) // admitted here, then again at netgtw
+		return
+	}
 	purpose, ok := capability.PurposeForEnvdPath(r.URL.Path)
 	if !ok {
 		writeError(w, fmt.Errorf("%w: no such guest API path %q", errdefs.ErrNotFound, r.URL.Path))

@@ -45,6 +45,9 @@ type Config struct {
 	StateDir string
 	// SpacedHostPath is the spaced-host binary. Required.
 	SpacedHostPath string
+	// NetgtwPath is the netgtw binary (service ports). Default: netgtw
+	// next to SpacedHostPath; without it sandboxes have no service ports.
+	NetgtwPath string
 	// AgentPath is the static spaced-guest binary placed in sandboxes.
 	AgentPath string
 	// EnvdVersion is reported to the control plane for new sandboxes.
@@ -119,6 +122,8 @@ type activation struct {
 	cancel context.CancelFunc
 	// hostDone is closed when the bridge process has been reaped.
 	hostDone chan struct{}
+	// gw is the activation's service-port gateway (nil: none installed).
+	gw *gatewayProc
 }
 
 // New opens the runtime records and loads them before returning: a
@@ -273,6 +278,10 @@ func (m *Manager) activate(ctx context.Context, rec record) (*activation, error)
 		cancel()
 		return nil, err
 	}
+	if act.gw, err = m.startGateway(ctx, inst, rec.Dir); err != nil {
+		m.stopActivation(act, "gateway failed")
+		return nil, err
+	}
 	return act, nil
 }
 
@@ -367,6 +376,9 @@ func (m *Manager) startBridge(ctx context.Context, inst substrate.Instance, dir 
 // sandbox. The caller has already removed it from the active map.
 func (m *Manager) stopActivation(a *activation, why string) {
 	a.cancel()
+	if a.gw != nil {
+		a.gw.stop()
+	}
 	a.tr.CloseIdleConnections()
 	a.host.Process.Signal(syscall.SIGTERM)
 	select {

@@ -1,0 +1,307 @@
+package sbxmanager
+
+// Service ports: one netgtw per activation (DESIGN.md section 9).
+//
+// node-api hands service-port requests (E2b-Sandbox-Port set by the edge to
+// a port other than the guest agent's) to the manager like any other guest
+// request. The manager admits them first (service-port capability for this
+// port and protocol, identity equal to the installed record) and forwards
+// them over the activation's netgtw Unix socket, whose peer it verifies per
+// connection; netgtw then checks them a second time against the trusted
+// activation state this file handed it, and dials the port inside the
+// sandbox's network namespace.
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/gateway"
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/procid"
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// gatewayProc is one activation's running netgtw.
+type gatewayProc struct {
+	cmd   *exec.Cmd
+	proc  procid.Process
+	sock  string
+	done  chan struct{}
+	tr    *http.Transport
+	proxy *httputil.ReverseProxy
+
+	ctlMu sync.Mutex
+	ctl   io.WriteCloser
+	out   *bufio.Reader
+}
+
+// netgtwPath is Config.NetgtwPath or netgtw next to spaced-host.
+func (m *Manager) netgtwPath() string {
+	if m.cfg.NetgtwPath != "" {
+		return m.cfg.NetgtwPath
+	}
+	return filepath.Join(filepath.Dir(m.cfg.SpacedHostPath), "netgtw")
+}
+
+// startGateway launches netgtw for inst. It returns (nil, nil) when no
+// netgtw binary is installed: the sandbox then has no service ports (every
+// service-port request is answered 503).
+func (m *Manager) startGateway(ctx context.Context, inst substrate.Instance, dir string) (*gatewayProc, error) {
+	bin := m.netgtwPath()
+	if _, err := os.Stat(bin); err != nil {
+		m.log.Warn("netgtw not installed; service ports unavailable", "path", bin)
+		return nil, nil
+	}
+	r := inst.Route()
+	_, ino, start, err := gateway.NetnsIdentity(inst.InitPID())
+	if err != nil {
+		return nil, fmt.Errorf("netgtw: record sandbox netns: %w", err)
+	}
+	sock := filepath.Join(dir, "gw.sock")
+	want, _ := json.Marshal(r)
+	logf, err := os.OpenFile(filepath.Join(dir, "netgtw.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("netgtw log: %w", err)
+	}
+	defer logf.Close()
+	cmd := exec.Command(bin, "--listen", sock, "--bundle", filepath.Join(m.cfg.StateDir, "bundle.json"),
+		"--route", string(want), "--init-pid", strconv.Itoa(inst.InitPID()),
+		"--init-start", strconv.FormatUint(start, 10), "--netns-ino", strconv.FormatUint(ino, 10),
+		"--manager-pid", strconv.Itoa(os.Getpid()))
+	cmd.Stderr = logf
+	cmd.Env = []string{"GOMAXPROCS=2", "GOGC=50"}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, fmt.Errorf("netgtw: %w", err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, fmt.Errorf("netgtw: %w", err)
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start netgtw: %w", err)
+	}
+	g := &gatewayProc{cmd: cmd, sock: sock, done: make(chan struct{}), ctl: stdin, out: bufio.NewReader(stdout)}
+	go func() { cmd.Wait(); close(g.done) }()
+	fail := func(err error) (*gatewayProc, error) {
+		cmd.Process.Kill()
+		stdin.Close()
+		<-g.done
+		return nil, err
+	}
+	ready := make(chan error, 1)
+	go func() {
+		line, err := g.out.ReadString('\n')
+		if err != nil || line != gateway.Ready {
+			ready <- fmt.Errorf("netgtw did not become ready (see %s): %v", filepath.Join(dir, "netgtw.log"), err)
+			return
+		}
+		ready <- nil
+	}()
+	select {
+	case err := <-ready:
+		if err != nil {
+			return fail(err)
+		}
+	case <-ctx.Done():
+		return fail(fmt.Errorf("netgtw: %w", ctx.Err()))
+	}
+	if g.proc, err = procid.Read(cmd.Process.Pid); err != nil {
+		return fail(fmt.Errorf("netgtw identity: %w", err))
+	}
+	g.tr = &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			c, err := d.DialContext(ctx, "unix", sock)
+			if err != nil {
+				return nil, err
+			}
+			// Per connection: the gateway must be the process launched here.
+			if err := procid.VerifyPeer(c, g.proc); err != nil {
+				c.Close()
+				return nil, fmt.Errorf("netgtw endpoint verification: %w", err)
+			}
+			return c, nil
+		},
+		MaxIdleConnsPerHost: 32,
+		IdleConnTimeout:     30 * time.Second,
+		DisableCompression:  true,
+	}
+	g.proxy = &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			// The capability and port header stay: netgtw checks them again.
+			pr.Out.URL.Scheme, pr.Out.URL.Host = "http", "netgtw"
+		},
+		Transport:     g.tr,
+		FlushInterval: -1,
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			if r.Context().Err() != nil {
+				return
+			}
+			writeError(w, fmt.Errorf("%w: service-port gateway: %v", errdefs.ErrUnavailable, err))
+		},
+	}
+	return g, nil
+}
+
+// control sends one control message and waits for netgtw's answer.
+func (g *gatewayProc) control(c gateway.Control) (string, error) {
+	b, _ := json.Marshal(c)
+	g.ctlMu.Lock()
+	defer g.ctlMu.Unlock()
+	if _, err := g.ctl.Write(append(b, '\n')); err != nil {
+		return "", fmt.Errorf("netgtw control: %w", err)
+	}
+	type res struct {
+		line string
+		err  error
+	}
+	ch := make(chan res, 1)
+	go func() { l, err := g.out.ReadString('\n'); ch <- res{l, err} }()
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			return "", fmt.Errorf("netgtw control: %w", r.err)
+		}
+		line := strings.TrimSuffix(r.line, "\n")
+		if strings.HasPrefix(line, "error: ") {
+			return "", errors.New("netgtw: " + strings.TrimPrefix(line, "error: "))
+		}
+		return line, nil
+	case <-time.After(5 * time.Second):
+		return "", errors.New("netgtw control: no answer")
+	}
+}
+
+// stop retires netgtw (its streams end at once) and stops it.
+func (g *gatewayProc) stop() {
+	g.tr.CloseIdleConnections()
+	g.cmd.Process.Signal(syscall.SIGTERM)
+	g.ctl.Close()
+	select {
+	case <-g.done:
+	case <-time.After(3 * time.Second):
+		g.cmd.Process.Kill()
+		<-g.done
+	}
+}
+
+// SetGatewayActivation tells the netgtw of sandbox's running activation
+// about a new activation attempt over its control channel. Within the same
+// identity epoch netgtw keeps its established streams and requires the new
+// identity for new opens; a route of another execution makes it end every
+// stream and serve nothing more. It is the hook for re-activations that
+// keep the instance (and the tests drive it directly).
+func (m *Manager) SetGatewayActivation(sandbox string, r identity.Route) (string, error) {
+	m.mu.RLock()
+	act := m.active[sandbox]
+	m.mu.RUnlock()
+	if act == nil || act.gw == nil {
+		return "", fmt.Errorf("%w: no service-port gateway for %s", errdefs.ErrNotFound, sandbox)
+	}
+	return act.gw.control(gateway.Control{Op: gateway.OpActivation, Route: &r})
+}
+
+// GatewayPID returns the pid of sandbox's netgtw (tests, measurements).
+func (m *Manager) GatewayPID(sandbox string) (int, bool) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	a := m.active[sandbox]
+	if a == nil || a.gw == nil {
+		return 0, false
+	}
+	return a.gw.proc.PID, true
+}
+
+// isServicePort reports whether r addresses a service port (the edge sets
+// E2b-Sandbox-Port on everything it forwards; the guest agent's port and
+// its absence mean the guest API).
+func isServicePort(r *http.Request) bool {
+	p := r.Header.Get(gateway.HeaderSandboxPort)
+	return p != "" && p != strconv.Itoa(gateway.EnvdPort)
+}
+
+// AdmitServicePort runs the manager's receiver checks on a service-port
+// capability for port and protocol, then compares its identity with the
+// installed record.
+func (m *Manager) AdmitServicePort(token string, port int, protocol string) Admission {
+	if token == "" {
+		return Admission{Decision: identity.Decision{Outcome: identity.Deny, Reason: "missing capability"}}
+	}
+	if m.ver == nil {
+		return Admission{Decision: identity.Decision{Outcome: identity.Deny, Reason: "service ports need capability verification"}}
+	}
+	c, err := m.ver.VerifyServicePort(token, port, protocol)
+	if err != nil {
+		return Admission{Decision: identity.Decision{Outcome: identity.Deny, Reason: err.Error()}, Err: err}
+	}
+	m.mu.RLock()
+	rec, ok := m.records[c.SandboxID]
+	m.mu.RUnlock()
+	var installed *identity.Record
+	if ok {
+		installed = &rec.Record
+	}
+	return Admission{Decision: identity.Compare(c.Route, installed, ""), Claims: c}
+}
+
+// serveServicePort admits a service-port request and forwards it to the
+// activation's netgtw, which checks it again before dialing the port.
+func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
+	port, err := gateway.ParsePort(r.Header.Get(gateway.HeaderSandboxPort))
+	if err != nil {
+		writeError(w, fmt.Errorf("%w: %v", errdefs.ErrInvalid, err))
+		return
+	}
+	proto := gateway.RequestProtocol(r)
+	ad := m.AdmitServicePort(r.Header.Get(spacev1.HeaderCapability), port, proto)
+	m.audit.record(ad, capability.PurposeServicePort, fmt.Sprintf("port %d/%s %s", port, proto, r.URL.Path))
+	m.metrics.decisions.WithLabelValues(ad.Decision.Outcome.String()).Inc()
+	switch ad.Decision.Outcome {
+	case identity.RefreshRoute:
+		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, ad.Decision.Reason)
+		return
+	case identity.Allow:
+	default:
+		writeOutcome(w, http.StatusForbidden, spacev1.OutcomeDeny, ad.Decision.Reason)
+		return
+	}
+	m.mu.RLock()
+	act := m.active[ad.Claims.SandboxID]
+	m.mu.RUnlock()
+	if act == nil || act.gw == nil {
+		writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
+		return
+	}
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	stop := context.AfterFunc(act.ctx, cancel)
+	defer stop()
+	if act.ctx.Err() != nil {
+		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")
+		return
+	}
+	if proto == gateway.ProtocolHTTP {
+		_ = http.NewResponseController(w).EnableFullDuplex()
+	}
+	act.gw.proxy.ServeHTTP(w, r.WithContext(ctx))
+}
