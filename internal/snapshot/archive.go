@@ -1,0 +1,571 @@
+//go:build linux
+
+package snapshot
+
+import (
+	"archive/tar"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacesbx/space/internal/errdefs"
+)
+
+// The archive format.
+//
+// A snapshot is a tar archive (PAX format, archive/tar) of an overlayfs
+// upper directory, entries in lexical walk order (parents first), names
+// relative to the upper directory ("etc/", "etc/hosts"), directories with a
+// trailing slash. The upper directory itself is not an entry. Each entry
+// keeps its permission bits (including setuid, setgid and sticky), numeric
+// owner and group, and modification time with nanoseconds. Supported
+// entries:
+//
+//   - directories, regular files, symbolic links (the target is stored as
+//     is: absolute targets are normal inside a sandbox and are never
+//     followed by Restore), FIFOs;
+//   - hard links: the second and later names of a regular file are
+//     TypeLink entries naming the first;
+//   - overlay whiteouts: character devices 0:0 (TypeChar, major and minor
+//     0). Any other device node is left out of the archive (and refused by
+//     Restore); sockets are left out;
+//   - extended attributes as PAX "SCHILY.xattr.<name>" records, only those
+//     in the allowlist (see keepXattr): the overlay opaque-directory markers
+//     trusted.overlay.opaque and user.overlay.opaque, and user.* attributes
+//     that are not overlay's own. Other trusted.overlay.* attributes (origin,
+//     impure, redirect) describe the lower layer of this host and are
+//     dropped; security.* (file capabilities, SELinux labels) is dropped.
+
+// Stats summarizes an archive or a restore.
+type Stats struct {
+	Entries int
+	Bytes   int64 // regular file content
+	// Skipped counts files Archive left out (sockets, device nodes other
+	// than whiteouts).
+	Skipped int
+}
+
+// ErrHostileArchive is matched (errors.Is) by every *ArchiveError.
+var ErrHostileArchive = errors.New("snapshot: archive rejected")
+
+// ArchiveError rejects one entry of an archive given to Restore. It
+// matches ErrHostileArchive and errdefs.ErrInvalid.
+type ArchiveError struct {
+	Entry  string
+	Reason string
+}
+
+func (e *ArchiveError) Error() string {
+	return fmt.Sprintf("snapshot: archive entry %q rejected: %s", e.Entry, e.Reason)
+}
+
+// Is makes errors.Is(err, ErrHostileArchive) and errors.Is(err,
+// errdefs.ErrInvalid) hold.
+func (e *ArchiveError) Is(target error) bool {
+	return target == ErrHostileArchive || target == errdefs.ErrInvalid
+}
+
+const xattrPrefix = "SCHILY.xattr."
+
+// keepXattr is the allowlist of extended attributes an archive carries.
+func keepXattr(name string) bool {
+	switch name {
+	case "trusted.overlay.opaque", "user.overlay.opaque":
+		return true
+	}
+	return strings.HasPrefix(name, "user.") && !strings.HasPrefix(name, "user.overlay.")
+}
+
+// Archive writes the tree under dir to w as described above. The tree must
+// be quiescent (a paused or stopped sandbox); Archive never follows
+// symbolic links.
+func Archive(ctx context.Context, dir string, w io.Writer) (Stats, error) {
+	var st Stats
+	tw := tar.NewWriter(w)
+	type inode struct{ dev, ino uint64 }
+	links := map[inode]string{}
+	buf := make([]byte, 256<<10)
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		rel, err := filepath.Rel(dir, p)
+		if err != nil {
+			return err
+		}
+		if rel == "." {
+			return nil
+		}
+		name := filepath.ToSlash(rel)
+		var s unix.Stat_t
+		if err := unix.Lstat(p, &s); err != nil {
+			return fmt.Errorf("lstat %s: %w", name, err)
+		}
+		hdr := &tar.Header{
+			Name:    name,
+			Mode:    int64(s.Mode & 0o7777),
+			Uid:     int(s.Uid),
+			Gid:     int(s.Gid),
+			ModTime: time.Unix(s.Mtim.Unix()),
+			Format:  tar.FormatPAX,
+		}
+		switch s.Mode & unix.S_IFMT {
+		case unix.S_IFDIR:
+			hdr.Typeflag, hdr.Name = tar.TypeDir, name+"/"
+		case unix.S_IFREG:
+			if s.Nlink > 1 {
+				k := inode{uint64(s.Dev), s.Ino}
+				if first, ok := links[k]; ok {
+					hdr.Typeflag, hdr.Linkname = tar.TypeLink, first
+					break
+				}
+				links[k] = name
+			}
+			hdr.Typeflag, hdr.Size = tar.TypeReg, s.Size
+		case unix.S_IFLNK:
+			target, err := os.Readlink(p)
+			if err != nil {
+				return fmt.Errorf("readlink %s: %w", name, err)
+			}
+			hdr.Typeflag, hdr.Linkname = tar.TypeSymlink, target
+		case unix.S_IFCHR:
+			if unix.Major(uint64(s.Rdev)) != 0 || unix.Minor(uint64(s.Rdev)) != 0 {
+				st.Skipped++
+				return nil
+			}
+			hdr.Typeflag = tar.TypeChar // overlay whiteout
+		case unix.S_IFIFO:
+			hdr.Typeflag = tar.TypeFifo
+		default: // sockets, block devices
+			st.Skipped++
+			return nil
+		}
+		if hdr.Typeflag == tar.TypeDir || hdr.Typeflag == tar.TypeReg {
+			xa, err := readXattrs(p)
+			if err != nil {
+				return fmt.Errorf("xattrs of %s: %w", name, err)
+			}
+			for k, v := range xa {
+				if hdr.PAXRecords == nil {
+					hdr.PAXRecords = map[string]string{}
+				}
+				hdr.PAXRecords[xattrPrefix+k] = v
+			}
+		}
+		if err := tw.WriteHeader(hdr); err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		st.Entries++
+		if hdr.Typeflag == tar.TypeReg {
+			f, err := os.OpenFile(p, os.O_RDONLY|unix.O_NOFOLLOW, 0)
+			if err != nil {
+				return fmt.Errorf("open %s: %w", name, err)
+			}
+			n, err := io.CopyBuffer(tw, io.LimitReader(f, s.Size), buf)
+			f.Close()
+			if err != nil {
+				return fmt.Errorf("copy %s: %w", name, err)
+			}
+			if n != s.Size {
+				return fmt.Errorf("copy %s: file changed size while archiving (is the sandbox paused?)", name)
+			}
+			st.Bytes += n
+		}
+		return nil
+	})
+	if err != nil {
+		return st, fmt.Errorf("snapshot: archive: %w", err)
+	}
+	if err := tw.Close(); err != nil {
+		return st, fmt.Errorf("snapshot: archive: %w", err)
+	}
+	return st, nil
+}
+
+func readXattrs(p string) (map[string]string, error) {
+	sz, err := unix.Llistxattr(p, nil)
+	if err != nil || sz == 0 {
+		if errors.Is(err, unix.ENOTSUP) {
+			err = nil
+		}
+		return nil, err
+	}
+	buf := make([]byte, sz)
+	sz, err = unix.Llistxattr(p, buf)
+	if err != nil {
+		return nil, err
+	}
+	var out map[string]string
+	for _, name := range strings.Split(string(buf[:sz]), "\x00") {
+		if name == "" || !keepXattr(name) {
+			continue
+		}
+		vsz, err := unix.Lgetxattr(p, name, nil)
+		if err != nil {
+			if errors.Is(err, unix.ENODATA) {
+				continue
+			}
+			return nil, err
+		}
+		v := make([]byte, vsz)
+		if vsz > 0 {
+			if vsz, err = unix.Lgetxattr(p, name, v); err != nil {
+				return nil, err
+			}
+		}
+		if out == nil {
+			out = map[string]string{}
+		}
+		out[name] = string(v[:vsz])
+	}
+	return out, nil
+}
+
+// RestoreOptions bound what Restore accepts.
+type RestoreOptions struct {
+	// MaxEntries bounds the number of entries. Default 4 Mi.
+	MaxEntries int
+	// MaxBytes bounds the total size of regular file content. Default 64 GiB.
+	MaxBytes int64
+}
+
+func (o *RestoreOptions) defaults() {
+	if o.MaxEntries <= 0 {
+		o.MaxEntries = 4 << 20
+	}
+	if o.MaxBytes <= 0 {
+		o.MaxBytes = 64 << 30
+	}
+}
+
+// Restore extracts an archive written by Archive into dir, which must
+// exist and be empty. It refuses hostile archives with an *ArchiveError
+// (errors.Is(err, ErrHostileArchive)):
+//
+//   - absolute names, ".." or "." components, empty or unclean names, NUL
+//     bytes, duplicate names;
+//   - an entry whose parent is not a directory created earlier by the same
+//     archive (this is what stops "symlink escapes": a symlink entry is
+//     never a parent, so nothing is ever written through one);
+//   - hard links whose target is not a regular file extracted earlier;
+//   - device nodes other than 0:0 whiteouts, block devices, and any other
+//     entry type (sparse files, GNU extensions);
+//   - extended attributes outside the allowlist, oversized archives.
+//
+// All file system operations are relative to dir (os.Root and *at system
+// calls on directory descriptors, never following the final component), so
+// even a bug in these checks cannot write outside dir. On error dir holds a
+// partial tree: the caller removes it.
+func Restore(ctx context.Context, r io.Reader, dir string, opts RestoreOptions) (Stats, error) {
+	opts.defaults()
+	var st Stats
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return st, fmt.Errorf("snapshot: restore: %w", err)
+	}
+	if len(ents) > 0 {
+		return st, fmt.Errorf("snapshot: restore: %w: target directory %s is not empty", errdefs.ErrConflict, dir)
+	}
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		return st, fmt.Errorf("snapshot: restore: %w", err)
+	}
+	defer root.Close()
+	x := &extractor{root: root, dirs: map[string]bool{"": true}, files: map[string]bool{}, seen: map[string]bool{}}
+	defer x.closeParent()
+	tr := tar.NewReader(r)
+	buf := make([]byte, 256<<10)
+	for {
+		if err := ctx.Err(); err != nil {
+			return st, fmt.Errorf("snapshot: restore: %w", err)
+		}
+		hdr, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return st, fmt.Errorf("snapshot: restore: %w", &ArchiveError{Entry: "", Reason: "malformed archive: " + err.Error()})
+		}
+		if hdr.Typeflag == tar.TypeXGlobalHeader {
+			continue
+		}
+		st.Entries++
+		if st.Entries > opts.MaxEntries {
+			return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("more than %d entries", opts.MaxEntries)}
+		}
+		if hdr.Typeflag == tar.TypeReg || hdr.Typeflag == tar.TypeRegA {
+			if hdr.Size < 0 || st.Bytes+hdr.Size > opts.MaxBytes {
+				return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("content exceeds %d bytes", opts.MaxBytes)}
+			}
+		}
+		n, err := x.extract(hdr, tr, buf)
+		st.Bytes += n
+		if err != nil {
+			var ae *ArchiveError
+			if errors.As(err, &ae) {
+				return st, err
+			}
+			return st, fmt.Errorf("snapshot: restore %q: %w", hdr.Name, err)
+		}
+	}
+	// Directory times last, deepest first: creating children moved them.
+	x.closeParent()
+	slices.SortFunc(x.dirTimes, func(a, b dirTime) int { return strings.Compare(b.name, a.name) })
+	for _, d := range x.dirTimes {
+		if err := x.withParent(d.name, func(pfd int, base string) error {
+			return setTimes(pfd, base, d.mtime)
+		}); err != nil {
+			return st, fmt.Errorf("snapshot: restore %q: times: %w", d.name, err)
+		}
+	}
+	return st, nil
+}
+
+type dirTime struct {
+	name  string
+	mtime time.Time
+}
+
+type extractor struct {
+	root     *os.Root
+	dirs     map[string]bool // directories created by this archive ("" is the root)
+	files    map[string]bool // regular files created by this archive
+	seen     map[string]bool
+	dirTimes []dirTime
+
+	parentName string
+	parent     *os.File
+}
+
+func (x *extractor) closeParent() {
+	if x.parent != nil {
+		x.parent.Close()
+		x.parent, x.parentName = nil, ""
+	}
+}
+
+// cleanName validates a tar name and returns it without a trailing slash.
+func cleanName(name string) (string, string) {
+	n := strings.TrimSuffix(name, "/")
+	switch {
+	case n == "":
+		return "", "empty name"
+	case strings.ContainsRune(n, 0):
+		return "", "NUL byte in name"
+	case strings.HasPrefix(n, "/"):
+		return "", "absolute path"
+	}
+	for _, c := range strings.Split(n, "/") {
+		switch c {
+		case "..":
+			return "", "'..' component"
+		case ".", "":
+			return "", "unclean path ('.' or empty component)"
+		}
+	}
+	if path.Clean(n) != n {
+		return "", "unclean path"
+	}
+	return n, ""
+}
+
+// withParent runs fn with a descriptor of name's parent directory (opened
+// beneath the root) and name's last element.
+func (x *extractor) withParent(name string, fn func(pfd int, base string) error) error {
+	dir, base := path.Split(name)
+	dir = strings.TrimSuffix(dir, "/")
+	if x.parent == nil || x.parentName != dir {
+		x.closeParent()
+		open := dir
+		if open == "" {
+			open = "."
+		}
+		f, err := x.root.OpenFile(open, os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
+		if err != nil {
+			return err
+		}
+		x.parent, x.parentName = f, dir
+	}
+	return fn(int(x.parent.Fd()), base)
+}
+
+func (x *extractor) extract(hdr *tar.Header, r io.Reader, buf []byte) (int64, error) {
+	name, why := cleanName(hdr.Name)
+	if why != "" {
+		return 0, &ArchiveError{Entry: hdr.Name, Reason: why}
+	}
+	if x.seen[name] {
+		return 0, &ArchiveError{Entry: hdr.Name, Reason: "duplicate entry"}
+	}
+	x.seen[name] = true
+	parent := path.Dir(name)
+	if parent == "." {
+		parent = ""
+	}
+	if !x.dirs[parent] {
+		return 0, &ArchiveError{Entry: hdr.Name, Reason: "parent is not a directory created by this archive (symlink escape or missing parent)"}
+	}
+	xattrs := map[string]string{}
+	for k, v := range hdr.PAXRecords {
+		if a, ok := strings.CutPrefix(k, xattrPrefix); ok {
+			if !keepXattr(a) {
+				return 0, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("extended attribute %q not allowed", a)}
+			}
+			xattrs[a] = v
+		}
+	}
+	mode := uint32(hdr.Mode) & 0o7777
+	if hdr.Mode < 0 || hdr.Mode&^0o7777 != 0 {
+		return 0, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("invalid mode %o", hdr.Mode)}
+	}
+	if hdr.Uid < 0 || hdr.Gid < 0 || hdr.Uid > 1<<31 || hdr.Gid > 1<<31 {
+		return 0, &ArchiveError{Entry: hdr.Name, Reason: "invalid owner"}
+	}
+	if len(xattrs) > 0 && hdr.Typeflag != tar.TypeDir && hdr.Typeflag != tar.TypeReg && hdr.Typeflag != tar.TypeRegA {
+		return 0, &ArchiveError{Entry: hdr.Name, Reason: "extended attributes on a non-file entry"}
+	}
+	var written int64
+	err := x.withParent(name, func(pfd int, base string) error {
+		switch hdr.Typeflag {
+		case tar.TypeDir:
+			if err := unix.Mkdirat(pfd, base, 0o700); err != nil {
+				return err
+			}
+			if err := x.setAttrsFd(pfd, base, hdr, mode, xattrs, nil); err != nil {
+				return err
+			}
+			x.dirs[name] = true
+			x.dirTimes = append(x.dirTimes, dirTime{name, hdr.ModTime})
+			return nil
+		case tar.TypeReg, tar.TypeRegA:
+			fd, err := unix.Openat(pfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+			if err != nil {
+				return err
+			}
+			f := os.NewFile(uintptr(fd), name)
+			defer f.Close()
+			n, err := io.CopyBuffer(f, io.LimitReader(r, hdr.Size), buf)
+			written = n
+			if err != nil {
+				return err
+			}
+			if n != hdr.Size {
+				return &ArchiveError{Entry: hdr.Name, Reason: "truncated content"}
+			}
+			if err := x.setAttrsFd(pfd, base, hdr, mode, xattrs, f); err != nil {
+				return err
+			}
+			x.files[name] = true
+			return nil
+		case tar.TypeSymlink:
+			if hdr.Linkname == "" || strings.ContainsRune(hdr.Linkname, 0) || len(hdr.Linkname) > 4095 {
+				return &ArchiveError{Entry: hdr.Name, Reason: "invalid symlink target"}
+			}
+			if err := unix.Symlinkat(hdr.Linkname, pfd, base); err != nil {
+				return err
+			}
+			if err := unix.Fchownat(pfd, base, hdr.Uid, hdr.Gid, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+				return err
+			}
+			return setTimes(pfd, base, hdr.ModTime)
+		case tar.TypeLink:
+			target, why := cleanName(hdr.Linkname)
+			if why != "" {
+				return &ArchiveError{Entry: hdr.Name, Reason: "hard link target: " + why}
+			}
+			if !x.files[target] {
+				return &ArchiveError{Entry: hdr.Name, Reason: "hard link target is not a regular file extracted earlier"}
+			}
+			tdir, tbase := path.Split(target)
+			topen := strings.TrimSuffix(tdir, "/")
+			if topen == "" {
+				topen = "."
+			}
+			td, err := x.root.OpenFile(topen, os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
+			if err != nil {
+				return err
+			}
+			defer td.Close()
+			return unix.Linkat(int(td.Fd()), tbase, pfd, base, 0)
+		case tar.TypeChar:
+			if hdr.Devmajor != 0 || hdr.Devminor != 0 {
+				return &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("device node %d:%d (only 0:0 overlay whiteouts are allowed)", hdr.Devmajor, hdr.Devminor)}
+			}
+			if err := unix.Mknodat(pfd, base, unix.S_IFCHR|mode&0o777, 0); err != nil {
+				return err
+			}
+			return x.setAttrsPath(pfd, base, hdr, mode)
+		case tar.TypeFifo:
+			if err := unix.Mknodat(pfd, base, unix.S_IFIFO|mode&0o777, 0); err != nil {
+				return err
+			}
+			return x.setAttrsPath(pfd, base, hdr, mode)
+		case tar.TypeBlock:
+			return &ArchiveError{Entry: hdr.Name, Reason: "block device"}
+		default:
+			return &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("unsupported entry type %q", hdr.Typeflag)}
+		}
+	})
+	return written, err
+}
+
+// setAttrsFd sets owner, mode, xattrs (and for files times) on a directory
+// or regular file, through a descriptor that does not follow symlinks.
+func (x *extractor) setAttrsFd(pfd int, base string, hdr *tar.Header, mode uint32, xattrs map[string]string, f *os.File) error {
+	if f == nil {
+		fd, err := unix.Openat(pfd, base, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		f = os.NewFile(uintptr(fd), base)
+		defer f.Close()
+	}
+	fd := int(f.Fd())
+	if err := unix.Fchown(fd, hdr.Uid, hdr.Gid); err != nil {
+		return err
+	}
+	// After chown: chown clears setuid/setgid bits.
+	if err := unix.Fchmod(fd, mode); err != nil {
+		return err
+	}
+	for k, v := range xattrs {
+		if err := unix.Fsetxattr(fd, k, []byte(v), 0); err != nil {
+			return fmt.Errorf("set xattr %s: %w", k, err)
+		}
+	}
+	if hdr.Typeflag != tar.TypeDir {
+		ts := []unix.Timespec{unix.NsecToTimespec(hdr.ModTime.UnixNano()), unix.NsecToTimespec(hdr.ModTime.UnixNano())}
+		return unix.UtimesNanoAt(pfd, base, ts, unix.AT_SYMLINK_NOFOLLOW)
+	}
+	return nil
+}
+
+// setAttrsPath sets owner, mode and times on a node the extractor just
+// created (whiteout or FIFO) without opening it.
+func (x *extractor) setAttrsPath(pfd int, base string, hdr *tar.Header, mode uint32) error {
+	if err := unix.Fchownat(pfd, base, hdr.Uid, hdr.Gid, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return err
+	}
+	if err := unix.Fchmodat(pfd, base, mode, 0); err != nil {
+		return err
+	}
+	return setTimes(pfd, base, hdr.ModTime)
+}
+
+func setTimes(pfd int, base string, mtime time.Time) error {
+	ts := []unix.Timespec{unix.NsecToTimespec(mtime.UnixNano()), unix.NsecToTimespec(mtime.UnixNano())}
+	return unix.UtimesNanoAt(pfd, base, ts, unix.AT_SYMLINK_NOFOLLOW)
+}
