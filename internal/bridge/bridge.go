@@ -1,13 +1,29 @@
 // Package bridge is spaced-host, the per-activation host bridge between
 // sbx-manager and the agent inside a sandbox.
 //
-// Every connection from sbx-manager gets its own dedicated guest
-// connection, and that guest connection is admitted only after three checks:
-// the listener's peer credentials name the recorded agent process, that
-// process still has the recorded start time and executable, and the agent
-// reports the execution identity this bridge was started for. A dropped
-// guest connection fails the operations on it and the manager connection
-// with it; the bridge never reconnects transparently.
+// At start the bridge records the agent process (pid, start time,
+// executable device+inode and SHA-256, a pidfd), the inode of the guest
+// socket's path, and the listening socket bound there (found with
+// sock_diag by the path's inode, and required to be among the agent's file
+// descriptors). Every connection from sbx-manager then gets its own
+// dedicated guest connection, admitted only after these checks, in order:
+//
+//  1. path-inode: the socket path still has the recorded inode (an
+//     unlinked and re-bound path has another);
+//  2. listener: the recorded listening socket is still among the agent's
+//     fds (/proc/<pid>/fd), so it was not handed to another process;
+//  3. peer-socket: sock_diag (UNIX_DIAG) shows that this connection went
+//     through that listener: our socket waits in its accept queue, or our
+//     peer is an accepted socket bound at the recorded path inode that
+//     names our socket back;
+//  4. peer-process: SO_PEERCRED and SO_PEERPIDFD name the recorded agent,
+//     still alive (pidfd) with the same start time and executable;
+//  5. guest-identity: the agent reports, on that very connection, the
+//     execution identity this bridge was started for.
+//
+// A failed check closes the connection with a *VerifyError naming it. A
+// dropped guest connection fails the operations on it and the manager
+// connection with it; the bridge never reconnects transparently.
 package bridge
 
 import (
@@ -20,9 +36,13 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/identity"
@@ -32,8 +52,40 @@ import (
 // IdentityPath is where the agent reports the identity it was activated with.
 const IdentityPath = "/_space/identity"
 
-// ErrGuestIdentity means the agent reported another execution.
-var ErrGuestIdentity = errors.New("guest reported another identity")
+// Errors of the guest connection checks; a *VerifyError wraps one of them
+// (or procid.ErrMismatch for the peer-process check).
+var (
+	// ErrGuestIdentity means the agent reported another execution.
+	ErrGuestIdentity = errors.New("guest reported another identity")
+	// ErrSocketPath means the guest socket path no longer has the inode
+	// it had when the bridge started (unlinked and re-bound).
+	ErrSocketPath = errors.New("guest socket path replaced")
+	// ErrListener means the listening socket is no longer the agent's, or
+	// the connection did not go through it.
+	ErrListener = errors.New("guest listener is not the agent's")
+)
+
+// Names of the checks a guest connection passes, in order.
+const (
+	CheckPathInode     = "path-inode"
+	CheckListener      = "listener"
+	CheckPeerSocket    = "peer-socket"
+	CheckPeerProcess   = "peer-process"
+	CheckGuestIdentity = "guest-identity"
+)
+
+// VerifyError is a failed check of a guest connection.
+type VerifyError struct {
+	Check string
+	Err   error
+}
+
+func (e *VerifyError) Error() string { return "bridge: " + e.Check + " check failed: " + e.Err.Error() }
+func (e *VerifyError) Unwrap() error { return e.Err }
+
+func verr(check string, format string, a ...any) error {
+	return &VerifyError{Check: check, Err: fmt.Errorf(format, a...)}
+}
 
 // Config configures a bridge.
 type Config struct {
@@ -48,6 +100,9 @@ type Config struct {
 	// DialTimeout bounds connecting to and verifying the guest. Default 5s.
 	DialTimeout time.Duration
 	Logger      *slog.Logger
+
+	// noSockDiag skips the sock_diag peer-socket check (benchmarks only).
+	noSockDiag bool
 }
 
 // Validate checks the configuration and fills defaults.
@@ -70,9 +125,22 @@ func (c *Config) Validate() error {
 // Bridge forwards HTTP between sbx-manager and one activation's agent.
 type Bridge struct {
 	cfg   Config
-	guest procid.Process
+	guest *procid.Handle
 	srv   *http.Server
 	label string
+
+	// The guest socket path's inode and the listener bound there, as
+	// recorded at start.
+	pathDev, pathIno uint64
+	listener         uint32
+	listenerFD       atomic.Int32 // where the listener was last seen among the agent's fds
+	// diagGuest answers in the agent's network namespace, diagSelf in
+	// ours (the same socket when they are one namespace).
+	diagGuest, diagSelf *procid.Diag
+
+	closeOnce sync.Once
+	// verified counts guest connections that passed every check.
+	verified atomic.Uint64
 }
 
 type connKey struct{}
@@ -91,15 +159,16 @@ func New(cfg Config) (*Bridge, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	p, err := procid.Read(cfg.GuestPID)
-	if err != nil {
-		return nil, fmt.Errorf("bridge: guest process: %w", err)
+	b := &Bridge{cfg: cfg, label: cfg.Expected.ExecutionLabel()}
+	if err := b.record(); err != nil {
+		b.release()
+		return nil, err
 	}
-	b := &Bridge{cfg: cfg, guest: p, label: cfg.Expected.ExecutionLabel()}
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.DialTimeout)
 	defer cancel()
 	gc, err := b.dialGuest(ctx)
 	if err != nil {
+		b.release()
 		return nil, err
 	}
 	gc.conn.Close()
@@ -131,7 +200,145 @@ func (b *Bridge) Serve(l net.Listener) error {
 }
 
 // Close stops the bridge; open streams are cut.
-func (b *Bridge) Close() error { return b.srv.Close() }
+func (b *Bridge) Close() error {
+	err := b.srv.Close()
+	b.release()
+	return err
+}
+
+// release frees the pidfd and sock_diag sockets; later checks fail.
+func (b *Bridge) release() {
+	b.closeOnce.Do(func() {
+		if b.guest != nil {
+			b.guest.Close()
+		}
+		if b.diagSelf != nil && b.diagSelf != b.diagGuest {
+			b.diagSelf.Close()
+		}
+		if b.diagGuest != nil {
+			b.diagGuest.Close()
+		}
+	})
+}
+
+// record takes what later connections are compared with: the agent
+// process, the path's inode and the listening socket bound at it.
+func (b *Bridge) record() error {
+	pid := b.cfg.GuestPID
+	h, err := procid.Open(pid)
+	if err != nil {
+		return fmt.Errorf("bridge: guest process: %w", err)
+	}
+	b.guest = h
+	var st unix.Stat_t
+	if err := unix.Stat(b.cfg.GuestSocket, &st); err != nil {
+		return fmt.Errorf("bridge: guest socket: %w", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFSOCK {
+		return fmt.Errorf("bridge: guest socket %s is not a socket", b.cfg.GuestSocket)
+	}
+	b.pathDev, b.pathIno = uint64(st.Dev), st.Ino
+	if b.diagGuest, err = procid.NewDiagInNetns(pid); err != nil {
+		return fmt.Errorf("bridge: sock_diag: %w", err)
+	}
+	if same, err := procid.SameNetns(pid); err != nil {
+		return fmt.Errorf("bridge: %w", err)
+	} else if same {
+		b.diagSelf = b.diagGuest
+	} else if b.diagSelf, err = procid.NewDiag(); err != nil {
+		return fmt.Errorf("bridge: sock_diag: %w", err)
+	}
+	socks, err := b.diagGuest.Dump(1<<procid.StateListen, procid.UDiagShowVFS)
+	if err != nil {
+		return fmt.Errorf("bridge: sock_diag: %w", err)
+	}
+	for _, s := range socks {
+		if b.boundAtPath(s) {
+			if b.listener != 0 {
+				return verr(CheckListener, "%w: two listeners at %s", ErrListener, b.cfg.GuestSocket)
+			}
+			b.listener = s.Ino
+		}
+	}
+	if b.listener == 0 {
+		return verr(CheckListener, "%w: no listener bound at %s in the agent's network namespace", ErrListener, b.cfg.GuestSocket)
+	}
+	fd, err := procid.FindSocketFD(pid, b.listener, -1)
+	if err != nil {
+		return verr(CheckListener, "%w: %v", ErrListener, err)
+	}
+	b.listenerFD.Store(int32(fd))
+	// The fds read above were the recorded process's if it is alive now.
+	if err := h.Check(); err != nil {
+		return verr(CheckPeerProcess, "%w", err)
+	}
+	return nil
+}
+
+func (b *Bridge) boundAtPath(s procid.UnixSocket) bool {
+	return s.HasVFS && s.VFSIno == uint32(b.pathIno) && s.VFSDev == procid.KernelDev(b.pathDev)
+}
+
+// verifyTransport runs the transport checks (1-4) on a new guest connection.
+func (b *Bridge) verifyTransport(c net.Conn) error {
+	pid := b.cfg.GuestPID
+	fd, err := procid.FindSocketFD(pid, b.listener, int(b.listenerFD.Load()))
+	if err != nil {
+		return verr(CheckListener, "%w: %v", ErrListener, err)
+	}
+	b.listenerFD.Store(int32(fd))
+	if !b.cfg.noSockDiag {
+		if err := b.verifyPeerSocket(c); err != nil {
+			return err
+		}
+	}
+	if err := b.guest.VerifyPeer(c); err != nil {
+		return &VerifyError{Check: CheckPeerProcess, Err: err}
+	}
+	return nil
+}
+
+// verifyPeerSocket asks sock_diag whether c went through the recorded
+// listener: either our socket waits in its accept queue, or the agent has
+// accepted it and our peer is bound at the recorded path inode and names
+// our socket as its peer.
+func (b *Bridge) verifyPeerSocket(c net.Conn) error {
+	own, err := procid.ConnInode(c)
+	if err != nil {
+		return verr(CheckPeerSocket, "%w", err)
+	}
+	for attempt := 0; ; attempt++ {
+		ls, err := b.diagGuest.Lookup(b.listener, procid.UDiagShowVFS|procid.UDiagShowIcons)
+		if err != nil {
+			return verr(CheckListener, "%w: listener %d: %v", ErrListener, b.listener, err)
+		}
+		if ls.State != procid.StateListen || !b.boundAtPath(ls) {
+			return verr(CheckListener, "%w: socket %d no longer listens at the recorded path inode", ErrListener, b.listener)
+		}
+		if slices.Contains(ls.Icons, own) {
+			return nil
+		}
+		me, err := b.diagSelf.Lookup(own, procid.UDiagShowPeer)
+		if err != nil || !me.HasPeer {
+			return verr(CheckPeerSocket, "%w: own socket %d: %v", ErrListener, own, err)
+		}
+		if me.Peer != 0 {
+			p, err := b.diagGuest.Lookup(me.Peer, procid.UDiagShowVFS|procid.UDiagShowPeer)
+			if err != nil {
+				return verr(CheckPeerSocket, "%w: peer socket %d is not in the agent's network namespace: %v", ErrListener, me.Peer, err)
+			}
+			if !b.boundAtPath(p) || p.Peer != own {
+				return verr(CheckPeerSocket, "%w: peer socket %d is bound at %d:%d, not at the recorded path inode", ErrListener, me.Peer, p.VFSDev, p.VFSIno)
+			}
+			return nil
+		}
+		// Dequeued but not yet given an inode by accept(2): a moment.
+		if attempt == 50 {
+			return verr(CheckPeerSocket, "%w: connection neither queued nor accepted", ErrListener)
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+}
 
 // Shutdown stops accepting and waits for in-flight requests until ctx ends.
 func (b *Bridge) Shutdown(ctx context.Context) error { return b.srv.Shutdown(ctx) }
@@ -139,14 +346,22 @@ func (b *Bridge) Shutdown(ctx context.Context) error { return b.srv.Shutdown(ctx
 // dialGuest opens and verifies a new guest connection: transport checks
 // first, then the identity the agent reports on that very connection.
 func (b *Bridge) dialGuest(ctx context.Context) (*guestConn, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(b.cfg.GuestSocket, &st); err != nil {
+		return nil, verr(CheckPathInode, "%w: %v", ErrSocketPath, err)
+	}
+	if uint64(st.Dev) != b.pathDev || st.Ino != b.pathIno {
+		return nil, verr(CheckPathInode, "%w: %s is inode %d:%d, recorded %d:%d",
+			ErrSocketPath, b.cfg.GuestSocket, st.Dev, st.Ino, b.pathDev, b.pathIno)
+	}
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "unix", b.cfg.GuestSocket)
 	if err != nil {
 		return nil, fmt.Errorf("bridge: dial guest: %w", err)
 	}
-	if err := procid.VerifyPeer(c, b.guest); err != nil {
+	if err := b.verifyTransport(c); err != nil {
 		c.Close()
-		return nil, fmt.Errorf("bridge: guest listener: %w", err)
+		return nil, err
 	}
 	if dl, ok := ctx.Deadline(); ok {
 		c.SetDeadline(dl)
@@ -167,13 +382,14 @@ func (b *Bridge) dialGuest(ctx context.Context) (*guestConn, error) {
 	resp.Body.Close()
 	if err != nil || resp.StatusCode != http.StatusOK {
 		c.Close()
-		return nil, fmt.Errorf("bridge: %w: status %d: %v", ErrGuestIdentity, resp.StatusCode, err)
+		return nil, verr(CheckGuestIdentity, "%w: status %d: %v", ErrGuestIdentity, resp.StatusCode, err)
 	}
 	if d := identity.Diff(got, b.cfg.Expected); len(d) > 0 {
 		c.Close()
-		return nil, fmt.Errorf("bridge: %w: differs in %s", ErrGuestIdentity, strings.Join(d, ","))
+		return nil, verr(CheckGuestIdentity, "%w: differs in %s", ErrGuestIdentity, strings.Join(d, ","))
 	}
 	c.SetDeadline(time.Time{})
+	b.verified.Add(1)
 	return gc, nil
 }
 
