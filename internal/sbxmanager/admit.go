@@ -90,6 +90,11 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")
 		return
 	}
+	// The proxy's transport reads the request body while the response
+	// streams back: without full duplex the server would discard and close
+	// that body when the (flushed) response headers go out, failing the
+	// transport's body write and cutting the response short.
+	_ = http.NewResponseController(w).EnableFullDuplex()
 	act.proxy.ServeHTTP(w, r.WithContext(ctx))
 }
 
