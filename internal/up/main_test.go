@@ -1,0 +1,149 @@
+package up
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/substrate/ns"
+)
+
+// Limits every sandbox of the test platform gets: small enough that the
+// memory hog and the fork bomb hit them quickly, large enough for a login
+// shell and the guest agent.
+const (
+	testMemoryLimit = 128 << 20
+	testPidsLimit   = 128
+)
+
+var (
+	// plat is the platform every test drives, started once by TestMain.
+	plat *Platform
+	// testTransport carries every HTTP request of the tests, so idle
+	// connections can be closed before the leak check.
+	testTransport = http.DefaultTransport.(*http.Transport).Clone()
+)
+
+func TestMain(m *testing.M) {
+	ns.MaybeInit() // this test binary is also the sandbox init
+	os.Exit(testMain(m))
+}
+
+func testMain(m *testing.M) int {
+	if os.Geteuid() != 0 {
+		fmt.Println("skipping: internal/up integration tests need root (namespaces, cgroups, mounts, embedded etcd)")
+		return 0
+	}
+	tmp, err := os.MkdirTemp("", "space-up-test-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer os.RemoveAll(tmp)
+
+	bin, err := binaries(tmp)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	logPath := filepath.Join(tmp, "platform.log")
+	logf, err := os.Create(logPath)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer logf.Close()
+	log := slog.New(slog.NewTextHandler(logf, &slog.HandlerOptions{Level: slog.LevelInfo}))
+
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	p, err := Start(ctx, Config{
+		APIAddr:       "127.0.0.1:0",
+		EdgeAddr:      "127.0.0.1:0",
+		DataDir:       filepath.Join(tmp, "data"),
+		Workers:       2,
+		BinDir:        bin,
+		DefaultLimits: spacev1.Limits{MemoryBytes: testMemoryLimit, Pids: testPidsLimit},
+		Logger:        log,
+	})
+	cancel()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "up.Start: %v\n", err)
+		dumpLog(logPath)
+		return 1
+	}
+	plat = p
+
+	code := m.Run()
+
+	if err := p.Err(); err != nil {
+		fmt.Fprintf(os.Stderr, "platform component stopped on its own: %v\n", err)
+		code = 1
+	}
+	p.Close()
+	testTransport.CloseIdleConnections()
+	if code != 0 {
+		dumpLog(logPath)
+		return code
+	}
+	if err := goleak.Find(); err != nil {
+		fmt.Fprintln(os.Stderr, "goleak:", err)
+		return 1
+	}
+	return 0
+}
+
+// binaries returns the directory holding spaced-host and spaced-guest:
+// $SPACE_BIN_DIR (set by make test) or a fresh build into dir.
+func binaries(dir string) (string, error) {
+	if d := os.Getenv("SPACE_BIN_DIR"); d != "" {
+		return d, nil
+	}
+	bin := filepath.Join(dir, "bin")
+	for _, b := range []struct {
+		name, pkg string
+		static    bool
+	}{
+		{"spaced-host", "github.com/spacesbx/space/cmd/spaced-host", false},
+		{"spaced-guest", "github.com/spacesbx/space/cmd/spaced-guest", true},
+	} {
+		cmd := exec.Command("go", "build", "-o", filepath.Join(bin, b.name), b.pkg)
+		cmd.Env = os.Environ()
+		if b.static {
+			cmd.Env = append(cmd.Env, "CGO_ENABLED=0")
+		}
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return "", fmt.Errorf("build %s: %v\n%s", b.name, err, out)
+		}
+	}
+	return bin, nil
+}
+
+// dumpLog prints the tail of the platform log (on failure only).
+func dumpLog(path string) {
+	f, err := os.Open(path)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	var lines []string
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		lines = append(lines, sc.Text())
+	}
+	if len(lines) > 150 {
+		lines = lines[len(lines)-150:]
+	}
+	fmt.Fprintf(os.Stderr, "--- platform log (last %d lines) ---\n%s\n", len(lines), strings.Join(lines, "\n"))
+}
