@@ -8,7 +8,7 @@ export GOFLAGS := -buildvcs=false
 GOTESTFLAGS ?= -race -count=1 -timeout 25m
 STATICCHECK_VERSION ?= v0.8.2
 
-CMDS := space space-api space-edge space-node spaced-host
+CMDS := space space-api space-edge space-node spaced-host netgtw
 
 .PHONY: all build run test bench check fuzz e2e-deps deps clean churn
 

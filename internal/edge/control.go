@@ -12,6 +12,7 @@ import (
 	"strings"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/capability"
 )
 
 // httpError is an error answered to the client as JSON {code, message}.
@@ -70,7 +71,11 @@ func (e *Edge) doFetch(ctx context.Context, t target, callerToken string, repair
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set(spacev1.HeaderAPIKey, e.cfg.EdgeKey)
 	if !repair && callerToken != "" {
-		req.Header.Set(spacev1.HeaderAccessToken, callerToken)
+		if t.purpose == capability.PurposeServicePort {
+			req.Header.Set(HeaderTrafficAccessToken, callerToken)
+		} else {
+			req.Header.Set(spacev1.HeaderAccessToken, callerToken)
+		}
 	}
 	res, err := e.cfg.ControlPlaneClient.Do(req)
 	if err != nil {

@@ -26,6 +26,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httputil"
+	"strconv"
 	"sync"
 	"time"
 
@@ -33,6 +34,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/capability"
 )
 
 // Edge is a space-edge instance. It is safe for concurrent use.
@@ -232,6 +234,11 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	defer func() { e.metrics.requests.WithLabelValues(string(t.purpose), itoa(sw.code())).Inc() }()
 
 	callerToken := r.Header.Get(spacev1.HeaderAccessToken)
+	if t.purpose == capability.PurposeServicePort {
+		// Service ports are public unless the sandbox was created with
+		// private traffic; then E2B's traffic access token authorizes.
+		callerToken = r.Header.Get(HeaderTrafficAccessToken)
+	}
 	st := &reqState{t: t, key: keyFor(t, callerToken), callerToken: callerToken}
 	if herr := e.holdBody(r, st); herr != nil {
 		writeError(sw, herr)
@@ -290,6 +297,13 @@ func (e *Edge) rewrite(pr *httputil.ProxyRequest) {
 	pr.Out.Header.Del(spacev1.HeaderAccessToken)
 	pr.Out.Header.Del(spacev1.HeaderCapability)
 	pr.Out.Header.Del(spacev1.HeaderAPIKey)
+	pr.Out.Header.Del(HeaderTrafficAccessToken)
+	if st, _ := pr.In.Context().Value(stateKey{}).(*reqState); st != nil && st.t.purpose == capability.PurposeServicePort {
+		// Whether the client addressed the port by Host or by header,
+		// node-api and netgtw learn it from these (client values replaced).
+		pr.Out.Header.Set(HeaderSandboxID, st.t.sandbox)
+		pr.Out.Header.Set(HeaderSandboxPort, strconv.Itoa(st.t.port))
+	}
 	pr.Out.Host = ""
 }
 

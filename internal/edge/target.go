@@ -21,7 +21,14 @@ const (
 const (
 	ProtocolHTTP = "http"
 	ProtocolWS   = "ws"
+	// ProtocolTCP is raw TCP carried as an HTTP upgrade ("Upgrade: tcp",
+	// "Connection: Upgrade"): netgtw answers 101 and splices bytes.
+	ProtocolTCP = "tcp"
 )
+
+// HeaderTrafficAccessToken is E2B's header for service-port traffic to
+// sandboxes created with private traffic (network.allowPublicTraffic false).
+const HeaderTrafficAccessToken = "E2b-Traffic-Access-Token"
 
 // target is what a client request addresses.
 type target struct {
@@ -100,8 +107,11 @@ func classify(r *http.Request, sandbox string, port int) (target, *httpError) {
 	if port != EnvdPort {
 		t.purpose = capability.PurposeServicePort
 		t.protocol = ProtocolHTTP
-		if r.Header.Get("Upgrade") != "" {
+		if up := r.Header.Get("Upgrade"); up != "" {
 			t.protocol = ProtocolWS
+			if strings.EqualFold(strings.TrimSpace(up), ProtocolTCP) {
+				t.protocol = ProtocolTCP
+			}
 			t.clientStream = true
 		}
 		// Service-port bodies of unknown length may be open-ended.
