@@ -15,7 +15,12 @@ import (
 type credentials struct {
 	APIKey      string
 	AccessToken string
+	// TrafficAccessToken is E2B's e2b-traffic-access-token (service ports).
+	TrafficAccessToken string
 }
+
+// HeaderTrafficAccessToken carries a private sandbox's traffic access token.
+const HeaderTrafficAccessToken = "E2b-Traffic-Access-Token"
 
 // validatePurpose checks a caller's capability request shape.
 func validatePurpose(req spacev1.CapabilityRequest) error {
@@ -71,6 +76,17 @@ func (s *Server) issueCapability(ctx context.Context, cred credentials, id strin
 	tokenOK := func() bool { return rec.AccessToken != "" && equalSecret(cred.AccessToken, rec.AccessToken) }
 	var callerID string
 	switch {
+	case c.edge() && capability.Purpose(req.Purpose) == capability.PurposeServicePort:
+		// Service ports (E2B semantics): public unless the sandbox was
+		// created with private traffic; then only its traffic access token
+		// authorizes (the envd access token plays no part).
+		if rec.TrafficAccessToken != "" && !req.Repair && !equalSecret(cred.TrafficAccessToken, rec.TrafficAccessToken) {
+			if cred.TrafficAccessToken == "" {
+				return resp, fmt.Errorf("%w: sandbox %s has private traffic: send %s", ErrDenied, id, HeaderTrafficAccessToken)
+			}
+			return resp, fmt.Errorf("%w: invalid traffic access token", ErrDenied)
+		}
+		callerID = "edge"
 	case c.edge():
 		switch {
 		case cred.AccessToken != "" && rec.AccessToken != "":

@@ -32,9 +32,14 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request, c caller, 
 		s.writeError(w, r, err)
 		return
 	}
+	var traffic *string
+	if rec.TrafficAccessToken != "" {
+		traffic = &rec.TrafficAccessToken
+	}
 	writeJSON(w, http.StatusCreated, e2bapi.Sandbox{
 		SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
 		EnvdVersion: rec.EnvdVersion, EnvdAccessToken: rec.AccessToken, Domain: s.domain(),
+		TrafficAccessToken: traffic,
 	})
 }
 
@@ -215,6 +220,7 @@ func (s *Server) handleCapability(w http.ResponseWriter, r *http.Request) {
 	}
 	resp, err := s.issueCapability(r.Context(), credentials{
 		APIKey: r.Header.Get(spacev1.HeaderAPIKey), AccessToken: r.Header.Get(spacev1.HeaderAccessToken),
+		TrafficAccessToken: r.Header.Get(HeaderTrafficAccessToken),
 	}, id, req)
 	if err != nil {
 		s.writeError(w, r, err)

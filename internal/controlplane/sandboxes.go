@@ -2,6 +2,7 @@ package controlplane
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"regexp"
@@ -37,6 +38,9 @@ type createParams struct {
 	EnvVars   map[string]string
 	Secure    bool
 	AutoPause bool
+	// PrivateTraffic: network.allowPublicTraffic was false; service ports
+	// then need the traffic access token.
+	PrivateTraffic bool
 }
 
 func (s *Server) validateCreate(req e2bapi.NewSandbox, v2 bool) (createParams, error) {
@@ -80,6 +84,15 @@ func (s *Server) validateCreate(req e2bapi.NewSandbox, v2 bool) (createParams, e
 		return p, fmt.Errorf("%w: autoResume is not supported", ErrInvalid)
 	}
 	p.Secure = v2 || (req.Secure != nil && *req.Secure)
+	if len(req.Network) > 0 && string(req.Network) != "null" {
+		var n struct {
+			AllowPublicTraffic *bool `json:"allowPublicTraffic"`
+		}
+		if err := json.Unmarshal(req.Network, &n); err != nil {
+			return p, fmt.Errorf("%w: network must be an object", ErrInvalid)
+		}
+		p.PrivateTraffic = n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic
+	}
 	p.AutoPause = req.AutoPause != nil && *req.AutoPause
 	return p, nil
 }
@@ -152,6 +165,9 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 	}
 	if p.Secure {
 		rec.AccessToken = randHex(32)
+	}
+	if p.PrivateTraffic {
+		rec.TrafficAccessToken = randHex(32)
 	}
 	var (
 		rev     int64

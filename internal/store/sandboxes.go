@@ -72,11 +72,11 @@ type SandboxRecord struct {
 	EnvVars    map[string]string `json:"env_vars,omitempty"`
 	// AccessToken is the envd access token (E2B's "secure" sandboxes);
 	// empty when the sandbox has none.
-	AccessToken string       `json:"access_token,omitempty"`
+	AccessToken string `json:"access_token,omitempty"`
 	// TrafficAccessToken guards service-port traffic of sandboxes created
 	// with private traffic (e2b-traffic-access-token); empty: public ports.
-	TrafficAccessToken string `json:"traffic_access_token,omitempty"`
-	State       SandboxState `json:"state"`
+	TrafficAccessToken string       `json:"traffic_access_token,omitempty"`
+	State              SandboxState `json:"state"`
 	// Route is the current (or last) execution's identity.
 	Route identity.Route `json:"route"`
 	// Generation is the highest generation ever assigned to this sandbox.
