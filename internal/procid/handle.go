@@ -15,8 +15,9 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// ErrClosed means the Handle was closed: nothing is verified against it.
-var ErrClosed = errors.New("procid: handle closed")
+// ErrClosed means the Handle was closed (its process was reaped): nothing
+// verifies against it. It is a mismatch, so callers fail closed.
+var ErrClosed = fmt.Errorf("%w: procid: handle closed (recorded process reaped)", ErrMismatch)
 
 // Handle is a recorded process: its identity (pid, start time, executable
 // device+inode and SHA-256) taken once, plus a pidfd that keeps naming that

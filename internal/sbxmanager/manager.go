@@ -18,12 +18,14 @@ import (
 	"maps"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"net/http/httputil"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -309,8 +311,17 @@ func (m *Manager) startBridge(ctx context.Context, inst substrate.Instance, dir 
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start spaced-host: %w", err)
 	}
+	// Record the bridge before anything can reap it, so its pid cannot have
+	// been reused: pid, start time, executable (device+inode, SHA-256) and
+	// a pidfd that keeps naming this very process.
+	hh, err := procid.Open(cmd.Process.Pid)
+	if err != nil {
+		cmd.Process.Kill()
+		cmd.Wait()
+		return nil, fmt.Errorf("spaced-host identity: %w", err)
+	}
 	hostDone := make(chan struct{})
-	go func() { cmd.Wait(); close(hostDone) }()
+	go func() { cmd.Wait(); hh.Close(); close(hostDone) }()
 	ready := make(chan error, 1)
 	go func() {
 		line, err := bufio.NewReader(stdout).ReadString('\n')
@@ -333,24 +344,57 @@ func (m *Manager) startBridge(ctx context.Context, inst substrate.Instance, dir 
 	case <-ctx.Done():
 		return fail(fmt.Errorf("spaced-host: %w", ctx.Err()))
 	}
-	hp, err := procid.Read(cmd.Process.Pid)
-	if err != nil {
+	if err := hh.Check(); err != nil {
 		return fail(fmt.Errorf("spaced-host identity: %w", err))
 	}
+	hp := hh.Process()
 	actx, cancel := context.WithCancel(context.Background())
 	a := &activation{route: r, inst: inst, host: cmd, hostProc: hp, hostSock: sock, ctx: actx, cancel: cancel, hostDone: hostDone}
-	a.tr = &http.Transport{
+	// Per connection, never per request: the bridge must be the process
+	// this manager launched, still alive and unchanged.
+	tr, rt := newBridgeTransport(sock, func(c net.Conn) error {
+		if err := hh.VerifyPeer(c); err != nil {
+			m.metrics.bridgeRejects.Inc()
+			m.log.Warn("bridge endpoint verification failed", "sandbox", r.SandboxID, "err", err)
+			return err
+		}
+		return nil
+	})
+	a.tr = tr
+	a.proxy = &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.Out.URL.Scheme, pr.Out.URL.Host = "http", "spaced-host"
+			pr.Out.Header.Del(spacev1.HeaderCapability)
+		},
+		Transport:     rt,
+		FlushInterval: -1,
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			writeError(w, fmt.Errorf("%w: sandbox bridge: %v", errdefs.ErrUnavailable, err))
+		},
+	}
+	return a, nil
+}
+
+// ErrBridgeConnLost means a request's connection to spaced-host failed and
+// the request was not retried on another connection.
+var ErrBridgeConnLost = errors.New("bridge connection lost; not retried")
+
+// newBridgeTransport returns the HTTP transport to one spaced-host: every
+// new connection is verified by verify before use, and the RoundTripper to
+// use refuses the transport's transparent retries: net/http re-sends an
+// idempotent (or unsent, bodiless) request on another connection when a
+// reused one turns out closed; a bridge connection that drops fails the
+// operation on it instead.
+func newBridgeTransport(sock string, verify func(net.Conn) error) (*http.Transport, http.RoundTripper) {
+	tr := &http.Transport{
 		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 			var d net.Dialer
 			c, err := d.DialContext(ctx, "unix", sock)
 			if err != nil {
 				return nil, err
 			}
-			// Per connection, never per request: the bridge must be the
-			// process this manager launched, still alive and unchanged.
-			if err := procid.VerifyPeer(c, hp); err != nil {
+			if err := verify(c); err != nil {
 				c.Close()
-				m.metrics.bridgeRejects.Inc()
 				return nil, fmt.Errorf("bridge endpoint verification: %w", err)
 			}
 			return c, nil
@@ -358,18 +402,27 @@ func (m *Manager) startBridge(ctx context.Context, inst substrate.Instance, dir 
 		MaxIdleConnsPerHost: 64,
 		IdleConnTimeout:     90 * time.Second,
 	}
-	a.proxy = &httputil.ReverseProxy{
-		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.Out.URL.Scheme, pr.Out.URL.Host = "http", "spaced-host"
-			pr.Out.Header.Del(spacev1.HeaderCapability)
-		},
-		Transport:     a.tr,
-		FlushInterval: -1,
-		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			writeError(w, fmt.Errorf("%w: sandbox bridge: %v", errdefs.ErrUnavailable, err))
-		},
+	return tr, noRetryTransport{tr}
+}
+
+// noRetryTransport lets a request use one connection only. The transport
+// reports each connection it takes for a request (httptrace GotConn); a
+// second one is a retry, and that connection is closed before the request
+// is written to it, so the attempt fails and the error reaches the caller.
+type noRetryTransport struct{ tr *http.Transport }
+
+func (n noRetryTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	var conns atomic.Int32
+	trace := &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) {
+		if conns.Add(1) > 1 {
+			info.Conn.Close()
+		}
+	}}
+	resp, err := n.tr.RoundTrip(req.WithContext(httptrace.WithClientTrace(req.Context(), trace)))
+	if err != nil && conns.Load() > 1 {
+		return nil, fmt.Errorf("%w: %v", ErrBridgeConnLost, err)
 	}
-	return a, nil
+	return resp, err
 }
 
 // stopActivation ends the activation's streams, stops its bridge and the
