@@ -402,6 +402,10 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "no connection state", http.StatusInternalServerError)
 		return
 	}
+	// The guest may answer (and the stream's headers be flushed) before
+	// the caller's body is fully sent; without full duplex the server
+	// would close the unread body and cut the stream.
+	_ = http.NewResponseController(w).EnableFullDuplex()
 	gc.mu.Lock()
 	defer gc.mu.Unlock()
 	if gc.broken != nil {
