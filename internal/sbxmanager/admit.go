@@ -95,7 +95,14 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// that body when the (flushed) response headers go out, failing the
 	// transport's body write and cutting the response short.
 	_ = http.NewResponseController(w).EnableFullDuplex()
-	act.proxy.ServeHTTP(w, r.WithContext(ctx))
+	if act.paused.Load() {
+		pausedError(w, sandbox) // never into a frozen guest (lifecycle.go)
+		return
+	}
+	// A lease that ends mid-response ends it with "execution replaced".
+	lw := newLeaseWriter(w, r, act)
+	defer lw.finish()
+	act.proxy.ServeHTTP(lw, r.WithContext(ctx))
 }
 
 func writeOutcome(w http.ResponseWriter, status int, outcome, reason string) {

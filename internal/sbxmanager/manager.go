@@ -89,6 +89,9 @@ func (c *Config) Validate() error {
 type Deps struct {
 	Substrate substrate.Substrate
 	Verifier  *capability.Verifier
+	// Snapshots stores writable-layer snapshots (nil: Snapshot and
+	// installs with RestoreSnapshot fail as unavailable).
+	Snapshots SnapshotStore
 }
 
 // Manager serves the executions installed on one worker.
@@ -96,6 +99,7 @@ type Manager struct {
 	cfg     Config
 	sub     substrate.Substrate
 	ver     *capability.Verifier
+	snaps   SnapshotStore
 	store   *recordStore
 	audit   *auditLog
 	metrics *metrics
@@ -124,6 +128,8 @@ type activation struct {
 	cancel context.CancelFunc
 	// hostDone is closed when the bridge process has been reaped.
 	hostDone chan struct{}
+	// paused is set while the sandbox is frozen (lifecycle.go).
+	paused atomic.Bool
 	// gw is the activation's service-port gateway (nil: none installed).
 	gw *gatewayProc
 }
@@ -155,7 +161,7 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 		return nil, fmt.Errorf("sbxmanager: %w", err)
 	}
 	m := &Manager{
-		cfg: cfg, sub: deps.Substrate, ver: deps.Verifier, store: st, audit: audit,
+		cfg: cfg, sub: deps.Substrate, ver: deps.Verifier, snaps: deps.Snapshots, store: st, audit: audit,
 		metrics: newMetrics(cfg.Registerer), log: cfg.Logger.With("worker", cfg.WorkerID),
 		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{},
 	}
@@ -207,6 +213,11 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	if hasOld && old.Route.Generation > r.Generation {
 		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: generation %d is older than installed %d", errdefs.ErrConflict, r.Generation, old.Route.Generation)
 	}
+	// Refuse to revive a retired execution; restore the snapshot (if any)
+	// before the running execution is touched (lifecycle.go).
+	if err := m.prepareInstall(ctx, req, old, hasOld); err != nil {
+		return spacev1.InstallResponse{}, err
+	}
 	// A replacement: the old execution stops being served before anything else.
 	if act != nil {
 		m.mu.Lock()
@@ -243,6 +254,9 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	m.records[r.SandboxID] = rec
 	m.active[r.SandboxID] = newAct
 	m.mu.Unlock()
+	if hasOld && old.Dir != rec.Dir {
+		os.RemoveAll(old.Dir) // the superseded execution's writable layer
+	}
 	m.metrics.activations.Inc()
 	log.Info("execution installed", "execution", r.ExecutionID, "activation", r.ActivationID)
 	return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion}, nil

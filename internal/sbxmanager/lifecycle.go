@@ -1,0 +1,501 @@
+package sbxmanager
+
+// Lifecycle of an installed execution on this worker: pause, resume,
+// snapshot, retire and restore-on-install (DESIGN.md sections 5, 7, 10).
+//
+// Every operation names the execution by its route and acts only when the
+// installed record has the same identity epoch (a late call for an older
+// execution never touches a newer one). Operations on one sandbox are
+// serialized with Install and Teardown by the per-sandbox lock.
+//
+//   - Pause freezes the sandbox (substrate Instance.Pause: the cgroup
+//     freezer on ns). The execution, its processes, capabilities and open
+//     streams stay; the streams simply see no traffic until Resume. New
+//     requests for a paused execution are admitted as usual (so a stale or
+//     forged capability still gets RefreshRoute/Deny) and then answered
+//     409 Conflict with a JSON error of reason "paused" instead of being
+//     forwarded into a frozen guest where they would hang. The control
+//     plane resumes (or the edge gets a new route) and the client retries.
+//   - Resume thaws it. Both are idempotent.
+//   - Snapshot archives the writable layer (<activation dir>/upper) into
+//     the snapshot store. The execution must be paused (or not running:
+//     after a retire or a worker restart) so the layer is quiescent; the
+//     per-sandbox lock keeps it paused until the archive is stored.
+//   - Retire persists Retired=true in the runtime record first (bbolt,
+//     fsync), then the in-memory record (from then on Admit answers
+//     RefreshRoute for the execution, even for unexpired capabilities),
+//     then ends the activation's lease (streams end at once with "execution
+//     replaced") and stops the activation. The record and the activation
+//     directory stay until Teardown. Idempotent; retiring a route older
+//     than the installed one, or one this worker has no record of, is a
+//     no-op success.
+//   - Install with RestoreSnapshot restores the archive into the new
+//     activation's (empty) upper dir before the substrate starts, and
+//     before a replaced execution is stopped, so a missing or hostile
+//     snapshot fails the install without touching what runs.
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/snapshot"
+)
+
+// upperDir is the writable layer inside an activation directory
+// (ns.UpperDir; a test keeps them equal).
+const upperDir = "upper"
+
+// SnapshotStore is where Snapshot archives writable layers and installs
+// restore them from (snapshot.Local, or an object store).
+type SnapshotStore = snapshot.Store
+
+// ReasonPaused is the JSON error reason of a request for a paused execution.
+const ReasonPaused = "paused"
+
+// lookup returns the installed record for route's sandbox and its
+// activation, checking that the record is route's execution.
+func (m *Manager) lookup(op string, route identity.Route) (record, *activation, error) {
+	m.mu.RLock()
+	rec, ok := m.records[route.SandboxID]
+	act := m.active[route.SandboxID]
+	closed := m.closed
+	m.mu.RUnlock()
+	switch {
+	case closed:
+		return rec, nil, fmt.Errorf("%s %s: %w: manager closed", op, route.SandboxID, errdefs.ErrUnavailable)
+	case !ok:
+		return rec, nil, fmt.Errorf("%s %s: %w: no execution installed on this worker", op, route.SandboxID, errdefs.ErrNotFound)
+	case rec.Route.Epoch() != route.Epoch():
+		return rec, nil, fmt.Errorf("%s %s: %w: installed execution is %s", op, route.SandboxID, errdefs.ErrConflict, rec.Route)
+	}
+	return rec, act, nil
+}
+
+func validRoute(op string, route identity.Route) error {
+	if err := route.Validate(); err != nil {
+		return fmt.Errorf("%s: %w: %v", op, errdefs.ErrInvalid, err)
+	}
+	return nil
+}
+
+// liveActivation is lookup for operations that need a running, not retired
+// activation.
+func (m *Manager) liveActivation(op string, route identity.Route) (*activation, error) {
+	rec, act, err := m.lookup(op, route)
+	if err != nil {
+		return nil, err
+	}
+	if rec.Retired {
+		return nil, fmt.Errorf("%s %s: %w: execution %s is retired", op, route.SandboxID, errdefs.ErrConflict, rec.Route)
+	}
+	if act == nil {
+		return nil, fmt.Errorf("%s %s: %w: execution %s is not running on this worker (restarted?)", op, route.SandboxID, errdefs.ErrConflict, rec.Route)
+	}
+	return act, nil
+}
+
+// Pause freezes the execution named by route. Idempotent.
+func (m *Manager) Pause(ctx context.Context, route identity.Route) error {
+	if err := validRoute("pause", route); err != nil {
+		return err
+	}
+	unlock := m.lockSandbox(route.SandboxID)
+	defer unlock()
+	act, err := m.liveActivation("pause", route)
+	if err != nil {
+		return err
+	}
+	if act.paused.Load() {
+		return nil
+	}
+	// New requests stop before the freeze begins.
+	act.paused.Store(true)
+	if err := act.inst.Pause(ctx); err != nil {
+		act.paused.Store(false)
+		return fmt.Errorf("pause %s: %w", route.SandboxID, lifecycleErr(ctx, err))
+	}
+	m.log.Info("execution paused", "sandbox", route.SandboxID, "generation", route.Generation)
+	return nil
+}
+
+// Resume thaws the execution named by route. Idempotent.
+func (m *Manager) Resume(ctx context.Context, route identity.Route) error {
+	if err := validRoute("resume", route); err != nil {
+		return err
+	}
+	unlock := m.lockSandbox(route.SandboxID)
+	defer unlock()
+	act, err := m.liveActivation("resume", route)
+	if err != nil {
+		return err
+	}
+	if !act.paused.Load() {
+		return nil
+	}
+	if err := act.inst.Resume(ctx); err != nil {
+		return fmt.Errorf("resume %s: %w", route.SandboxID, lifecycleErr(ctx, err))
+	}
+	act.paused.Store(false)
+	m.log.Info("execution resumed", "sandbox", route.SandboxID, "generation", route.Generation)
+	return nil
+}
+
+func lifecycleErr(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err)
+	}
+	return err
+}
+
+// Paused reports whether the sandbox's running activation is paused.
+func (m *Manager) Paused(sandbox string) bool {
+	m.mu.RLock()
+	act := m.active[sandbox]
+	m.mu.RUnlock()
+	return act != nil && act.paused.Load()
+}
+
+// Snapshot archives the writable layer of the execution named by route
+// into the snapshot store under id. The execution must be paused (or not
+// running). A retried snapshot with the same id replaces the object.
+func (m *Manager) Snapshot(ctx context.Context, route identity.Route, id string) (spacev1.SnapshotResponse, error) {
+	if err := validRoute("snapshot", route); err != nil {
+		return spacev1.SnapshotResponse{}, err
+	}
+	if err := snapshot.ValidateID(id); err != nil {
+		return spacev1.SnapshotResponse{}, err
+	}
+	if m.snaps == nil {
+		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot: %w: no snapshot store configured on worker %s", errdefs.ErrUnavailable, m.cfg.WorkerID)
+	}
+	unlock := m.lockSandbox(route.SandboxID)
+	defer unlock()
+	rec, act, err := m.lookup("snapshot", route)
+	if err != nil {
+		return spacev1.SnapshotResponse{}, err
+	}
+	if act != nil && !act.paused.Load() {
+		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: execution must be paused first", route.SandboxID, errdefs.ErrConflict)
+	}
+	upper := filepath.Join(rec.Dir, upperDir)
+	if fi, err := os.Lstat(upper); err != nil || !fi.IsDir() {
+		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: writable layer %s missing", route.SandboxID, errdefs.ErrNotFound, upper)
+	}
+	pr, pw := io.Pipe()
+	var wg sync.WaitGroup
+	var st snapshot.Stats
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		var aerr error
+		st, aerr = snapshot.Archive(ctx, upper, pw)
+		pw.CloseWithError(aerr)
+	}()
+	n, err := m.snaps.Put(ctx, id, pr)
+	pr.CloseWithError(errors.New("snapshot store stopped reading"))
+	wg.Wait()
+	if err != nil {
+		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w", route.SandboxID, lifecycleErr(ctx, err))
+	}
+	m.log.Info("snapshot stored", "sandbox", route.SandboxID, "generation", route.Generation, "snapshot", id,
+		"bytes", n, "entries", st.Entries, "skipped", st.Skipped)
+	return spacev1.SnapshotResponse{SnapshotID: id, SizeBytes: n}, nil
+}
+
+// Retire marks the execution named by route retired (durably, first),
+// ends its streams and stops it. See the file comment.
+func (m *Manager) Retire(ctx context.Context, route identity.Route) error {
+	if err := validRoute("retire", route); err != nil {
+		return err
+	}
+	unlock := m.lockSandbox(route.SandboxID)
+	defer unlock()
+	_, err := m.retireLocked(route)
+	return err
+}
+
+// retireLocked runs under the sandbox lock. It reports whether it retired
+// anything.
+func (m *Manager) retireLocked(route identity.Route) (bool, error) {
+	m.mu.RLock()
+	rec, ok := m.records[route.SandboxID]
+	act := m.active[route.SandboxID]
+	m.mu.RUnlock()
+	if !ok {
+		return false, nil // nothing served for it here
+	}
+	if rec.Route.Epoch() != route.Epoch() {
+		if rec.Route.Generation > route.Generation {
+			return false, nil // already superseded by a newer install
+		}
+		return false, fmt.Errorf("retire %s: %w: installed execution is %s, not %s", route.SandboxID, errdefs.ErrConflict, rec.Route, route)
+	}
+	retired := false
+	if !rec.Retired {
+		rec.Retired = true
+		if err := m.store.put(rec); err != nil { // bbolt commit: fsynced
+			return false, fmt.Errorf("retire %s: persist record: %w", route.SandboxID, err)
+		}
+		retired = true
+	}
+	m.mu.Lock()
+	m.records[route.SandboxID] = rec
+	if act != nil && m.active[route.SandboxID] == act {
+		delete(m.active, route.SandboxID)
+	}
+	m.mu.Unlock()
+	if act != nil {
+		m.stopActivation(act, "retired")
+	}
+	if retired {
+		m.log.Info("execution retired", "sandbox", route.SandboxID, "generation", route.Generation, "execution", route.ExecutionID)
+	}
+	return retired, nil
+}
+
+// Installed returns the installed runtime record of a sandbox.
+func (m *Manager) Installed(sandbox string) (identity.Record, bool) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	rec, ok := m.records[sandbox]
+	return rec.Record, ok
+}
+
+// prepareInstall runs under the sandbox lock before Install touches the
+// running activation: it refuses to revive a retired execution and
+// restores req.RestoreSnapshot into the new activation's upper dir.
+func (m *Manager) prepareInstall(ctx context.Context, req spacev1.InstallRequest, old record, hasOld bool) error {
+	r := req.Route
+	if hasOld && old.Retired && r.Generation <= old.Route.Generation {
+		return fmt.Errorf("install %s: %w: generation %d is retired on this worker", r.SandboxID, errdefs.ErrConflict, old.Route.Generation)
+	}
+	if req.RestoreSnapshot == "" {
+		return nil
+	}
+	if err := snapshot.ValidateID(req.RestoreSnapshot); err != nil {
+		return fmt.Errorf("install %s: %w", r.SandboxID, err)
+	}
+	if m.snaps == nil {
+		return fmt.Errorf("install %s: %w: no snapshot store configured on worker %s", r.SandboxID, errdefs.ErrUnavailable, m.cfg.WorkerID)
+	}
+	dir := activationDir(m.cfg.StateDir, r)
+	upper := filepath.Join(dir, upperDir)
+	if err := os.RemoveAll(upper); err != nil {
+		return fmt.Errorf("install %s: clear writable layer: %w", r.SandboxID, err)
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("install %s: %w", r.SandboxID, err)
+	}
+	if err := os.Mkdir(upper, 0o755); err != nil {
+		return fmt.Errorf("install %s: %w", r.SandboxID, err)
+	}
+	rc, err := m.snaps.Open(ctx, req.RestoreSnapshot)
+	if err != nil {
+		os.RemoveAll(upper)
+		return fmt.Errorf("install %s: restore: %w", r.SandboxID, err)
+	}
+	defer rc.Close()
+	st, err := snapshot.Restore(ctx, rc, upper, snapshot.RestoreOptions{})
+	if err != nil {
+		os.RemoveAll(upper)
+		return fmt.Errorf("install %s: restore snapshot %s: %w", r.SandboxID, req.RestoreSnapshot, lifecycleErr(ctx, err))
+	}
+	m.log.Info("snapshot restored", "sandbox", r.SandboxID, "generation", r.Generation, "snapshot", req.RestoreSnapshot,
+		"entries", st.Entries, "bytes", st.Bytes)
+	return nil
+}
+
+// pausedError answers a request for a paused execution.
+func pausedError(w http.ResponseWriter, sandbox string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusConflict)
+	json.NewEncoder(w).Encode(spacev1.Error{Code: http.StatusConflict,
+		Message: fmt.Sprintf("sandbox %s is paused: resume it (or connect) and retry", sandbox), Reason: ReasonPaused})
+}
+
+// leaseWriter wraps the ResponseWriter of a forwarded request so that a
+// lease that ends mid-response (the execution was replaced, retired or torn
+// down) ends the response with a clear "execution replaced" status instead
+// of a silently cut connection:
+//
+//   - Connect streams (application/connect+json or +proto) end with a
+//     Connect end-of-stream message (flag 0x02) carrying
+//     {"error":{"code":"unavailable","message":"execution replaced: ..."}},
+//     written at a message boundary (the wrapper tracks the envelopes that
+//     pass through). If the guest's own end-of-stream already went out the
+//     stream is left as it is; if the cut falls inside a message the
+//     connection is aborted (a partial message cannot be completed).
+//   - A response whose headers had not gone out yet is replaced: Connect
+//     streaming requests get HTTP 200 with just that end-of-stream message
+//     (how a Connect server reports a stream error), others 503 with the
+//     JSON error reason "execution replaced" (no Space-Route-Outcome: the
+//     request may have reached the old guest, so it is not a pre-forward
+//     rejection and the edge must not replay it blindly).
+//   - Any other response that was already streaming is aborted (the
+//     client sees the body end early, never a truncated body that looks
+//     complete).
+type leaseWriter struct {
+	w          http.ResponseWriter
+	lease      context.Context
+	route      identity.Route
+	reqConnect string // Content-Type of a Connect streaming request, else ""
+
+	status    int
+	swallowed bool // the answer was written after the lease ended: replaced
+	connect   bool // the response is a Connect stream
+
+	hdr   [5]byte
+	hdrN  int
+	left  uint64
+	ended bool // the guest's end-of-stream message went out
+}
+
+func newLeaseWriter(w http.ResponseWriter, r *http.Request, act *activation) *leaseWriter {
+	lw := &leaseWriter{w: w, lease: act.ctx, route: act.route}
+	if ct := r.Header.Get("Content-Type"); strings.HasPrefix(ct, "application/connect+") {
+		lw.reqConnect = ct
+	}
+	return lw
+}
+
+func (lw *leaseWriter) Header() http.Header { return lw.w.Header() }
+
+func (lw *leaseWriter) WriteHeader(code int) {
+	if lw.status != 0 {
+		return
+	}
+	if code >= 100 && code < 200 {
+		if lw.lease.Err() == nil {
+			lw.w.WriteHeader(code)
+		}
+		return
+	}
+	lw.status = code
+	if lw.lease.Err() != nil {
+		lw.swallowed = true
+		return
+	}
+	lw.connect = strings.HasPrefix(lw.w.Header().Get("Content-Type"), "application/connect+")
+	lw.w.WriteHeader(code)
+}
+
+func (lw *leaseWriter) Write(p []byte) (int, error) {
+	if lw.status == 0 {
+		lw.WriteHeader(http.StatusOK)
+	}
+	if lw.swallowed {
+		return len(p), nil
+	}
+	n, err := lw.w.Write(p)
+	if lw.connect {
+		lw.track(p[:n])
+	}
+	return n, err
+}
+
+// track follows Connect envelopes: 1 flag byte, 4 bytes big-endian length,
+// payload.
+func (lw *leaseWriter) track(p []byte) {
+	for len(p) > 0 {
+		if lw.left > 0 {
+			n := uint64(len(p))
+			if n > lw.left {
+				n = lw.left
+			}
+			lw.left -= n
+			p = p[n:]
+			continue
+		}
+		n := copy(lw.hdr[lw.hdrN:], p)
+		lw.hdrN += n
+		p = p[n:]
+		if lw.hdrN == len(lw.hdr) {
+			lw.hdrN = 0
+			lw.left = uint64(binary.BigEndian.Uint32(lw.hdr[1:]))
+			if lw.hdr[0]&0x02 != 0 {
+				lw.ended = true
+			}
+		}
+	}
+}
+
+func (lw *leaseWriter) Flush() {
+	if !lw.swallowed && lw.status != 0 {
+		http.NewResponseController(lw.w).Flush()
+	}
+}
+
+// Unwrap lets http.ResponseController reach the server's writer (full
+// duplex, hijack for upgrades, deadlines).
+func (lw *leaseWriter) Unwrap() http.ResponseWriter { return lw.w }
+
+func (lw *leaseWriter) replacedMessage() string {
+	return fmt.Sprintf("%s: sandbox %s execution %s (generation %d) is no longer served by worker %s; reconnect to the current execution",
+		spacev1.ReasonExecutionReplaced, lw.route.SandboxID, lw.route.ExecutionID, lw.route.Generation, lw.route.WorkerID)
+}
+
+func (lw *leaseWriter) endStreamFrame() []byte {
+	body, _ := json.Marshal(map[string]any{"error": map[string]string{"code": "unavailable", "message": lw.replacedMessage()}})
+	frame := make([]byte, 5+len(body))
+	frame[0] = 0x02
+	binary.BigEndian.PutUint32(frame[1:5], uint32(len(body)))
+	copy(frame[5:], body)
+	return frame
+}
+
+// finish is deferred around the proxy: it recovers the proxy's
+// http.ErrAbortHandler (a body copy cut by the lease) and ends the
+// response as described on leaseWriter. Other panics propagate.
+func (lw *leaseWriter) finish() {
+	p := recover()
+	if p != nil && p != http.ErrAbortHandler {
+		panic(p)
+	}
+	if lw.lease.Err() == nil {
+		if p != nil {
+			panic(p)
+		}
+		return
+	}
+	switch {
+	case lw.status == 0 || lw.swallowed:
+		h := lw.w.Header()
+		clear(h)
+		if lw.reqConnect != "" {
+			h.Set("Content-Type", lw.reqConnect)
+			lw.w.WriteHeader(http.StatusOK)
+			lw.w.Write(lw.endStreamFrame())
+			return
+		}
+		h.Set("Content-Type", "application/json")
+		lw.w.WriteHeader(http.StatusServiceUnavailable)
+		json.NewEncoder(lw.w).Encode(spacev1.Error{Code: http.StatusServiceUnavailable, Message: lw.replacedMessage(), Reason: spacev1.ReasonExecutionReplaced})
+	case lw.connect && lw.ended:
+		// The guest ended the stream itself.
+		if p != nil && (lw.left > 0 || lw.hdrN > 0) {
+			panic(p)
+		}
+	case lw.connect && lw.left == 0 && lw.hdrN == 0:
+		if _, err := lw.w.Write(lw.endStreamFrame()); err == nil {
+			http.NewResponseController(lw.w).Flush()
+		}
+	case lw.connect:
+		panic(http.ErrAbortHandler) // cut inside a message: abort
+	default:
+		if p != nil {
+			panic(p)
+		}
+	}
+}

@@ -1,0 +1,608 @@
+package sbxmanager
+
+import (
+	"archive/tar"
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/ed25519"
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/snapshot"
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// connectSubstrate is a fake substrate whose guest speaks enough of the
+// Connect streaming protocol (envelopes) for the stream-lease tests, and
+// records pauses and forwarded requests.
+type connectSubstrate struct {
+	forwarded atomic.Int64 // requests that reached any guest
+	mu        sync.Mutex
+	insts     []*connectInstance
+}
+
+type connectInstance struct {
+	fakeInstance
+	paused atomic.Bool
+	pauses atomic.Int64
+}
+
+func (i *connectInstance) Pause(context.Context) error {
+	i.paused.Store(true)
+	i.pauses.Add(1)
+	return nil
+}
+func (i *connectInstance) Resume(context.Context) error { i.paused.Store(false); return nil }
+
+func envelope(flags byte, msg string) []byte {
+	b := make([]byte, 5+len(msg))
+	b[0] = flags
+	binary.BigEndian.PutUint32(b[1:], uint32(len(msg)))
+	copy(b[5:], msg)
+	return b
+}
+
+func (f *connectSubstrate) Name() string { return identity.SubstrateNS }
+
+func (f *connectSubstrate) Start(ctx context.Context, spec substrate.Spec) (substrate.Instance, error) {
+	if err := os.MkdirAll(filepath.Join(spec.Dir, upperDir), 0o755); err != nil {
+		return nil, err
+	}
+	sock := filepath.Join(spec.Dir, "guest.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		return nil, err
+	}
+	route := spec.Route
+	done := make(chan struct{})
+	// A handler that has not read its request body is not told when the
+	// connection closes: wait for the instance's end as well.
+	wait := func(r *http.Request) {
+		select {
+		case <-r.Context().Done():
+		case <-done:
+		}
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /_space/identity", func(w http.ResponseWriter, r *http.Request) { json.NewEncoder(w).Encode(route) })
+	count := func(h http.HandlerFunc) http.HandlerFunc {
+		return func(w http.ResponseWriter, r *http.Request) { f.forwarded.Add(1); h(w, r) }
+	}
+	mux.HandleFunc("/files", count(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Query().Get("stream") != "" { // a plain streaming body
+			w.Write([]byte("chunk\n"))
+			w.(http.Flusher).Flush()
+			wait(r)
+			return
+		}
+		fmt.Fprintf(w, "file of %s gen %d", route.SandboxID, route.Generation)
+	}))
+	// Connect server streams: one message, then wait for the end.
+	stream := func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/connect+json")
+		w.WriteHeader(200)
+		w.Write(envelope(0, `{"event":{"start":{"pid":7}}}`))
+		w.(http.Flusher).Flush()
+		wait(r)
+	}
+	mux.HandleFunc("/process.Process/Start", count(stream))
+	mux.HandleFunc("/filesystem.Filesystem/WatchDir", count(stream))
+	// A stream whose guest has not answered yet.
+	mux.HandleFunc("/process.Process/Connect", count(func(w http.ResponseWriter, r *http.Request) { wait(r) }))
+	inst := &connectInstance{fakeInstance: fakeInstance{route: route, sock: sock, srv: &http.Server{Handler: mux}, done: done}}
+	go inst.srv.Serve(l)
+	f.mu.Lock()
+	f.insts = append(f.insts, inst)
+	f.mu.Unlock()
+	return inst, nil
+}
+
+func (f *connectSubstrate) last() *connectInstance {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.insts[len(f.insts)-1]
+}
+
+type lcFixture struct {
+	fixture
+	sub   *connectSubstrate
+	snaps *snapshot.Local
+	ver   *capability.Verifier
+}
+
+func newLCFixture(t *testing.T) *lcFixture {
+	t.Helper()
+	pub, priv, _ := ed25519.GenerateKey(rand.Reader)
+	signer, _ := capability.NewSigner("k1", priv)
+	ver, _ := capability.NewVerifier(capability.Bundle{Revision: 1, Keys: []capability.Key{{ID: "k1", Public: pub}}})
+	dir := t.TempDir()
+	snaps, err := snapshot.NewLocal(filepath.Join(dir, "snapshots"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sub := &connectSubstrate{}
+	f := &lcFixture{sub: sub, snaps: snaps, ver: ver}
+	f.signer, f.dir = signer, filepath.Join(dir, "w1")
+	f.open(t)
+	return f
+}
+
+// open starts (or restarts) the manager on the fixture's state dir.
+func (f *lcFixture) open(t *testing.T) {
+	t.Helper()
+	m, err := New(Config{WorkerID: "w1", StateDir: f.dir, SpacedHostPath: spacedHost, AgentPath: "/nonexistent", NetgtwPath: "/nonexistent"},
+		Deps{Substrate: f.sub, Verifier: f.ver, Snapshots: f.snaps})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(m)
+	f.m, f.srv = m, srv
+	t.Cleanup(func() { srv.Close(); m.Close() })
+}
+
+// crash drops the manager without retiring or tearing anything down (its
+// activations stop as they would when the process dies).
+func (f *lcFixture) crash() {
+	f.srv.Close()
+	f.m.Close()
+}
+
+func (f *lcFixture) stream(t *testing.T, path string, r identity.Route, p capability.Purpose) *http.Response {
+	t.Helper()
+	req, _ := http.NewRequest("POST", f.srv.URL+path, bytes.NewReader(envelope(0, `{}`)))
+	req.Header.Set("Content-Type", "application/connect+json")
+	req.Header.Set(spacev1.HeaderCapability, f.token(t, r, p))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp
+}
+
+// readEnvelopes reads Connect envelopes until the end-of-stream message
+// (returned) or an error.
+func readEnvelopes(body io.Reader) (end string, n int, err error) {
+	br := bufio.NewReader(body)
+	for {
+		var hdr [5]byte
+		if _, err := io.ReadFull(br, hdr[:]); err != nil {
+			return "", n, err
+		}
+		msg := make([]byte, binary.BigEndian.Uint32(hdr[1:]))
+		if _, err := io.ReadFull(br, msg); err != nil {
+			return "", n, err
+		}
+		n++
+		if hdr[0]&0x02 != 0 {
+			return string(msg), n, nil
+		}
+	}
+}
+
+type endStream struct {
+	Error struct {
+		Code    string `json:"code"`
+		Message string `json:"message"`
+	} `json:"error"`
+}
+
+// expectReplacedEnd checks that a Connect stream ends (soon) with an
+// end-of-stream error "unavailable: execution replaced".
+func expectReplacedEnd(t *testing.T, name string, resp *http.Response, wantMsgs int) <-chan struct{} {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer resp.Body.Close()
+		end, n, err := readEnvelopes(resp.Body)
+		if err != nil {
+			t.Errorf("%s: stream cut without an end-of-stream message: %v", name, err)
+			return
+		}
+		var es endStream
+		if err := json.Unmarshal([]byte(end), &es); err != nil || es.Error.Code != "unavailable" ||
+			!strings.HasPrefix(es.Error.Message, spacev1.ReasonExecutionReplaced+":") {
+			t.Errorf("%s: end-of-stream %q (%v)", name, end, err)
+		}
+		if n != wantMsgs {
+			t.Errorf("%s: %d messages, want %d", name, n, wantMsgs)
+		}
+	}()
+	return done
+}
+
+func waitDone(t *testing.T, what string, chs ...<-chan struct{}) {
+	t.Helper()
+	for _, ch := range chs {
+		select {
+		case <-ch:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s: still open", what)
+		}
+	}
+}
+
+func routeOn(sbx string, gen uint64, worker string) identity.Route {
+	r := route(sbx, gen)
+	r.WorkerID = worker
+	return r
+}
+
+// The seed scenario at the worker: S runs as execution 7 on worker A (w1)
+// and resumes as execution 8 on worker B.
+func TestSeedScenarioAtWorker(t *testing.T) {
+	f := newLCFixture(t)
+	r7 := route("sbxs", 7)
+	f.install(t, r7)
+
+	// A capability for execution 8 (on B) reaching A: refresh-route, and
+	// the guest never sees the request.
+	before := f.sub.forwarded.Load()
+	resp, body := f.get(t, "/files", f.token(t, routeOn("sbxs", 8, "w2"), capability.PurposeFiles))
+	if resp.StatusCode != http.StatusMisdirectedRequest || resp.Header.Get(spacev1.HeaderRouteOutcome) != spacev1.OutcomeRefreshRoute {
+		t.Fatalf("capability for 8 at A: %d %s", resp.StatusCode, body)
+	}
+	if f.sub.forwarded.Load() != before {
+		t.Fatal("a request for execution 8 was forwarded to execution 7")
+	}
+	// Until A learns of the retirement, 7 is served.
+	if resp, body := f.get(t, "/files", f.token(t, r7, capability.PurposeFiles)); resp.StatusCode != 200 {
+		t.Fatalf("7 before retirement: %d %s", resp.StatusCode, body)
+	}
+
+	// A PTY/process stream and a file watch open on A.
+	proc := f.stream(t, "/process.Process/Start", r7, capability.PurposeProcess)
+	watch := f.stream(t, "/filesystem.Filesystem/WatchDir", r7, capability.PurposeFilesystem)
+	if proc.StatusCode != 200 || watch.StatusCode != 200 {
+		t.Fatalf("streams: %d %d", proc.StatusCode, watch.StatusCode)
+	}
+	procDone := expectReplacedEnd(t, "process stream", proc, 2)
+	watchDone := expectReplacedEnd(t, "watch stream", watch, 2)
+	tok7 := f.token(t, r7, capability.PurposeFiles) // unexpired throughout
+
+	if err := f.m.Retire(context.Background(), r7); err != nil {
+		t.Fatal(err)
+	}
+	waitDone(t, "streams of the retired execution", procDone, watchDone)
+	before = f.sub.forwarded.Load()
+	resp, body = f.get(t, "/files", tok7)
+	if resp.StatusCode != http.StatusMisdirectedRequest || resp.Header.Get(spacev1.HeaderRouteOutcome) != spacev1.OutcomeRefreshRoute ||
+		!strings.Contains(body, "retired") {
+		t.Fatalf("unexpired capability for retired 7: %d %s", resp.StatusCode, body)
+	}
+	if f.sub.forwarded.Load() != before {
+		t.Fatal("retired execution served a request")
+	}
+	if rec, _ := f.m.Installed("sbxs"); !rec.Retired || f.m.Active() != 0 {
+		t.Fatalf("after retire: %+v active=%d", rec, f.m.Active())
+	}
+}
+
+func TestRetireRules(t *testing.T) {
+	f := newLCFixture(t)
+	ctx := context.Background()
+	r7 := route("sbxr", 7)
+	f.install(t, r7)
+	// Unknown sandbox: nothing served, nothing to do.
+	if err := f.m.Retire(ctx, route("other", 1)); err != nil {
+		t.Fatalf("retire unknown: %v", err)
+	}
+	// A route newer than the installed one is not this worker's to retire.
+	if err := f.m.Retire(ctx, route("sbxr", 9)); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("retire newer: %v", err)
+	}
+	if err := f.m.Retire(ctx, identity.Route{SandboxID: "Bad"}); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("retire invalid: %v", err)
+	}
+	for range 2 { // idempotent
+		if err := f.m.Retire(ctx, r7); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A retired execution cannot be revived by a late or retried install.
+	if _, err := f.m.Install(ctx, spacev1.InstallRequest{Route: r7, Template: "base"}); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("reinstall retired: %v", err)
+	}
+	// Lifecycle calls on a retired execution are conflicts; snapshot works.
+	if err := f.m.Pause(ctx, r7); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("pause retired: %v", err)
+	}
+	// A newer generation can be installed here; retiring the old route
+	// afterwards (a late notice) is a no-op that leaves the new one alone.
+	r8 := route("sbxr", 8)
+	f.install(t, r8)
+	if err := f.m.Retire(ctx, r7); err != nil {
+		t.Fatal(err)
+	}
+	if resp, body := f.get(t, "/files", f.token(t, r8, capability.PurposeFiles)); resp.StatusCode != 200 || body != "file of sbxr gen 8" {
+		t.Fatalf("8 after late retire of 7: %d %s", resp.StatusCode, body)
+	}
+	// Teardown removes a retired record.
+	if err := f.m.Retire(ctx, r8); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.m.Teardown(ctx, r8); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := f.m.Installed("sbxr"); ok {
+		t.Fatal("record survived teardown")
+	}
+}
+
+func TestPauseResume(t *testing.T) {
+	f := newLCFixture(t)
+	ctx := context.Background()
+	r := route("sbxp", 1)
+	f.install(t, r)
+	inst := f.sub.last()
+	proc := f.stream(t, "/process.Process/Start", r, capability.PurposeProcess)
+	for range 2 {
+		if err := f.m.Pause(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !inst.paused.Load() || inst.pauses.Load() != 1 || !f.m.Paused("sbxp") {
+		t.Fatalf("paused=%v pauses=%d", inst.paused.Load(), inst.pauses.Load())
+	}
+	before := f.sub.forwarded.Load()
+	resp, body := f.get(t, "/files", f.token(t, r, capability.PurposeFiles))
+	var e spacev1.Error
+	json.Unmarshal([]byte(body), &e)
+	if resp.StatusCode != http.StatusConflict || e.Reason != ReasonPaused {
+		t.Fatalf("request while paused: %d %s", resp.StatusCode, body)
+	}
+	if f.sub.forwarded.Load() != before {
+		t.Fatal("request forwarded into a paused guest")
+	}
+	// Admission still comes first: a stale capability gets refresh-route.
+	if resp, _ := f.get(t, "/files", f.token(t, route("sbxp", 0+2), capability.PurposeFiles)); resp.StatusCode != http.StatusMisdirectedRequest {
+		t.Fatalf("stale capability while paused: %d", resp.StatusCode)
+	}
+	// Wrong execution, unknown sandbox.
+	if err := f.m.Pause(ctx, route("sbxp", 2)); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("pause other execution: %v", err)
+	}
+	if err := f.m.Resume(ctx, route("nope", 1)); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("resume unknown: %v", err)
+	}
+	for range 2 {
+		if err := f.m.Resume(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if inst.paused.Load() || f.m.Paused("sbxp") {
+		t.Fatal("still paused")
+	}
+	if resp, body := f.get(t, "/files", f.token(t, r, capability.PurposeFiles)); resp.StatusCode != 200 {
+		t.Fatalf("after resume: %d %s", resp.StatusCode, body)
+	}
+	// The stream opened before the pause survived it (same execution).
+	proc.Body.Close()
+}
+
+func TestSnapshotAndRestoreOnInstall(t *testing.T) {
+	f := newLCFixture(t)
+	ctx := context.Background()
+	r1 := route("sbxn", 1)
+	f.install(t, r1)
+	rec1, _ := f.m.records["sbxn"], 0
+	upper1 := filepath.Join(rec1.Dir, upperDir)
+	os.MkdirAll(filepath.Join(upper1, "root"), 0o700)
+	os.WriteFile(filepath.Join(upper1, "root", "note"), []byte("kept across workers"), 0o600)
+
+	if _, err := f.m.Snapshot(ctx, r1, "s1"); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("snapshot while running: %v", err)
+	}
+	if _, err := f.m.Snapshot(ctx, r1, "../evil"); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("bad snapshot id: %v", err)
+	}
+	if err := f.m.Pause(ctx, r1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.m.Snapshot(ctx, route("sbxn", 2), "s1"); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("snapshot of another execution: %v", err)
+	}
+	resp, err := f.m.Snapshot(ctx, r1, "s1")
+	if err != nil || resp.SnapshotID != "s1" || resp.SizeBytes < 1024 {
+		t.Fatalf("snapshot: %+v %v", resp, err)
+	}
+
+	// Failed restores leave the running execution alone.
+	if _, err := f.m.Install(ctx, spacev1.InstallRequest{Route: route("sbxn", 2), Template: "base", RestoreSnapshot: "missing"}); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("restore of a missing snapshot: %v", err)
+	}
+	var evil bytes.Buffer
+	tw := tar.NewWriter(&evil)
+	tw.WriteHeader(&tar.Header{Name: "../../escape", Typeflag: tar.TypeReg, Mode: 0o644, Size: 1})
+	tw.Write([]byte("x"))
+	tw.Close()
+	f.snaps.Put(ctx, "evil", &evil)
+	if _, err := f.m.Install(ctx, spacev1.InstallRequest{Route: route("sbxn", 2), Template: "base", RestoreSnapshot: "evil"}); !errors.Is(err, snapshot.ErrHostileArchive) {
+		t.Fatalf("restore of a hostile snapshot: %v", err)
+	}
+	if rec, _ := f.m.Installed("sbxn"); rec.Route != r1 || !f.m.Paused("sbxn") {
+		t.Fatalf("failed restore touched the running execution: %+v", rec)
+	}
+
+	// Resume as execution 2 from the snapshot (same worker here; another
+	// worker shares the snapshot store the same way).
+	if _, err := f.m.Install(ctx, spacev1.InstallRequest{Route: route("sbxn", 2), Template: "base", RestoreSnapshot: "s1"}); err != nil {
+		t.Fatal(err)
+	}
+	rec2 := f.m.records["sbxn"]
+	if b, err := os.ReadFile(filepath.Join(rec2.Dir, upperDir, "root", "note")); err != nil || string(b) != "kept across workers" {
+		t.Fatalf("restored file: %q %v", b, err)
+	}
+	if _, err := os.Stat(rec1.Dir); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("superseded activation dir kept: %v", err)
+	}
+	if f.m.Paused("sbxn") {
+		t.Fatal("new execution starts paused")
+	}
+}
+
+func TestSnapshotWithoutStore(t *testing.T) {
+	f := newFixture(t)
+	f.install(t, route("sbxa", 1))
+	if _, err := f.m.Snapshot(context.Background(), route("sbxa", 1), "s"); !errors.Is(err, errdefs.ErrUnavailable) {
+		t.Fatalf("snapshot without store: %v", err)
+	}
+	if _, err := f.m.Install(context.Background(), spacev1.InstallRequest{Route: route("sbxa", 2), RestoreSnapshot: "s"}); !errors.Is(err, errdefs.ErrUnavailable) {
+		t.Fatalf("restore without store: %v", err)
+	}
+}
+
+// Replacing the execution by an install ends its Connect streams with
+// "execution replaced" too; plain streaming bodies are cut (never a body
+// that looks complete), and a stream whose guest had not answered yet gets
+// the end-of-stream message alone.
+func TestLeaseEndsStreams(t *testing.T) {
+	f := newLCFixture(t)
+	r1 := route("sbxl", 1)
+	f.install(t, r1)
+	proc := f.stream(t, "/process.Process/Start", r1, capability.PurposeProcess)
+	procDone := expectReplacedEnd(t, "process stream", proc, 2)
+
+	pending := make(chan *http.Response, 1)
+	go func() {
+		pending <- f.stream(t, "/process.Process/Connect", r1, capability.PurposeProcess)
+	}()
+	plainReq, _ := http.NewRequest("GET", f.srv.URL+"/files?stream=1", nil)
+	plainReq.Header.Set(spacev1.HeaderCapability, f.token(t, r1, capability.PurposeFiles))
+	plain, err := http.DefaultClient.Do(plainReq)
+	if err != nil || plain.StatusCode != 200 {
+		t.Fatalf("plain stream: %v", err)
+	}
+	plainDone := make(chan error, 1)
+	go func() { _, err := io.ReadAll(plain.Body); plain.Body.Close(); plainDone <- err }()
+	// Let the pending request reach the guest.
+	for deadline := time.Now().Add(5 * time.Second); f.sub.forwarded.Load() < 3 && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
+
+	f.install(t, route("sbxl", 2))
+	waitDone(t, "process stream", procDone)
+	select {
+	case err := <-plainDone:
+		if err == nil {
+			t.Fatal("a cut plain stream looked complete")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("plain stream still open")
+	}
+	var resp *http.Response
+	select {
+	case resp = <-pending:
+	case <-time.After(10 * time.Second):
+		t.Fatal("pending stream still open")
+	}
+	if resp.StatusCode != 200 || resp.Header.Get("Content-Type") != "application/connect+json" {
+		t.Fatalf("pending stream: %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
+	waitDone(t, "pending stream", expectReplacedEnd(t, "pending stream", resp, 1))
+}
+
+// The lease writer on its own: a non-Connect request whose lease ended
+// before the guest answered gets a 503 "execution replaced" JSON error,
+// and a Connect cut inside a message aborts.
+func TestLeaseWriterUnit(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	act := &activation{route: route("sbxu", 3), ctx: ctx}
+	cancel()
+	rec := httptest.NewRecorder()
+	req := httptest.NewRequest("GET", "/files", nil)
+	lw := newLeaseWriter(rec, req, act)
+	func() {
+		defer lw.finish()
+		writeError(lw, fmt.Errorf("%w: sandbox bridge: context canceled", errdefs.ErrUnavailable))
+	}()
+	var e spacev1.Error
+	if rec.Code != 503 || json.Unmarshal(rec.Body.Bytes(), &e) != nil || e.Reason != spacev1.ReasonExecutionReplaced {
+		t.Fatalf("%d %s", rec.Code, rec.Body)
+	}
+
+	act2 := &activation{route: route("sbxu", 3)}
+	var cancel2 context.CancelFunc
+	act2.ctx, cancel2 = context.WithCancel(context.Background())
+	rec = httptest.NewRecorder()
+	lw = newLeaseWriter(rec, req, act2)
+	panicked := func() (p any) {
+		defer func() { p = recover() }()
+		defer lw.finish()
+		lw.Header().Set("Content-Type", "application/connect+json")
+		lw.WriteHeader(200)
+		lw.Write(envelope(0, `{"a":1}`)[:7]) // half a message
+		cancel2()
+		panic(http.ErrAbortHandler)
+	}()
+	if panicked != http.ErrAbortHandler {
+		t.Fatalf("cut inside a message: %v", panicked)
+	}
+	// Other panics propagate untouched.
+	rec = httptest.NewRecorder()
+	lw = newLeaseWriter(rec, req, act2)
+	p := func() (p any) {
+		defer func() { p = recover() }()
+		defer lw.finish()
+		panic("boom")
+	}()
+	if p != "boom" {
+		t.Fatalf("foreign panic: %v", p)
+	}
+}
+
+// Crash safety: install gen 1, retire, crash (no cleanup), reopen: the
+// gen-1 capability gets RefreshRoute; a crash before the retirement was
+// persisted leaves a record that is never forwarded to (no activation).
+func TestRetiredSurvivesCrash(t *testing.T) {
+	f := newLCFixture(t)
+	r1 := route("sbxc", 1)
+	f.install(t, r1)
+	f.install(t, route("sbxd", 1))
+	if err := f.m.Retire(context.Background(), r1); err != nil {
+		t.Fatal(err)
+	}
+	f.crash()
+	f.open(t)
+	before := f.sub.forwarded.Load()
+	resp, body := f.get(t, "/files", f.token(t, r1, capability.PurposeFiles))
+	if resp.StatusCode != http.StatusMisdirectedRequest || resp.Header.Get(spacev1.HeaderRouteOutcome) != spacev1.OutcomeRefreshRoute {
+		t.Fatalf("retired gen 1 after restart: %d %s", resp.StatusCode, body)
+	}
+	resp, body = f.get(t, "/files", f.token(t, route("sbxd", 1), capability.PurposeFiles))
+	if resp.StatusCode != http.StatusServiceUnavailable {
+		t.Fatalf("unretired record without activation after restart: %d %s", resp.StatusCode, body)
+	}
+	if f.sub.forwarded.Load() != before {
+		t.Fatal("restarted manager forwarded a request")
+	}
+	if rec, ok := f.m.Installed("sbxc"); !ok || !rec.Retired {
+		t.Fatalf("record after restart: %+v %v", rec, ok)
+	}
+	// The retired execution can still be retired (idempotent) and torn down.
+	if err := f.m.Retire(context.Background(), r1); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.m.Teardown(context.Background(), r1); err != nil {
+		t.Fatal(err)
+	}
+}
