@@ -1,7 +1,8 @@
 // Package nodeapi is node-api, the HTTP entry point of one worker. It serves
-// the control plane's install and teardown calls (each carrying a control
-// capability bound to this worker and to the route it names) and hands every
-// other request to sbx-manager, which admits it before forwarding.
+// the control plane's install, teardown, pause, resume, snapshot and retire
+// calls (each carrying a control capability bound to this worker and to
+// exactly the route in its body) and hands every other request to
+// sbx-manager, which admits it before forwarding.
 package nodeapi
 
 import (
@@ -87,6 +88,10 @@ func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST "+spacev1.NodePathInstall, s.install)
 	mux.HandleFunc("POST "+spacev1.NodePathTeardown, s.teardown)
+	mux.HandleFunc("POST "+spacev1.NodePathPause, s.lifecycle(s.mgr.Pause))
+	mux.HandleFunc("POST "+spacev1.NodePathResume, s.lifecycle(s.mgr.Resume))
+	mux.HandleFunc("POST "+spacev1.NodePathRetire, s.lifecycle(s.mgr.Retire))
+	mux.HandleFunc("POST "+spacev1.NodePathSnapshot, s.snapshot)
 	mux.HandleFunc("GET "+spacev1.NodePathHealth, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"worker":%q,"active":%d}`, s.cfg.WorkerID, s.mgr.Active())
@@ -178,4 +183,46 @@ func (s *Server) teardown(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
+}
+
+// lifecycle serves pause, resume and retire: a LifecycleRequest, answered
+// 204 No Content once done (all three are idempotent).
+func (s *Server) lifecycle(op func(context.Context, identity.Route) error) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		var req spacev1.LifecycleRequest
+		if err := decode(r, &req); err != nil {
+			sbxmanager.WriteError(w, err)
+			return
+		}
+		if err := s.authorizeControl(r, req.Route); err != nil {
+			sbxmanager.WriteError(w, err)
+			return
+		}
+		if err := op(r.Context(), req.Route); err != nil {
+			sbxmanager.WriteError(w, err)
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	}
+}
+
+// snapshot serves NodePathSnapshot: a SnapshotRequest, answered with a
+// SnapshotResponse once the archive is durable in the snapshot store.
+func (s *Server) snapshot(w http.ResponseWriter, r *http.Request) {
+	var req spacev1.SnapshotRequest
+	if err := decode(r, &req); err != nil {
+		sbxmanager.WriteError(w, err)
+		return
+	}
+	if err := s.authorizeControl(r, req.Route); err != nil {
+		sbxmanager.WriteError(w, err)
+		return
+	}
+	resp, err := s.mgr.Snapshot(r.Context(), req.Route, req.SnapshotID)
+	if err != nil {
+		sbxmanager.WriteError(w, err)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(resp)
 }
