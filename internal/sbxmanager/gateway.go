@@ -292,6 +292,10 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
 		return
 	}
+	if act.paused.Load() {
+		pausedError(w, ad.Claims.SandboxID) // never into a frozen guest
+		return
+	}
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
 	stop := context.AfterFunc(act.ctx, cancel)
