@@ -85,6 +85,10 @@ type Config struct {
 	// stay readable (executions history) before they are purged (1 h).
 	ReapInterval time.Duration
 	TombstoneTTL time.Duration
+	// KeyPropagation is how long a key rotation waits between publishing
+	// the new verification key and signing with it (default 2 s; negative:
+	// no wait).
+	KeyPropagation time.Duration
 }
 
 // Deps are the objects the control plane uses.

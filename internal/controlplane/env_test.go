@@ -43,6 +43,9 @@ type fakeNode struct {
 	teardown []spacev1.TeardownRequest
 	failWith int // status to answer installs with (0: succeed)
 	tokenErr error
+	// life, when set, serves the lifecycle paths and logs every call in
+	// order (lifecycle_test.go).
+	life *lifeNode
 }
 
 func newFakeNode(t *testing.T, id string, st *store.Store) *fakeNode {
@@ -76,6 +79,9 @@ func (n *fakeNode) verify(r *http.Request, route func() spacev1.TeardownRequest)
 
 func (n *fakeNode) serve(w http.ResponseWriter, r *http.Request) {
 	body, _ := io.ReadAll(r.Body)
+	if n.life != nil && n.life.serve(n, w, r, body) {
+		return
+	}
 	switch r.URL.Path {
 	case spacev1.NodePathInstall:
 		var req spacev1.InstallRequest

@@ -22,11 +22,17 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request, c caller, 
 		s.writeError(w, r, err)
 		return
 	}
+	snap, err := s.resolveSnapshotTemplate(r.Context(), c, &req)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
 	p, err := s.validateCreate(req, v2)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
 	}
+	p.RestoreSnapshot = snap
 	rec, err := s.createSandbox(r.Context(), c, p)
 	if err != nil {
 		s.writeError(w, r, err)
@@ -55,7 +61,7 @@ func (s *Server) detail(rec store.SandboxRecord) e2bapi.SandboxDetail {
 		SandboxID: rec.ID, TemplateID: rec.TemplateID, Alias: rec.Alias, ClientID: clientID,
 		CPUCount: rec.CPUCount, MemoryMB: rec.MemoryMB, DiskSizeMB: rec.DiskSizeMB, Domain: s.domain(),
 		StartedAt: rec.StartedAt, EndAt: rec.EndAt, EnvdVersion: rec.EnvdVersion,
-		EnvdAccessToken: rec.AccessToken, Metadata: rec.Metadata, State: string(rec.State),
+		EnvdAccessToken: rec.AccessToken, Metadata: rec.Metadata, State: e2bState(rec),
 		Lifecycle:    &e2bapi.SandboxLifecycle{OnTimeout: onTimeout},
 		VolumeMounts: []e2bapi.SandboxVolumeMount{},
 	}
@@ -66,7 +72,7 @@ func listed(rec store.SandboxRecord) e2bapi.ListedSandbox {
 		SandboxID: rec.ID, TemplateID: rec.TemplateID, Alias: rec.Alias, ClientID: clientID,
 		CPUCount: rec.CPUCount, MemoryMB: rec.MemoryMB, DiskSizeMB: rec.DiskSizeMB,
 		StartedAt: rec.StartedAt, EndAt: rec.EndAt, EnvdVersion: rec.EnvdVersion,
-		Metadata: rec.Metadata, State: string(rec.State), VolumeMounts: []e2bapi.SandboxVolumeMount{},
+		Metadata: rec.Metadata, State: e2bState(rec), VolumeMounts: []e2bapi.SandboxVolumeMount{},
 	}
 }
 

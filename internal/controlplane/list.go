@@ -141,7 +141,7 @@ func filterSandboxes(entries []store.SandboxEntry, team string, lq listQuery) (p
 	var out []store.SandboxRecord
 	for _, e := range entries {
 		r := e.Record
-		if !visible(r, team) || !lq.States[string(r.State)] {
+		if !visible(r, team) || !lq.States[e2bState(r)] {
 			continue
 		}
 		if lq.Template != "" && r.TemplateID != lq.Template {
@@ -160,7 +160,7 @@ func filterSandboxes(entries []store.SandboxEntry, team string, lq listQuery) (p
 		if !match {
 			continue
 		}
-		if r.State == store.StateRunning {
+		if e2bState(r) == e2bapi.StateRunning {
 			running++
 		}
 		out = append(out, r)

@@ -44,6 +44,10 @@ func (s *Server) reapOnce(sem chan struct{}) {
 	for _, e := range entries {
 		r := e.Record
 		switch {
+		case r.State == store.StateRunning && r.AutoPause && !r.EndAt.After(now):
+			s.spawnAutoPause(sem, r.ID)
+		case r.Op != nil && now.Sub(r.Op.StartedAt) > s.opDeadline():
+			s.spawnRecover(sem, r.ID, r.Op.ID)
 		case (r.State == store.StateRunning || r.State == store.StatePaused) && !r.EndAt.After(now):
 			s.spawnKill(sem, r.ID, "timeout", func(cur store.SandboxRecord) error {
 				if cur.EndAt.After(s.now()) {

@@ -38,6 +38,9 @@ type createParams struct {
 	EnvVars   map[string]string
 	Secure    bool
 	AutoPause bool
+	// RestoreSnapshot restores a snapshot's files at install (a create
+	// from a snapshot).
+	RestoreSnapshot string
 	// PrivateTraffic: network.allowPublicTraffic was false; service ports
 	// then need the traffic access token.
 	PrivateTraffic bool
@@ -141,8 +144,11 @@ func (s *Server) workersWithLoad(ctx context.Context) ([]spacev1.Worker, error) 
 	}
 	placed := map[string]int{}
 	for _, e := range entries {
-		if e.Record.State == store.StateCreating || e.Record.State == store.StateRunning {
+		if e.Record.State == store.StateCreating || e.Record.State == store.StateRunning || e.Record.State.Transitional() {
 			placed[e.Record.Route.WorkerID]++
+		}
+		if p := e.Record.PendingRoute; p != nil && !e.Record.State.Terminal() {
+			placed[p.WorkerID]++
 		}
 	}
 	for i := range ws {
@@ -203,7 +209,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		log := s.log.With("sandbox", rec.ID, "generation", rec.Route.Generation, "worker", w.ID)
 		resp, err := s.install(ctx, w.NodeURL, spacev1.InstallRequest{
 			Route: rec.Route, Template: rec.TemplateID, EnvVars: rec.EnvVars,
-			Limits: spacev1.Limits{MemoryBytes: int64(rec.MemoryMB) << 20, CPUMillis: int64(rec.CPUCount) * 1000},
+			Limits: limitsOf(rec), RestoreSnapshot: p.RestoreSnapshot,
 		})
 		if err != nil {
 			log.Warn("install failed", "err", err)
@@ -257,7 +263,7 @@ func errString(err error) string {
 // visible reports whether an E2B route shows the record: an owner's,
 // started and not a tombstone.
 func visible(rec store.SandboxRecord, team string) bool {
-	return rec.TeamID == team && (rec.State == store.StateRunning || rec.State == store.StatePaused)
+	return rec.TeamID == team && (rec.State == store.StateRunning || rec.State == store.StatePaused || rec.State.Transitional())
 }
 
 func (s *Server) getSandbox(ctx context.Context, c caller, id string) (store.SandboxRecord, error) {
@@ -289,10 +295,15 @@ func (s *Server) killSandbox(ctx context.Context, id, team, reason string, check
 		r.State = store.StateKilled
 		r.EndedAt = now
 		r.Reason = reason
-		if n := len(r.Executions); n > 0 && r.Executions[n-1].EndedAt == nil {
-			r.Executions[n-1].State = "killed"
-			r.Executions[n-1].EndedAt = &now
+		for i := range r.Executions {
+			if r.Executions[i].EndedAt == nil {
+				r.Executions[i].State = "killed"
+				r.Executions[i].EndedAt = &now
+			}
 		}
+		// A kill ends any lifecycle operation: it finds the record gone
+		// from its hands and undoes its install.
+		r.Op = nil
 		return nil
 	})
 	if err != nil {
@@ -310,6 +321,7 @@ func (s *Server) killSandbox(ctx context.Context, id, team, reason string, check
 			log.Warn("teardown failed; execution left to worker reconciliation", "err", err)
 		}
 	}
+	s.teardownPending(ctx, rec)
 	return nil
 }
 

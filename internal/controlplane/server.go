@@ -26,7 +26,7 @@ type Server struct {
 	http   *http.Client
 	log    *slog.Logger
 	now    func() time.Time
-	signer *capability.Signer
+	signer *rotatingSigner
 	sched  *scheduler.Scheduler
 
 	apiKey          string
@@ -68,18 +68,24 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		s.now = time.Now
 	}
 
+	adopted, err := adoptPendingKey(cfg.DataDir)
+	if err != nil {
+		return nil, fmt.Errorf("controlplane: %w", err)
+	}
 	priv, created, err := loadOrCreateSigningKey(cfg.DataDir)
 	if err != nil {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
 	pub := priv.Public().(ed25519.PublicKey)
 	kid := KeyID(pub)
-	if s.signer, err = capability.NewSigner(kid, priv); err != nil {
+	sg, err := capability.NewSigner(kid, priv)
+	if err != nil {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
+	s.signer = newRotatingSigner(sg)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if s.bundle, err = publishKey(ctx, s.st, kid, pub, s.now()); err != nil {
+	if s.bundle, err = s.publishStartKey(ctx, adopted, kid, pub); err != nil {
 		return nil, fmt.Errorf("controlplane: publish verification key: %w", err)
 	}
 	s.log.Info("signing key ready", "kid", kid, "created", created, "bundle_revision", s.bundle.Revision)
@@ -171,7 +177,8 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("POST /sandboxes/{id}/timeout", s.withKey(s.handleTimeout))
 	mux.HandleFunc("GET /space/v1/workers", s.handleWorkers)
 	mux.HandleFunc("GET /space/v1/sandboxes/{id}/executions", s.handleExecutions)
-	mux.HandleFunc("POST /space/v1/sandboxes/{id}/capabilities", s.handleCapability)
+	mux.HandleFunc("POST /space/v1/sandboxes/{id}/capabilities", s.settled(s.handleCapability))
+	s.lifecycleRoutes(mux)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, fmt.Errorf("%w: no route for %s %s", ErrNotFound, r.Method, r.URL.Path))
 	})
