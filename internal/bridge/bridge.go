@@ -323,9 +323,20 @@ func (b *Bridge) verifyPeerSocket(c net.Conn) error {
 			return verr(CheckPeerSocket, "%w: own socket %d: %v", ErrListener, own, err)
 		}
 		if me.Peer != 0 {
-			p, err := b.diagGuest.Lookup(me.Peer, procid.UDiagShowVFS|procid.UDiagShowPeer)
+			// The kernel creates the server side of a Unix connection in
+			// the connecting socket's network namespace (ours), not the
+			// listener's; look there first.
+			p, err := b.diagSelf.Lookup(me.Peer, procid.UDiagShowVFS|procid.UDiagShowPeer)
 			if err != nil {
-				return verr(CheckPeerSocket, "%w: peer socket %d is not in the agent's network namespace: %v", ErrListener, me.Peer, err)
+				p, err = b.diagGuest.Lookup(me.Peer, procid.UDiagShowVFS|procid.UDiagShowPeer)
+			}
+			if err != nil && attempt < 50 {
+				// Between dequeue and graft by accept(2): not yet findable.
+				time.Sleep(100 * time.Microsecond)
+				continue
+			}
+			if err != nil {
+				return verr(CheckPeerSocket, "%w: peer socket %d not found: %v", ErrListener, me.Peer, err)
 			}
 			if !b.boundAtPath(p) || p.Peer != own {
 				return verr(CheckPeerSocket, "%w: peer socket %d is bound at %d:%d, not at the recorded path inode", ErrListener, me.Peer, p.VFSDev, p.VFSIno)
