@@ -78,6 +78,8 @@ type Report struct {
 	CreateErr error
 	Mem       MemResult
 	MemErr    error
+	SP        ServicePortResult
+	SPErr     error
 	Took      time.Duration
 }
 
@@ -149,6 +151,9 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 
 		progress("memory: %d idle sandboxes", cfg.MemSandboxes)
 		rep.Mem, rep.MemErr = MeasureMemory(ctx, on, cfg.MemSandboxes, cfg.MemSettle)
+
+		progress("service port: HTTP through edge+netgtw vs direct, connections per second")
+		rep.SP, rep.SPErr = MeasureServicePort(ctx, on, 300, 3*time.Second)
 	}
 	// Shut down before printing: etcd logs its shutdown on stderr.
 	closeOff()
@@ -161,7 +166,7 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	}
 	fmt.Fprintln(out)
 	fmt.Fprint(out, rep.Notes())
-	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr)
+	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr)
 }
 
 // Rows renders the report as table rows.
@@ -220,6 +225,11 @@ func (r *Report) Rows() []Row {
 			Row{fmt.Sprintf("memory/sandbox RSS host+agent, n=%d (MiB)", len(r.Mem.Sum)), fmt.Sprintf("%.1f", mib(s.RSS)), bRSS, ratio(float64(s.RSS), float64(2*r.Mem.Idle.RSS)), "<= 20 MiB", atMost(mib(s.RSS), 20)},
 			Row{fmt.Sprintf("memory/sandbox PSS host+agent, n=%d (MiB)", len(r.Mem.Sum)), fmt.Sprintf("%.1f", mib(s.PSS)), bPSS, ratio(float64(s.PSS), float64(2*r.Mem.Idle.PSS)), "<= 20 MiB", atMost(mib(s.PSS), 20)},
 		)
+	}
+	if r.SPErr != nil {
+		fail("service port", r.SPErr)
+	} else {
+		rows = append(rows, r.SP.Rows()...)
 	}
 	return rows
 }

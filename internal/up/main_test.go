@@ -116,6 +116,7 @@ func binaries(dir string) (string, error) {
 	}{
 		{"spaced-host", "github.com/spacesbx/space/cmd/spaced-host", false},
 		{"spaced-guest", "github.com/spacesbx/space/cmd/spaced-guest", true},
+		{"netgtw", "github.com/spacesbx/space/cmd/netgtw", false},
 	} {
 		cmd := exec.Command("go", "build", "-o", filepath.Join(bin, b.name), b.pkg)
 		cmd.Env = os.Environ()
