@@ -1,7 +1,9 @@
 // Command spaced-guest is the SPACE in-sandbox agent (envd-compatible API).
 // Config: JSON of guest.Config in $SPACE_GUEST_CONFIG (unset once read, so
 // children do not inherit it). Listener: inherited fd 3, or --listen
-// unix:/path | tcp:host:port. SIGTERM/SIGINT: graceful Close.
+// unix:/path | tcp:host:port. User cgroup: the inherited fd named by
+// $SPACE_CGROUP_FD (ns substrate; see internal/guest/cgexec), optional.
+// SIGTERM/SIGINT: graceful Close.
 package main
 
 import (
@@ -17,7 +19,12 @@ import (
 	"syscall"
 
 	"github.com/spacesbx/space/internal/guest"
+	"github.com/spacesbx/space/internal/guest/cgexec" // also: the wrapper of user commands (its init)
 )
+
+// spareThreads is how many OS threads the agent creates at startup and
+// keeps (see guest.PrestartThreads).
+const spareThreads = 8
 
 func main() {
 	listen := flag.String("listen", "", "unix:/path or tcp:host:port (default: inherited fd 3)")
@@ -27,6 +34,12 @@ func main() {
 		log.Fatalf("spaced-guest: SPACE_GUEST_CONFIG: %v", err)
 	}
 	_ = os.Unsetenv("SPACE_GUEST_CONFIG")
+	userCgroup, err := cgexec.FromEnv()
+	if err != nil {
+		log.Fatalf("spaced-guest: %v", err)
+	}
+	cfg.UserCgroupProcs = userCgroup
+	guest.PrestartThreads(spareThreads)
 	debug.SetGCPercent(50) // here, not via GOGC: user processes inherit the env
 
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))

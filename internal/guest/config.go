@@ -5,7 +5,7 @@
 // bridge.
 //
 // The package deliberately imports no other internal package of this
-// repository: only the standard library, the generated api/envd code,
+// repository but its own subpackage cgexec: only the standard library, the generated api/envd code,
 // connect, protobuf, creack/pty, fsnotify and x/sys.
 package guest
 
@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"strings"
 	"time"
 )
@@ -104,6 +105,14 @@ type Config struct {
 	ShutdownTimeout time.Duration `json:"shutdown_timeout,omitempty"`
 	// Logger receives operational logs. Default: slog.Default().
 	Logger *slog.Logger `json:"-"`
+	// UserCgroupProcs, when set, is the cgroup.procs file (open for
+	// writing) of the cgroup every started process must run in: the ns
+	// substrate keeps the agent out of the group that carries the
+	// sandbox's pids limit and hands this file over as SPACE_CGROUP_FD
+	// (see cgexec.FromEnv). Processes are then started through the cgexec
+	// wrapper and join the group before running any code of their own.
+	// Nil: processes start in the agent's own cgroups.
+	UserCgroupProcs *os.File `json:"-"`
 }
 
 // withDefaults returns a copy of c with defaults filled in.

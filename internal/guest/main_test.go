@@ -51,6 +51,18 @@ func requireRoot(t *testing.T) {
 
 func newEnv(t *testing.T) *env {
 	t.Helper()
+	var ucg *os.File
+	if os.Getenv("GUEST_TEST_CGEXEC") != "" {
+		// Run the whole suite through the cgexec wrapper.
+		requireRoot(t)
+		_, ucg = testUserCgroup(t)
+	}
+	return newEnvCgroup(t, ucg)
+}
+
+// newEnvCgroup is newEnv with Config.UserCgroupProcs set to ucg.
+func newEnvCgroup(t *testing.T, ucg *os.File) *env {
+	t.Helper()
 	requireRoot(t)
 	// Not t.TempDir(): its parent is 0700, unreachable for uid 1000.
 	dir, err := os.MkdirTemp("", "guest-test-")
@@ -80,8 +92,9 @@ func newEnv(t *testing.T) *env {
 		Env:            map[string]string{"SPACE_DEFAULT": "yes"},
 		PasswdPath:     passwd,
 		GroupPath:      group,
-		MaxUploadBytes: 1 << 20,
-		Logger:         slog.New(slog.NewTextHandler(io.Discard, nil)),
+		MaxUploadBytes:  1 << 20,
+		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
+		UserCgroupProcs: ucg,
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -24,6 +24,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	processpb "github.com/spacesbx/space/api/envd/process"
+	"github.com/spacesbx/space/internal/guest/cgexec"
 )
 
 const (
@@ -263,8 +264,16 @@ func (s *Server) startProcess(h http.Header, req *processpb.StartRequest) (*proc
 		}
 		attrs.Setsid = true
 		attrs.Setctty = true
+		h, err := s.prepareStart(cmd)
+		if err != nil {
+			return nil, nil, err
+		}
 		master, err := pty.StartWithAttrs(cmd, ws, attrs)
 		if err != nil {
+			return nil, nil, startError(h.abort(err))
+		}
+		if err := h.place(cmd); err != nil {
+			_ = master.Close()
 			return nil, nil, startError(err)
 		}
 		p.pty = master
@@ -294,7 +303,14 @@ func (s *Server) startProcess(h http.Header, req *processpb.StartRequest) (*proc
 			childEnds = append(childEnds, inR)
 			p.stdin = inW
 		}
-		err = cmd.Start()
+		h, err := s.prepareStart(cmd)
+		if err == nil {
+			if err = cmd.Start(); err != nil {
+				err = h.abort(err)
+			} else {
+				err = h.place(cmd)
+			}
+		}
 		closeAll(childEnds)
 		if err != nil {
 			closeAll(readers)
@@ -324,6 +340,55 @@ func (s *Server) startProcess(h http.Header, req *processpb.StartRequest) (*proc
 	}()
 	s.log.Info("process started", "pid", p.pid, "cmd", pc.GetCmd(), "user", acct.Name, "pty", p.pty != nil)
 	return p, sub, nil
+}
+
+// userStart is a start through the cgexec wrapper (nil: a direct start).
+type userStart struct {
+	h    *cgexec.Handoff
+	path string
+	cg   *os.File
+}
+
+// prepareStart makes cmd start through the cgexec wrapper when the agent
+// has the user cgroup (Config.UserCgroupProcs); otherwise it returns nil
+// and cmd starts directly.
+func (s *Server) prepareStart(cmd *exec.Cmd) (*userStart, error) {
+	if s.cfg.UserCgroupProcs == nil {
+		return nil, nil
+	}
+	path := cmd.Path
+	h, err := cgexec.Prepare(cmd)
+	if err != nil {
+		return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("error starting process: %w", err))
+	}
+	return &userStart{h: h, path: path, cg: s.cfg.UserCgroupProcs}, nil
+}
+
+// abort releases u after a failed Start and names the real command in
+// err instead of the wrapper.
+func (u *userStart) abort(err error) error {
+	if u == nil {
+		return err
+	}
+	u.h.Close()
+	var pe *os.PathError
+	if errors.As(err, &pe) {
+		pe.Path = u.path
+	}
+	return err
+}
+
+// place moves the started wrapper into the user cgroup and lets it exec
+// the command. On error the process was killed and is reaped here.
+func (u *userStart) place(cmd *exec.Cmd) error {
+	if u == nil {
+		return nil
+	}
+	if err := u.h.Place(cmd.Process.Pid, u.cg); err != nil {
+		_ = cmd.Wait()
+		return err
+	}
+	return nil
 }
 
 func startError(err error) error {
