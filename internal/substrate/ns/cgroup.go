@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -96,17 +97,44 @@ func unescapeMount(s string) string {
 	return b.String()
 }
 
-// cgroup is one sandbox's group in every hierarchy it uses.
+// Pids reserve of the agent. A sandbox's processes live in two groups
+// under <parent>:
+//
+//	<sandbox>-<activation>        the user's processes, with the sandbox's
+//	                              limits (pids.max is Limits.Pids)
+//	agent.<sandbox>-<activation>  the agent (pid 1): pids.max agentPids
+//
+// so that a fork bomb that fills the sandbox's pids.max never keeps the
+// agent from creating a thread (the Go runtime dies when it cannot) or the
+// short-lived wrapper of a new command. Sandbox ids are DNS labels, so no
+// sandbox group ever starts with "agent.". On v1 only the pids hierarchy is
+// split (the agent shares memory, cpu and freezer with the user); on v2
+// the agent's group repeats the sandbox's memory and cpu limits, and Pause
+// freezes both groups. The agent moves every user process into the user
+// group before it runs any user code (see internal/guest/cgexec), through
+// the user group's cgroup.procs file, which Start opens on the host and
+// hands to the agent as fd agentCgroupFD.
+const (
+	agentPids        = 64
+	agentGroupPrefix = "agent."
+)
+
+// cgroup is one sandbox's groups in every hierarchy it uses.
 type cgroup struct {
 	v2 bool
-	// dirs holds the group directories; for v1 one per distinct mount,
-	// in v1Controllers order (the freezer's is freezerDir).
-	dirs       []string
-	freezerDir string
+	// dirs holds every group directory created (remove deletes them).
+	dirs []string
+	// initDirs are the groups the init (the agent) joins.
+	initDirs []string
+	// userDir is the user processes' group in the pids hierarchy (v2: in
+	// the unified one).
+	userDir string
+	// freezerDirs are the groups Pause freezes.
+	freezerDirs []string
 }
 
-// createCgroup creates <parent>/<name> in every needed hierarchy and
-// applies lim. On error it removes what it created.
+// createCgroup creates <parent>/<name> and <parent>/agent.<name> in every
+// needed hierarchy and applies lim. On error it removes what it created.
 func createCgroup(l *cgroupLayout, parent, name string, lim substrate.Limits) (_ *cgroup, err error) {
 	cg := &cgroup{v2: l.v2}
 	defer func() {
@@ -114,71 +142,129 @@ func createCgroup(l *cgroupLayout, parent, name string, lim substrate.Limits) (_
 			_ = cg.remove(context.Background())
 		}
 	}()
+	mkdir := func(dir string) error {
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			return fmt.Errorf("ns: create cgroup: %w", err)
+		}
+		cg.dirs = append(cg.dirs, dir)
+		return nil
+	}
 	if l.v2 {
 		if err := enableV2Controllers(l.unified, parent); err != nil {
 			return nil, err
 		}
 		dir := filepath.Join(l.unified, parent, name)
-		if err := os.Mkdir(dir, 0o755); err != nil {
-			return nil, fmt.Errorf("ns: create cgroup: %w", err)
-		}
-		cg.dirs, cg.freezerDir = []string{dir}, dir
-		writes := [][2]string{
-			{"memory.max", strconv.FormatInt(lim.MemoryBytes, 10)},
-			{"memory.swap.max", "0"},
-			{"pids.max", strconv.FormatInt(lim.Pids, 10)},
-			{"cpu.max", fmt.Sprintf("%d 100000", lim.CPUMillis*100)},
-		}
-		for _, w := range writes {
-			if err := writeCgroupFile(dir, w[0], w[1]); err != nil {
-				if w[0] == "memory.swap.max" && errors.Is(err, os.ErrNotExist) {
-					continue // kernel without swap accounting: no swap to limit
-				}
+		adir := filepath.Join(l.unified, parent, agentGroupPrefix+name)
+		for _, g := range []struct {
+			dir  string
+			pids int64
+		}{{dir, lim.Pids}, {adir, agentPids}} {
+			if err := mkdir(g.dir); err != nil {
 				return nil, err
 			}
+			writes := [][2]string{
+				{"memory.max", strconv.FormatInt(lim.MemoryBytes, 10)},
+				{"memory.swap.max", "0"},
+				{"pids.max", strconv.FormatInt(g.pids, 10)},
+				{"cpu.max", fmt.Sprintf("%d 100000", lim.CPUMillis*100)},
+			}
+			for _, w := range writes {
+				if err := writeCgroupFile(g.dir, w[0], w[1]); err != nil {
+					if w[0] == "memory.swap.max" && errors.Is(err, os.ErrNotExist) {
+						continue // kernel without swap accounting: no swap to limit
+					}
+					return nil, err
+				}
+			}
 		}
+		cg.userDir, cg.initDirs, cg.freezerDirs = dir, []string{adir}, []string{dir, adir}
 		return cg, nil
 	}
-	seen := map[string]string{}
+	// v1: one group per distinct mount; the mount of pids gets the agent's
+	// group too (with whatever else is co-mounted with pids).
+	mounts := map[string][]string{} // mount -> controllers
+	var order []string
 	for _, c := range v1Controllers {
 		mnt := l.v1[c]
-		dir, ok := seen[mnt]
-		if !ok {
-			if err := os.MkdirAll(filepath.Join(mnt, parent), 0o755); err != nil {
-				return nil, fmt.Errorf("ns: create cgroup parent: %w", err)
-			}
-			dir = filepath.Join(mnt, parent, name)
-			if err := os.Mkdir(dir, 0o755); err != nil {
-				return nil, fmt.Errorf("ns: create cgroup: %w", err)
-			}
-			seen[mnt] = dir
-			cg.dirs = append(cg.dirs, dir)
+		if _, ok := mounts[mnt]; !ok {
+			order = append(order, mnt)
 		}
-		switch c {
-		case "memory":
-			if err := writeCgroupFile(dir, "memory.limit_in_bytes", strconv.FormatInt(lim.MemoryBytes, 10)); err != nil {
-				return nil, err
-			}
-			// memsw = memory+swap; equal to the memory limit means no swap.
-			if err := writeCgroupFile(dir, "memory.memsw.limit_in_bytes", strconv.FormatInt(lim.MemoryBytes, 10)); err != nil && !errors.Is(err, os.ErrNotExist) {
-				return nil, err
-			}
-		case "pids":
-			if err := writeCgroupFile(dir, "pids.max", strconv.FormatInt(lim.Pids, 10)); err != nil {
-				return nil, err
-			}
-		case "cpu":
-			if err := writeCgroupFile(dir, "cpu.cfs_period_us", "100000"); err != nil {
-				return nil, err
-			}
-			if err := writeCgroupFile(dir, "cpu.cfs_quota_us", strconv.FormatInt(lim.CPUMillis*100, 10)); err != nil {
-				return nil, err
-			}
-		case "freezer":
-			cg.freezerDir = dir
+		mounts[mnt] = append(mounts[mnt], c)
+	}
+	for _, mnt := range order {
+		if err := os.MkdirAll(filepath.Join(mnt, parent), 0o755); err != nil {
+			return nil, fmt.Errorf("ns: create cgroup parent: %w", err)
+		}
+		ctrls := mounts[mnt]
+		dir := filepath.Join(mnt, parent, name)
+		if err := mkdir(dir); err != nil {
+			return nil, err
+		}
+		if err := applyV1(dir, ctrls, lim); err != nil {
+			return nil, err
+		}
+		hasFreezer := slices.Contains(ctrls, "freezer")
+		if hasFreezer {
+			cg.freezerDirs = append(cg.freezerDirs, dir)
+		}
+		if !slices.Contains(ctrls, "pids") {
+			cg.initDirs = append(cg.initDirs, dir)
+			continue
+		}
+		cg.userDir = dir
+		adir := filepath.Join(mnt, parent, agentGroupPrefix+name)
+		if err := mkdir(adir); err != nil {
+			return nil, err
+		}
+		alim := lim
+		alim.Pids = agentPids
+		if err := applyV1(adir, ctrls, alim); err != nil {
+			return nil, err
+		}
+		cg.initDirs = append(cg.initDirs, adir)
+		if hasFreezer {
+			cg.freezerDirs = append(cg.freezerDirs, adir)
 		}
 	}
 	return cg, nil
+}
+
+// applyV1 writes lim for the v1 controllers ctrls of the group dir.
+func applyV1(dir string, ctrls []string, lim substrate.Limits) error {
+	for _, c := range ctrls {
+		switch c {
+		case "memory":
+			if err := writeCgroupFile(dir, "memory.limit_in_bytes", strconv.FormatInt(lim.MemoryBytes, 10)); err != nil {
+				return err
+			}
+			// memsw = memory+swap; equal to the memory limit means no swap.
+			if err := writeCgroupFile(dir, "memory.memsw.limit_in_bytes", strconv.FormatInt(lim.MemoryBytes, 10)); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return err
+			}
+		case "pids":
+			if err := writeCgroupFile(dir, "pids.max", strconv.FormatInt(lim.Pids, 10)); err != nil {
+				return err
+			}
+		case "cpu":
+			if err := writeCgroupFile(dir, "cpu.cfs_period_us", "100000"); err != nil {
+				return err
+			}
+			if err := writeCgroupFile(dir, "cpu.cfs_quota_us", strconv.FormatInt(lim.CPUMillis*100, 10)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// openUserProcs opens the user group's cgroup.procs for writing (close on
+// exec; Start hands it to the init as an extra file).
+func (cg *cgroup) openUserProcs() (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(cg.userDir, "cgroup.procs"), os.O_WRONLY, 0)
+	if err != nil {
+		return nil, fmt.Errorf("ns: open user cgroup: %w", err)
+	}
+	return f, nil
 }
 
 // enableV2Controllers makes memory, pids and cpu available to children of
@@ -243,9 +329,9 @@ func writeCgroupFile(dir, file, val string) error {
 	return nil
 }
 
-// add moves the process pid (all its threads) into every group.
+// add moves the process pid (all its threads) into the agent's groups.
 func (cg *cgroup) add(pid int) error {
-	for _, d := range cg.dirs {
+	for _, d := range cg.initDirs {
 		if err := writeCgroupFile(d, "cgroup.procs", strconv.Itoa(pid)); err != nil {
 			return err
 		}
@@ -253,19 +339,28 @@ func (cg *cgroup) add(pid int) error {
 	return nil
 }
 
-// freeze freezes (or thaws) the group and waits for the state to settle.
+// freeze freezes (or thaws) the groups and waits for the state to settle.
 func (cg *cgroup) freeze(ctx context.Context, frozen bool) error {
+	for _, d := range cg.freezerDirs {
+		if err := cg.freezeOne(ctx, d, frozen); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (cg *cgroup) freezeOne(ctx context.Context, dir string, frozen bool) error {
 	if cg.v2 {
 		v := "0"
 		if frozen {
 			v = "1"
 		}
-		if err := writeCgroupFile(cg.freezerDir, "cgroup.freeze", v); err != nil {
+		if err := writeCgroupFile(dir, "cgroup.freeze", v); err != nil {
 			return err
 		}
 		want := "frozen " + v
 		return pollUntil(ctx, func() (bool, error) {
-			b, err := os.ReadFile(filepath.Join(cg.freezerDir, "cgroup.events"))
+			b, err := os.ReadFile(filepath.Join(dir, "cgroup.events"))
 			if err != nil {
 				return false, err
 			}
@@ -281,11 +376,11 @@ func (cg *cgroup) freeze(ctx context.Context, frozen bool) error {
 	if frozen {
 		want = "FROZEN"
 	}
-	if err := writeCgroupFile(cg.freezerDir, "freezer.state", want); err != nil {
+	if err := writeCgroupFile(dir, "freezer.state", want); err != nil {
 		return err
 	}
 	return pollUntil(ctx, func() (bool, error) {
-		b, err := os.ReadFile(filepath.Join(cg.freezerDir, "freezer.state"))
+		b, err := os.ReadFile(filepath.Join(dir, "freezer.state"))
 		if err != nil {
 			return false, err
 		}
@@ -294,7 +389,7 @@ func (cg *cgroup) freeze(ctx context.Context, frozen bool) error {
 		}
 		// A v1 freezer can stay FREEZING when a task is stuck; asking again
 		// retries the freeze of the stragglers.
-		return false, writeCgroupFile(cg.freezerDir, "freezer.state", want)
+		return false, writeCgroupFile(dir, "freezer.state", want)
 	})
 }
 
@@ -350,18 +445,23 @@ func (cg *cgroup) remove(ctx context.Context) error {
 	var lastErr error
 	err := pollUntil(ctx, func() (bool, error) {
 		if cg.v2 {
-			_ = writeCgroupFile(cg.dirs[0], "cgroup.kill", "1")
+			for _, d := range cg.dirs {
+				_ = writeCgroupFile(d, "cgroup.kill", "1")
+			}
 		}
 		for _, p := range cg.pids() {
 			_ = syscall.Kill(p, syscall.SIGKILL)
 		}
-		if !thawed && cg.freezerDir != "" {
+		if !thawed {
 			// Frozen tasks do not die; thaw once (killed tasks exit).
-			if _, err := os.Stat(cg.freezerDir); err == nil {
+			for _, d := range cg.freezerDirs {
+				if _, err := os.Stat(d); err != nil {
+					continue
+				}
 				if cg.v2 {
-					_ = writeCgroupFile(cg.freezerDir, "cgroup.freeze", "0")
+					_ = writeCgroupFile(d, "cgroup.freeze", "0")
 				} else {
-					_ = writeCgroupFile(cg.freezerDir, "freezer.state", "THAWED")
+					_ = writeCgroupFile(d, "freezer.state", "THAWED")
 				}
 			}
 			thawed = true

@@ -55,7 +55,7 @@ func TestCgroupV2FreezeKill(t *testing.T) {
 		_ = os.Remove(dir)
 		t.Skip("kernel without cgroup.kill")
 	}
-	cg := &cgroup{v2: true, dirs: []string{dir}, freezerDir: dir}
+	cg := &cgroup{v2: true, dirs: []string{dir}, initDirs: []string{dir}, freezerDirs: []string{dir}}
 	cmd := exec.Command("sleep", "60")
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -19,12 +20,15 @@ import (
 const initArg0 = "space-nsinit"
 
 // File descriptors of the init: 3 carries the initConfig (parent -> init,
-// written only after the init was placed in its cgroups), 4 carries the
-// init's status back ("ok" right before exec, then "E:<error>" if anything
-// failed). fd 3 is later replaced by the agent's listener.
+// written only after the init was placed in its cgroups), 4 is the user
+// group's cgroup.procs (opened for writing by the parent; inherited as is
+// by the agent, SPACE_CGROUP_FD=4), 5 carries the init's status back ("ok"
+// right before exec, then "E:<error>" if anything failed). fd 3 is later
+// replaced by the agent's listener.
 const (
 	initConfigFD  = 3
-	initStatusFD  = 4
+	agentCgroupFD = 4
+	initStatusFD  = 5
 	agentListenFD = 3
 )
 
@@ -140,6 +144,7 @@ func runInit() error {
 		"HOSTNAME=" + cfg.Hostname,
 		"SPACE_SANDBOX_ID=" + cfg.Hostname,
 		"SPACE_LISTEN_FD=3",
+		"SPACE_CGROUP_FD=" + strconv.Itoa(agentCgroupFD),
 	}
 	env = append(env, cfg.Env...)
 	report("ok")

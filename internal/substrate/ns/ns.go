@@ -29,7 +29,12 @@
 //     with CLONE_NEW* flags with EPERM; io_uring is refused too;
 //   - cgroups (v1 or pure v2): memory without swap, pids, cpu bandwidth and
 //     the freezer (Pause/Resume), in <CgroupParent>/<sandbox>-<activation>
-//     relative to the root of each hierarchy.
+//     relative to the root of each hierarchy: the group of the user's
+//     processes. The agent lives in the sibling group
+//     <CgroupParent>/agent.<sandbox>-<activation> of the pids hierarchy (v2:
+//     of the unified one, with the same memory and cpu limits) with a pids
+//     reserve of its own (agentPids), so a fork bomb that fills the
+//     sandbox's pids.max cannot starve it of threads; Pause freezes both.
 //
 // # Activation directory (Spec.Dir)
 //
@@ -47,9 +52,15 @@
 // Stop.
 //
 // The agent (Spec.AgentPath) runs as pid 1 of the sandbox with fd 3 a
-// listening Unix socket bound at Spec.Dir/guest.sock, uid 0, a clean
-// environment (PATH, HOME=/root, LANG, TERM, HOSTNAME, SPACE_SANDBOX_ID,
-// SPACE_LISTEN_FD=3) plus Spec.AgentEnv. Being pid 1 it must reap orphans.
+// listening Unix socket bound at Spec.Dir/guest.sock, fd 4 the user group's
+// cgroup.procs open for writing (opened on the host, so the kernel checks
+// the move with the host's credentials and cgroup namespace), uid 0, a
+// clean environment (PATH, HOME=/root, LANG, TERM, HOSTNAME,
+// SPACE_SANDBOX_ID, SPACE_LISTEN_FD=3, SPACE_CGROUP_FD=4) plus
+// Spec.AgentEnv. Being pid 1 it must reap orphans. It must move every
+// process it starts for the user into the user group before the process
+// runs user code (spaced-guest does, through internal/guest/cgexec); what
+// it leaves in its own group is held only by the agent's pids reserve.
 //
 // # Hosting binaries
 //
@@ -69,7 +80,9 @@
 //
 // No user namespace (see above); no disk quota on Spec.Dir/upper; /sys is
 // absent; the sandbox's /proc/self/mountinfo shows the host paths of the
-// overlay layers.
+// overlay layers; the sandbox's cgroup namespace is rooted at the agent's
+// groups, so user processes see their pids group (v2: their group) as
+// /../<sandbox>-<activation>.
 package ns
 
 import (
@@ -282,6 +295,11 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	}
 	defer stR.Close()
 	defer stW.Close()
+	userProcs, err := cg.openUserProcs()
+	if err != nil {
+		return fail(err)
+	}
+	defer userProcs.Close()
 	logf, err := os.OpenFile(filepath.Join(spec.Dir, LogName), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return fail(err)
@@ -294,7 +312,7 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		Env:        []string{},
 		Stdout:     inst.log,
 		Stderr:     inst.log,
-		ExtraFiles: []*os.File{cfgR, stW}, // fds 3 and 4
+		ExtraFiles: []*os.File{cfgR, userProcs, stW}, // fds 3, 4 and 5
 		WaitDelay:  2 * time.Second,
 		SysProcAttr: &syscall.SysProcAttr{
 			Cloneflags: cloneFlags,
@@ -314,6 +332,7 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	go inst.wait()
 	cfgR.Close()
 	stW.Close()
+	userProcs.Close()
 
 	// Into the cgroups before the init does anything.
 	if err := cg.add(inst.pid); err != nil {

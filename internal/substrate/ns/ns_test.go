@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -391,17 +392,8 @@ func TestMemoryLimit(t *testing.T) {
 	}
 }
 
-func pidsDir(inst *instance) string {
-	if inst.cg.v2 {
-		return inst.cg.dirs[0]
-	}
-	for _, d := range inst.cg.dirs {
-		if _, err := os.Stat(filepath.Join(d, "pids.max")); err == nil {
-			return d
-		}
-	}
-	return ""
-}
+// pidsDir is the user group in the pids hierarchy.
+func pidsDir(inst *instance) string { return inst.cg.userDir }
 
 func TestPidsLimit(t *testing.T) {
 	inst, _ := start(t, substrate.Limits{Pids: 64})
@@ -651,4 +643,106 @@ func TestConcurrentStarts(t *testing.T) {
 			stopAndCheck(t, in)
 		}
 	}
+}
+
+// TestAgentCgroupLayout checks the split: the user group carries the
+// sandbox's pids limit and holds the user's processes, the agent (the init)
+// lives in agent.<name> with its own reserve; Stop removes both (the
+// cleanup check in start).
+func TestAgentCgroupLayout(t *testing.T) {
+	inst, spec := start(t, substrate.Limits{Pids: 64})
+	name := spec.Route.SandboxID + "-" + spec.Route.ActivationID
+	user := inst.cg.userDir
+	agent := filepath.Join(filepath.Dir(user), agentGroupPrefix+name)
+	if filepath.Base(user) != name {
+		t.Fatalf("user group %s, want .../%s", user, name)
+	}
+	if got := strings.TrimSpace(readFile(t, filepath.Join(user, "pids.max"))); got != "64" {
+		t.Fatalf("user pids.max %q, want 64", got)
+	}
+	if got := strings.TrimSpace(readFile(t, filepath.Join(agent, "pids.max"))); got != strconv.Itoa(agentPids) {
+		t.Fatalf("agent pids.max %q, want %d", got, agentPids)
+	}
+	if !slices.Contains(inst.cg.dirs, agent) {
+		t.Fatalf("agent group %s not among %v", agent, inst.cg.dirs)
+	}
+	initPid := strconv.Itoa(inst.InitPID())
+	if procs := strings.Fields(readFile(t, filepath.Join(agent, "cgroup.procs"))); !slices.Equal(procs, []string{initPid}) {
+		t.Fatalf("agent group procs %v, want [%s]", procs, initPid)
+	}
+	// A user command runs in the user group (seen from the sandbox's cgroup
+	// namespace, rooted at the agent's groups, it is a sibling), the init
+	// never leaves the agent's.
+	out := mustOK(t, inst, 1000, "cat /proc/self/cgroup")
+	want := "/../" + name
+	ok := false
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.SplitN(line, ":", 3)
+		if len(f) == 3 && (f[1] == "pids" || (inst.cg.v2 && f[0] == "0")) {
+			ok = f[2] == want
+		}
+	}
+	if !ok {
+		t.Fatalf("user command's cgroups:\n%s\nwant pids at %s", out, want)
+	}
+	if procs := strings.Fields(readFile(t, filepath.Join(agent, "cgroup.procs"))); !slices.Equal(procs, []string{initPid}) {
+		t.Fatalf("agent group procs after a command %v, want [%s]", procs, initPid)
+	}
+}
+
+// TestForkBombKeepsAgentReserve: while a user fork bomb holds the user
+// group at its pids.max, the agent still creates threads and processes and
+// starts new commands (moved into the full group: migration is not limited),
+// several at once.
+func TestForkBombKeepsAgentReserve(t *testing.T) {
+	inst, _ := start(t, substrate.Limits{Pids: 64})
+	user := inst.cg.userDir
+	bomb := make(chan error, 1)
+	go func() {
+		_, err := shTimeout(inst, 1000, "f() { f | f & }; f; sleep 6", 6*time.Second)
+		bomb <- err
+	}()
+	deadline := time.Now().Add(5 * time.Second)
+	for readCounter(t, filepath.Join(user, "pids.current")) < 64 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the bomb did not fill the user group: pids.current %d", readCounter(t, filepath.Join(user, "pids.current")))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for i := range cap(errs) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := shTimeout(inst, i%2*1000, "echo alive", 5*time.Second)
+			if err == nil && (r.Code != 0 || r.Out != "alive\n") {
+				err = fmt.Errorf("echo alive: %+v", r)
+			}
+			errs <- err
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Errorf("agent while the user group is full: %v", err)
+		}
+	}
+	if err := <-bomb; err != nil {
+		t.Fatalf("bomb: %v", err)
+	}
+	if ev := readFile(t, filepath.Join(user, "pids.events")); !strings.Contains(ev, "max") || strings.Contains(ev, "max 0") {
+		t.Errorf("pids limit never hit: %q", ev)
+	}
+	mustOK(t, inst, 0, "echo ok")
+}
+
+func readFile(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
 }

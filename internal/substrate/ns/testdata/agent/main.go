@@ -4,7 +4,9 @@
 // and receives one JSON line {"out": "...", "code": N} with the combined
 // output and exit code of `/bin/sh -c cmd` run as uid:uid. As pid 1 it
 // reaps every child; the command's process group is killed when the
-// command exits (use setsid to leave something running).
+// command exits (use setsid to leave something running). With
+// SPACE_CGROUP_FD (the ns substrate) commands start in the user group as
+// spaced-guest's do (internal/guest/cgexec).
 package main
 
 import (
@@ -18,6 +20,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/spacesbx/space/internal/guest/cgexec"
 )
 
 type request struct {
@@ -30,6 +34,8 @@ type response struct {
 	Out  string `json:"out"`
 	Code int    `json:"code"`
 }
+
+var userProcs *os.File // cgroup.procs of the user group, nil outside the ns substrate
 
 var (
 	mu      sync.Mutex // held across start+register so the reaper never misses a pid
@@ -79,13 +85,31 @@ func run(req request) response {
 		},
 	}
 	exitCh := make(chan syscall.WaitStatus, 1)
+	path, argv := "/bin/sh", []string{"sh", "-c", req.Cmd}
+	var h *cgexec.Handoff
+	if userProcs != nil {
+		if h, err = cgexec.NewHandoff(); err != nil {
+			w.Close()
+			r.Close()
+			return response{Out: err.Error(), Code: -1}
+		}
+		path, argv = h.Wrap(path, argv)
+		attr.Files = append(attr.Files, h.ChildFile())
+	}
 	mu.Lock()
-	p, err := os.StartProcess("/bin/sh", []string{"sh", "-c", req.Cmd}, attr)
+	p, err := os.StartProcess(path, argv, attr)
 	if err == nil {
 		waiters[p.Pid] = exitCh
 	}
 	mu.Unlock()
 	w.Close()
+	if err == nil && h != nil {
+		if err = h.Place(p.Pid, userProcs); err != nil {
+			<-exitCh
+		}
+	} else if h != nil {
+		h.Close()
+	}
 	if err != nil {
 		r.Close()
 		return response{Out: err.Error(), Code: -1}
@@ -139,6 +163,11 @@ func serve(c net.Conn) {
 }
 
 func main() {
+	var err error
+	if userProcs, err = cgexec.FromEnv(); err != nil {
+		fmt.Fprintln(os.Stderr, "agent:", err)
+		os.Exit(1)
+	}
 	go reaper()
 	l, err := net.FileListener(os.NewFile(3, "listener"))
 	if err != nil {
