@@ -43,6 +43,12 @@ func main() {
 	debug.SetGCPercent(50) // here, not via GOGC: user processes inherit the env
 
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	if userCgroup != nil {
+		// The cgexec wrapper re-executes this binary as the command's user.
+		if fi, err := os.Stat("/proc/self/exe"); err == nil && fi.Mode().Perm()&0o001 == 0 {
+			cfg.Logger.Warn("spaced-guest: the agent binary is not executable by other users: commands of non-root users will fail to start", "mode", fi.Mode().String())
+		}
+	}
 	srv, err := guest.New(cfg)
 	if err != nil {
 		log.Fatalf("spaced-guest: %v", err)
