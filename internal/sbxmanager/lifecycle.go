@@ -273,6 +273,15 @@ func (m *Manager) Installed(sandbox string) (identity.Record, bool) {
 	return rec.Record, ok
 }
 
+// WritableLayer returns the host path of the sandbox's writable layer
+// (measurements and tests).
+func (m *Manager) WritableLayer(sandbox string) (string, bool) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	rec, ok := m.records[sandbox]
+	return filepath.Join(rec.Dir, upperDir), ok
+}
+
 // prepareInstall runs under the sandbox lock before Install touches the
 // running activation: it refuses to revive a retired execution and
 // restores req.RestoreSnapshot into the new activation's upper dir.

@@ -88,6 +88,13 @@ type Deps struct {
 	Bundles   BundleSource
 	// Registerer receives metrics (nil: a private registry).
 	Registerer *prometheus.Registry
+	// Sandboxes, when set, tells the worker about the control plane's
+	// sandbox records: executions superseded there are retired here
+	// (retire.go), beside the control plane's own retire calls.
+	Sandboxes SandboxWatcher
+	// Snapshots is the snapshot store shared by the workers that resume
+	// each other's sandboxes (nil: no snapshots).
+	Snapshots sbxmanager.SnapshotStore
 }
 
 // Worker is one running worker.
@@ -126,7 +133,7 @@ func New(cfg Config, deps Deps) (*Worker, error) {
 	}
 	mc := cfg.Manager
 	mc.Registerer = prometheus.WrapRegistererWith(prometheus.Labels{"worker": cfg.ID}, reg)
-	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrate: deps.Substrate, Verifier: ver})
+	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrate: deps.Substrate, Verifier: ver, Snapshots: deps.Snapshots})
 	if err != nil {
 		return nil, err
 	}
@@ -212,9 +219,15 @@ func (w *Worker) Run(ctx context.Context) error {
 	}()
 	apiErr := make(chan error, 1)
 	go func() { defer wg.Done(); apiErr <- w.api.Run(ctx) }()
+	ret := &retirer{w: w, pending: map[string]bool{}}
+	if w.deps.Sandboxes != nil {
+		wg.Add(1)
+		go func() { defer wg.Done(); w.watchSandboxes(ctx, ret) }()
+	}
 	defer func() {
 		cancel()
 		wg.Wait()
+		ret.wg.Wait()
 		w.mgr.Close()
 	}()
 

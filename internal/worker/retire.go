@@ -1,0 +1,127 @@
+package worker
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/spacesbx/space/internal/identity"
+)
+
+// SandboxEvent is what the worker needs of one change to a control-plane
+// sandbox record (the store's record, reduced so that this package does not
+// depend on the store or etcd).
+type SandboxEvent struct {
+	SandboxID string
+	// Deleted: the record is gone (purged); Route is then empty.
+	Deleted bool
+	// Ended: the sandbox is killed or failed (a tombstone state).
+	Ended bool
+	// Route is the sandbox's current (or, when Ended, last) execution as
+	// published by the control plane. Zero while none is published yet.
+	Route identity.Route
+}
+
+// SandboxWatcher delivers an event for every existing sandbox record, then
+// for every change, until ctx ends (a broken watch resyncs and may repeat
+// events: consumers are idempotent). fn runs on the watching goroutine.
+type SandboxWatcher interface {
+	WatchSandboxes(ctx context.Context, fn func(SandboxEvent)) error
+}
+
+// supersedes decides whether ev retires the execution this worker has
+// installed for the sandbox. The control plane publishes a route only
+// after the execution it names is installed (and persisted) on its worker,
+// and every new incarnation has a higher generation, so:
+//
+//   - a published route of a higher generation retires ours;
+//   - the same generation naming another execution (or worker) does too;
+//   - a route of a lower generation never does: it is the record lagging
+//     behind an install on this worker (a resume here, or the window
+//     between install and publication), not a retirement;
+//   - a killed or failed sandbox retires its executions up to the last
+//     published generation; a deleted record (ids are never reused)
+//     retires whatever is installed.
+func supersedes(ev SandboxEvent, installed identity.Record) bool {
+	if installed.Retired || installed.Route.SandboxID != ev.SandboxID {
+		return false
+	}
+	in := installed.Route
+	switch {
+	case ev.Deleted:
+		return true
+	case ev.Ended:
+		return ev.Route.Generation == 0 || in.Generation <= ev.Route.Generation
+	case ev.Route.Generation > in.Generation:
+		return true
+	case ev.Route.Generation == in.Generation:
+		return ev.Route.Epoch() != in.Epoch()
+	}
+	return false
+}
+
+// retirer applies sandbox events to the manager.
+type retirer struct {
+	w  *Worker
+	wg sync.WaitGroup
+
+	mu      sync.Mutex
+	pending map[string]bool // sandboxes being retired
+}
+
+// handle runs on the watch goroutine: the decision is local and cheap; the
+// retirement (which stops an activation) runs on its own goroutine so one
+// slow stop does not delay the events of other sandboxes. Retire itself
+// re-checks the installed record under the sandbox lock, so a retirement
+// decided from an old record never touches a newer install.
+func (r *retirer) handle(ctx context.Context, ev SandboxEvent) {
+	installed, ok := r.w.mgr.Installed(ev.SandboxID)
+	if !ok || !supersedes(ev, installed) {
+		return
+	}
+	r.mu.Lock()
+	if r.pending[ev.SandboxID] {
+		r.mu.Unlock()
+		return
+	}
+	r.pending[ev.SandboxID] = true
+	r.mu.Unlock()
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		defer func() {
+			r.mu.Lock()
+			delete(r.pending, ev.SandboxID)
+			r.mu.Unlock()
+		}()
+		why := "route moved to " + ev.Route.String()
+		if ev.Deleted || ev.Ended {
+			why = "sandbox ended"
+		}
+		if err := r.w.mgr.Retire(ctx, installed.Route); err != nil {
+			r.w.log.Error("retire from sandbox watch", "sandbox", ev.SandboxID, "generation", installed.Route.Generation, "err", err)
+			return
+		}
+		r.w.log.Info("execution retired from sandbox watch", "sandbox", ev.SandboxID,
+			"generation", installed.Route.Generation, "why", why)
+	}()
+}
+
+// watchSandboxes runs the sandbox watch until ctx ends, restarting it
+// after an error.
+func (w *Worker) watchSandboxes(ctx context.Context, r *retirer) {
+	backoff := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		err := w.deps.Sandboxes.WatchSandboxes(ctx, func(ev SandboxEvent) { r.handle(ctx, ev) })
+		if ctx.Err() != nil {
+			return
+		}
+		w.log.Warn("sandbox watch ended; restarting", "err", err)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(backoff*2, 5*time.Second)
+	}
+}
