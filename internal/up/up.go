@@ -23,6 +23,7 @@ import (
 	"github.com/spacesbx/space/internal/edge"
 	"github.com/spacesbx/space/internal/guest"
 	"github.com/spacesbx/space/internal/sbxmanager"
+	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
 	"github.com/spacesbx/space/internal/substrate/ns"
 	"github.com/spacesbx/space/internal/worker"
@@ -36,6 +37,9 @@ type Config struct {
 	EdgeAddr string
 	// DataDir holds etcd, keys and worker state. Default ./.data.
 	DataDir string
+	// SnapshotDir is the snapshot store every worker shares (resume on
+	// another worker restores from it). Default <DataDir>/snapshots.
+	SnapshotDir string
 	// Workers is the number of workers. Default 1.
 	Workers int
 	// APIKey is the bootstrap API key (e2b_<40 hex>); generated if empty.
@@ -93,6 +97,9 @@ func (c *Config) Validate() error {
 	if c.DataDir, err = filepath.Abs(c.DataDir); err != nil {
 		return fmt.Errorf("up: data dir: %w", err)
 	}
+	if c.SnapshotDir == "" {
+		c.SnapshotDir = filepath.Join(c.DataDir, "snapshots")
+	}
 	return nil
 }
 
@@ -122,6 +129,16 @@ type registrar struct{ st *store.Store }
 
 func (r registrar) RegisterWorker(ctx context.Context, w spacev1.Worker, ttl time.Duration) (io.Closer, error) {
 	return r.st.RegisterWorker(ctx, w, ttl)
+}
+
+// sandboxWatch feeds the store's sandbox records to workers, which retire
+// executions the control plane has superseded.
+type sandboxWatch struct{ st *store.Store }
+
+func (s sandboxWatch) WatchSandboxes(ctx context.Context, fn func(worker.SandboxEvent)) error {
+	return s.st.WatchSandboxes(ctx, func(ev store.SandboxEvent) {
+		fn(worker.SandboxEvent{SandboxID: ev.Record.ID, Deleted: ev.Deleted, Ended: ev.Record.State.Terminal(), Route: ev.Record.Route})
+	})
 }
 
 func randomHex(n int) string {
@@ -172,6 +189,10 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("up: ns substrate: %w", err)
 	}
+	snaps, err := snapshot.NewLocal(cfg.SnapshotDir)
+	if err != nil {
+		return nil, fmt.Errorf("up: snapshot store: %w", err)
+	}
 	for i := range cfg.Workers {
 		id := fmt.Sprintf("w%d", i+1)
 		w, err := worker.New(worker.Config{
@@ -180,7 +201,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 				SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),
 				EnvdVersion: guest.EnvdVersion, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
 			},
-		}, worker.Deps{Substrate: p.sub, Registrar: registrar{p.st}, Bundles: p.st})
+		}, worker.Deps{Substrate: p.sub, Registrar: registrar{p.st}, Bundles: p.st, Sandboxes: sandboxWatch{p.st}, Snapshots: snaps})
 		if err != nil {
 			return nil, fmt.Errorf("up: worker %s: %w", id, err)
 		}
