@@ -12,6 +12,7 @@ import (
 
 	"github.com/spacesbx/space/internal/guest"
 	"github.com/spacesbx/space/internal/sbxmanager"
+	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
 	"github.com/spacesbx/space/internal/substrate/ns"
 	"github.com/spacesbx/space/internal/worker"
@@ -27,11 +28,12 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	dataDir := fs.String("data-dir", "", "worker state directory (required)")
 	etcd := fs.String("etcd-endpoints", "", "comma-separated etcd endpoints of the control plane (required)")
 	binDir := fs.String("bin-dir", "", "directory of spaced-host and spaced-guest (default: next to this binary)")
+	snapDir := fs.String("snapshot-dir", "", "snapshot store shared by all workers (required for resume on another worker)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	if *id == "" || *dataDir == "" || *etcd == "" {
-		fmt.Fprintln(stderr, "space-node: --id, --data-dir and --etcd-endpoints are required")
+	if *id == "" || *dataDir == "" || *etcd == "" || *snapDir == "" {
+		fmt.Fprintln(stderr, "space-node: --id, --data-dir, --etcd-endpoints and --snapshot-dir are required")
 		return 2
 	}
 	if *binDir == "" {
@@ -51,13 +53,18 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	defer sub.Close()
+	snaps, err := snapshot.NewLocal(*snapDir)
+	if err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 1
+	}
 	w, err := worker.New(worker.Config{
 		ID: *id, Addr: *addr, StateDir: filepath.Join(*dataDir, "worker"), Logger: log,
 		Manager: sbxmanager.Config{
 			SpacedHostPath: filepath.Join(*binDir, "spaced-host"), AgentPath: filepath.Join(*binDir, "spaced-guest"),
 			EnvdVersion: guest.EnvdVersion,
 		},
-	}, worker.Deps{Substrate: sub, Registrar: registrar{st}, Bundles: st})
+	}, worker.Deps{Substrate: sub, Registrar: registrar{st}, Bundles: st, Sandboxes: sandboxWatch{st}, Snapshots: snaps})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
 		return 1
