@@ -86,12 +86,12 @@ func (s *Server) URL() string { return "http://" + s.ln.Addr().String() }
 // Handler routes control paths, health and metrics, and the data plane.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("POST "+spacev1.NodePathInstall, s.install)
-	mux.HandleFunc("POST "+spacev1.NodePathTeardown, s.teardown)
+	mux.HandleFunc("POST "+spacev1.NodePathInstall, s.install())
+	mux.HandleFunc("POST "+spacev1.NodePathTeardown, s.teardown())
 	mux.HandleFunc("POST "+spacev1.NodePathPause, s.lifecycle(s.mgr.Pause))
 	mux.HandleFunc("POST "+spacev1.NodePathResume, s.lifecycle(s.mgr.Resume))
 	mux.HandleFunc("POST "+spacev1.NodePathRetire, s.lifecycle(s.mgr.Retire))
-	mux.HandleFunc("POST "+spacev1.NodePathSnapshot, s.snapshot)
+	mux.HandleFunc("POST "+spacev1.NodePathSnapshot, s.snapshot())
 	mux.HandleFunc("GET "+spacev1.NodePathHealth, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"worker":%q,"active":%d}`, s.cfg.WorkerID, s.mgr.Active())
@@ -149,80 +149,57 @@ func decode(r *http.Request, v any) error {
 	return nil
 }
 
-func (s *Server) install(w http.ResponseWriter, r *http.Request) {
-	var req spacev1.InstallRequest
-	if err := decode(r, &req); err != nil {
-		sbxmanager.WriteError(w, err)
-		return
-	}
-	if err := s.authorizeControl(r, req.Route); err != nil {
-		sbxmanager.WriteError(w, err)
-		return
-	}
-	resp, err := s.mgr.Install(r.Context(), req)
-	if err != nil {
-		sbxmanager.WriteError(w, err)
-		return
-	}
-	w.Header().Set("Content-Type", "application/json")
-	json.NewEncoder(w).Encode(resp)
-}
-
-func (s *Server) teardown(w http.ResponseWriter, r *http.Request) {
-	var req spacev1.TeardownRequest
-	if err := decode(r, &req); err != nil {
-		sbxmanager.WriteError(w, err)
-		return
-	}
-	if err := s.authorizeControl(r, req.Route); err != nil {
-		sbxmanager.WriteError(w, err)
-		return
-	}
-	if err := s.mgr.Teardown(r.Context(), req.Route); err != nil {
-		sbxmanager.WriteError(w, err)
-		return
-	}
-	w.WriteHeader(http.StatusNoContent)
-}
-
-// lifecycle serves pause, resume and retire: a LifecycleRequest, answered
-// 204 No Content once done (all three are idempotent).
-func (s *Server) lifecycle(op func(context.Context, identity.Route) error) http.HandlerFunc {
+// control serves one control-plane call: decode the body (a T), authorize
+// the control capability for exactly the route the body names, run do.
+// A nil result is answered 204 No Content, anything else as JSON.
+func control[T any](s *Server, route func(*T) identity.Route, do func(context.Context, *T) (any, error)) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		var req spacev1.LifecycleRequest
+		var req T
 		if err := decode(r, &req); err != nil {
 			sbxmanager.WriteError(w, err)
 			return
 		}
-		if err := s.authorizeControl(r, req.Route); err != nil {
+		if err := s.authorizeControl(r, route(&req)); err != nil {
 			sbxmanager.WriteError(w, err)
 			return
 		}
-		if err := op(r.Context(), req.Route); err != nil {
+		resp, err := do(r.Context(), &req)
+		if err != nil {
 			sbxmanager.WriteError(w, err)
 			return
 		}
-		w.WriteHeader(http.StatusNoContent)
+		if resp == nil {
+			w.WriteHeader(http.StatusNoContent)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		json.NewEncoder(w).Encode(resp)
 	}
 }
 
-// snapshot serves NodePathSnapshot: a SnapshotRequest, answered with a
-// SnapshotResponse once the archive is durable in the snapshot store.
-func (s *Server) snapshot(w http.ResponseWriter, r *http.Request) {
-	var req spacev1.SnapshotRequest
-	if err := decode(r, &req); err != nil {
-		sbxmanager.WriteError(w, err)
-		return
-	}
-	if err := s.authorizeControl(r, req.Route); err != nil {
-		sbxmanager.WriteError(w, err)
-		return
-	}
-	resp, err := s.mgr.Snapshot(r.Context(), req.Route, req.SnapshotID)
-	if err != nil {
-		sbxmanager.WriteError(w, err)
-		return
-	}
-	w.Header().Set("Content-Type", "application/json")
-	json.NewEncoder(w).Encode(resp)
+// install answers once the record is durable and the guest serves.
+func (s *Server) install() http.HandlerFunc {
+	return control(s, func(q *spacev1.InstallRequest) identity.Route { return q.Route },
+		func(ctx context.Context, q *spacev1.InstallRequest) (any, error) { return s.mgr.Install(ctx, *q) })
+}
+
+func (s *Server) teardown() http.HandlerFunc {
+	return control(s, func(q *spacev1.TeardownRequest) identity.Route { return q.Route },
+		func(ctx context.Context, q *spacev1.TeardownRequest) (any, error) {
+			return nil, s.mgr.Teardown(ctx, q.Route)
+		})
+}
+
+// lifecycle serves pause, resume and retire (all idempotent).
+func (s *Server) lifecycle(op func(context.Context, identity.Route) error) http.HandlerFunc {
+	return control(s, func(q *spacev1.LifecycleRequest) identity.Route { return q.Route },
+		func(ctx context.Context, q *spacev1.LifecycleRequest) (any, error) { return nil, op(ctx, q.Route) })
+}
+
+// snapshot answers once the archive is durable in the snapshot store.
+func (s *Server) snapshot() http.HandlerFunc {
+	return control(s, func(q *spacev1.SnapshotRequest) identity.Route { return q.Route },
+		func(ctx context.Context, q *spacev1.SnapshotRequest) (any, error) {
+			return s.mgr.Snapshot(ctx, q.Route, q.SnapshotID)
+		})
 }
