@@ -25,10 +25,16 @@ type Admission struct {
 // the comparison with the locally persisted runtime record. It uses local
 // state only.
 func (m *Manager) Admit(token string, purpose capability.Purpose) Admission {
+	return m.admit(token, func() (capability.Claims, error) { return m.ver.Verify(token, purpose) })
+}
+
+// admit runs verify (the capability checks) and then the identity
+// comparison with the installed record; a missing token is a Deny.
+func (m *Manager) admit(token string, verify func() (capability.Claims, error)) Admission {
 	if token == "" {
 		return Admission{Decision: identity.Decision{Outcome: identity.Deny, Reason: "missing capability"}}
 	}
-	c, err := m.ver.Verify(token, purpose)
+	c, err := verify()
 	if err != nil {
 		return Admission{Decision: identity.Decision{Outcome: identity.Deny, Reason: err.Error()}, Err: err}
 	}

@@ -244,24 +244,10 @@ func isServicePort(r *http.Request) bool {
 // capability for port and protocol, then compares its identity with the
 // installed record.
 func (m *Manager) AdmitServicePort(token string, port int, protocol string) Admission {
-	if token == "" {
-		return Admission{Decision: identity.Decision{Outcome: identity.Deny, Reason: "missing capability"}}
-	}
 	if m.ver == nil {
 		return Admission{Decision: identity.Decision{Outcome: identity.Deny, Reason: "service ports need capability verification"}}
 	}
-	c, err := m.ver.VerifyServicePort(token, port, protocol)
-	if err != nil {
-		return Admission{Decision: identity.Decision{Outcome: identity.Deny, Reason: err.Error()}, Err: err}
-	}
-	m.mu.RLock()
-	rec, ok := m.records[c.SandboxID]
-	m.mu.RUnlock()
-	var installed *identity.Record
-	if ok {
-		installed = &rec.Record
-	}
-	return Admission{Decision: identity.Compare(c.Route, installed, ""), Claims: c}
+	return m.admit(token, func() (capability.Claims, error) { return m.ver.VerifyServicePort(token, port, protocol) })
 }
 
 // serveServicePort admits a service-port request and forwards it to the
