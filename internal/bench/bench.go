@@ -80,6 +80,8 @@ type Report struct {
 	MemErr    error
 	SP        ServicePortResult
 	SPErr     error
+	Life      LifecycleResult
+	LifeErr   error
 	Took      time.Duration
 }
 
@@ -155,9 +157,17 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 		progress("service port: HTTP through edge+netgtw vs direct, connections per second")
 		rep.SP, rep.SPErr = MeasureServicePort(ctx, on, 300, 3*time.Second)
 	}
-	// Shut down before printing: etcd logs its shutdown on stderr.
 	closeOff()
 	closeOn()
+
+	// Lifecycle on a platform of two workers, alone on the machine.
+	progress("lifecycle: pause/resume x10, cross-worker resume x5 at %v MiB", lifecycleLayers)
+	if life, err := StartPlatform(ctx, cfg.BinDir, platformDir(root, "life"), 2, false, plog); err != nil {
+		rep.LifeErr = err
+	} else {
+		rep.Life, rep.LifeErr = MeasureLifecycle(ctx, life, 10, 5, lifecycleLayers)
+		life.Close() // before printing: etcd logs its shutdown on stderr
+	}
 	rep.Took = time.Since(t0)
 	progress("done")
 	fmt.Fprintln(out)
@@ -166,8 +176,12 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	}
 	fmt.Fprintln(out)
 	fmt.Fprint(out, rep.Notes())
-	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr)
+	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.LifeErr)
 }
+
+// lifecycleLayers are the writable-layer sizes (MiB) cross-worker resume is
+// measured at.
+var lifecycleLayers = []int{1, 100}
 
 // Rows renders the report as table rows.
 func (r *Report) Rows() []Row {
@@ -230,6 +244,11 @@ func (r *Report) Rows() []Row {
 		fail("service port", r.SPErr)
 	} else {
 		rows = append(rows, r.SP.Rows()...)
+	}
+	if r.LifeErr != nil {
+		fail("lifecycle", r.LifeErr)
+	} else {
+		rows = append(rows, r.Life.Rows(lifecycleLayers)...)
 	}
 	return rows
 }
