@@ -306,7 +306,7 @@ func Restore(ctx context.Context, r io.Reader, dir string, opts RestoreOptions) 
 		if st.Entries > opts.MaxEntries {
 			return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("more than %d entries", opts.MaxEntries)}
 		}
-		if hdr.Typeflag == tar.TypeReg || hdr.Typeflag == tar.TypeRegA {
+		if hdr.Typeflag == tar.TypeReg {
 			if hdr.Size < 0 || st.Bytes+hdr.Size > opts.MaxBytes {
 				return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("content exceeds %d bytes", opts.MaxBytes)}
 			}
@@ -434,7 +434,7 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader, buf []byte) (int64, er
 	if hdr.Uid < 0 || hdr.Gid < 0 || hdr.Uid > 1<<31 || hdr.Gid > 1<<31 {
 		return 0, &ArchiveError{Entry: hdr.Name, Reason: "invalid owner"}
 	}
-	if len(xattrs) > 0 && hdr.Typeflag != tar.TypeDir && hdr.Typeflag != tar.TypeReg && hdr.Typeflag != tar.TypeRegA {
+	if len(xattrs) > 0 && hdr.Typeflag != tar.TypeDir && hdr.Typeflag != tar.TypeReg {
 		return 0, &ArchiveError{Entry: hdr.Name, Reason: "extended attributes on a non-file entry"}
 	}
 	var written int64
@@ -450,7 +450,7 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader, buf []byte) (int64, er
 			x.dirs[name] = true
 			x.dirTimes = append(x.dirTimes, dirTime{name, hdr.ModTime})
 			return nil
-		case tar.TypeReg, tar.TypeRegA:
+		case tar.TypeReg: // tar.Reader already turns the old TypeRegA into TypeReg
 			fd, err := unix.Openat(pfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 			if err != nil {
 				return err

@@ -119,7 +119,7 @@ func TestArchiveRestoreRoundTrip(t *testing.T) {
 	must(t, os.Symlink("/etc/passwd", p("abs-link")))
 	must(t, os.Symlink("../hosts", p("etc/conf.d/rel-link")))
 	must(t, unix.Lchown(p("abs-link"), 7, 8))
-	must(t, unix.Mknod(p("etc/whiteout"), unix.S_IFCHR|0, 0))
+	must(t, unix.Mknod(p("etc/whiteout"), unix.S_IFCHR, 0))
 	must(t, unix.Mkfifo(p("fifo"), 0o640))
 	must(t, unix.Mknod(p("null"), unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3)))) // left out
 	l, err := net.Listen("unix", p("sock"))                                   // left out
