@@ -41,6 +41,10 @@ test: build e2e-deps
 bench: build
 	SPACE_BIN_DIR=$(BIN) $(GO) run ./cmd/space-bench
 
+## churn: 10 minutes of random pause/resume/migrate of 20 sandboxes on 3 workers under client load
+churn: build
+	SPACE_BIN_DIR=$(BIN) SPACE_CHURN_DURATION=10m $(GO) test -run TestChurn -count=1 -timeout 30m -v ./internal/up/
+
 ## fuzz: a short run of every fuzz target
 fuzz:
 	$(GO) test -run '^$$' -fuzz=FuzzVerify -fuzztime=20s ./internal/capability
