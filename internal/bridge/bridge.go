@@ -417,6 +417,9 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// the caller's body is fully sent; without full duplex the server
 	// would close the unread body and cut the stream.
 	_ = http.NewResponseController(w).EnableFullDuplex()
+	// In full duplex the handler must close an unread body itself before
+	// returning, or the server's next read panics (golang/go#68560).
+	defer r.Body.Close()
 	gc.mu.Lock()
 	defer gc.mu.Unlock()
 	if gc.broken != nil {

@@ -101,6 +101,9 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// that body when the (flushed) response headers go out, failing the
 	// transport's body write and cutting the response short.
 	_ = http.NewResponseController(w).EnableFullDuplex()
+	// In full duplex the handler must close an unread body itself before
+	// returning, or the server's next read panics (golang/go#68560).
+	defer r.Body.Close()
 	if act.paused.Load() {
 		pausedError(w, sandbox) // never into a frozen guest (lifecycle.go)
 		return

@@ -292,6 +292,7 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 	}
 	if proto == gateway.ProtocolHTTP {
 		_ = http.NewResponseController(w).EnableFullDuplex()
+		defer r.Body.Close() // see ServeHTTP: full duplex needs it (golang/go#68560)
 	}
 	act.gw.proxy.ServeHTTP(w, r.WithContext(ctx))
 }
