@@ -124,11 +124,16 @@ func TestE2BSDK(t *testing.T) {
 	if _, err := exec.LookPath("node"); err != nil {
 		t.Skip("skipping: node is not installed (make deps installs it)")
 	}
+	// Every *.test.mjs in this directory (sdk, compat-*) is part of the suite.
+	files, err := filepath.Glob("*.test.mjs")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no *.test.mjs files: %v", err)
+	}
 	p := startUp(t)
-	cmd := exec.Command("node", "--test", "--test-reporter=spec", "sdk.test.mjs")
+	cmd := exec.Command("node", append([]string{"--test", "--test-reporter=spec"}, files...)...)
 	cmd.Env = p.env()
 	out, err := cmd.CombinedOutput()
-	t.Logf("node --test sdk.test.mjs:\n%s", out)
+	t.Logf("node --test %s:\n%s", strings.Join(files, " "), out)
 	if err != nil {
 		t.Fatalf("e2b SDK suite failed: %v", err)
 	}
