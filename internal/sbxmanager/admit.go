@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strings"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
@@ -104,6 +105,10 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// In full duplex the handler must close an unread body itself before
 	// returning, or the server's next read panics (golang/go#68560).
 	defer r.Body.Close()
+	if !isStream(r) {
+		act.gate.RLock() // Pause waits for unary requests in flight
+		defer act.gate.RUnlock()
+	}
 	if act.paused.Load() {
 		pausedError(w, sandbox) // never into a frozen guest (lifecycle.go)
 		return
@@ -112,6 +117,12 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	lw := newLeaseWriter(w, r, act)
 	defer lw.finish()
 	act.proxy.ServeHTTP(lw, r.WithContext(ctx))
+}
+
+// isStream reports whether r opens a Connect stream (process output, PTY,
+// watch): those live until their lease ends and are not waited for.
+func isStream(r *http.Request) bool {
+	return strings.HasPrefix(r.Header.Get("Content-Type"), "application/connect+")
 }
 
 func writeOutcome(w http.ResponseWriter, status int, outcome, reason string) {

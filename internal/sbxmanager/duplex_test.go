@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
@@ -36,5 +37,32 @@ func TestRefusedBodyKeepsConnectionUsable(t *testing.T) {
 		if resp.StatusCode != http.StatusConflict {
 			t.Fatalf("request %d: status %d", i, resp.StatusCode)
 		}
+	}
+}
+
+// Pause refuses new requests at once but lets a unary request already in
+// the guest finish, instead of freezing it mid-flight.
+func TestPauseDrainsUnaryRequestsInFlight(t *testing.T) {
+	f := newFixture(t)
+	f.install(t, route("sbxa", 1))
+	tok := f.token(t, route("sbxa", 1), capability.PurposeFiles)
+	got := make(chan int, 1)
+	go func() {
+		resp, _ := f.get(t, "/files?delay=400ms", tok)
+		got <- resp.StatusCode
+	}()
+	time.Sleep(100 * time.Millisecond) // the request is inside the guest
+	start := time.Now()
+	if err := f.m.Pause(context.Background(), route("sbxa", 1)); err != nil {
+		t.Fatal(err)
+	}
+	if waited := time.Since(start); waited < 200*time.Millisecond {
+		t.Fatalf("pause did not wait for the request in flight (%s)", waited)
+	}
+	if s := <-got; s != http.StatusOK {
+		t.Fatalf("request in flight during pause: %d", s)
+	}
+	if resp, _ := f.get(t, "/files", tok); resp.StatusCode != http.StatusConflict {
+		t.Fatalf("request after pause: %d", resp.StatusCode)
 	}
 }

@@ -46,6 +46,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
@@ -120,14 +121,33 @@ func (m *Manager) Pause(ctx context.Context, route identity.Route) error {
 	if act.paused.Load() {
 		return nil
 	}
-	// New requests stop before the freeze begins.
+	// New requests stop before the freeze begins, and unary requests
+	// already inside the guest get to finish (bounded) rather than fail.
 	act.paused.Store(true)
+	m.drainUnary(act, pauseDrain)
 	if err := act.inst.Pause(ctx); err != nil {
 		act.paused.Store(false)
 		return fmt.Errorf("pause %s: %w", route.SandboxID, lifecycleErr(ctx, err))
 	}
 	m.log.Info("execution paused", "sandbox", route.SandboxID, "generation", route.Generation)
 	return nil
+}
+
+// pauseDrain bounds how long Pause waits for unary requests in flight.
+const pauseDrain = 5 * time.Second
+
+// drainUnary waits until no unary request holds act's gate, or until max.
+// TryLock, not Lock: a request that never ends must not block a pause.
+func (m *Manager) drainUnary(act *activation, max time.Duration) {
+	deadline := time.Now().Add(max)
+	for !act.gate.TryLock() {
+		if time.Now().After(deadline) {
+			m.log.Warn("pausing with requests still in flight", "sandbox", act.route.SandboxID)
+			return
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	act.gate.Unlock()
 }
 
 // Resume thaws the execution named by route. Idempotent.

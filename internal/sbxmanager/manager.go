@@ -132,6 +132,10 @@ type activation struct {
 	paused atomic.Bool
 	// gw is the activation's service-port gateway (nil: none installed).
 	gw *gatewayProc
+	// gate is held shared by every unary request in flight; Pause takes it
+	// exclusively (bounded) after refusing new requests, so a freeze does
+	// not strand a request inside the guest.
+	gate sync.RWMutex
 }
 
 // New opens the runtime records and loads them before returning: a

@@ -81,6 +81,9 @@ func (f *fakeSubstrate) Start(ctx context.Context, spec substrate.Spec) (substra
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /_space/identity", func(w http.ResponseWriter, r *http.Request) { json.NewEncoder(w).Encode(route) })
 	mux.HandleFunc("/files", func(w http.ResponseWriter, r *http.Request) {
+		if d, err := time.ParseDuration(r.URL.Query().Get("delay")); err == nil {
+			time.Sleep(d)
+		}
 		fmt.Fprintf(w, "file of %s gen %d", route.SandboxID, route.Generation)
 	})
 	mux.HandleFunc("/process.Process/Start", func(w http.ResponseWriter, r *http.Request) {
