@@ -55,6 +55,9 @@ type proc struct {
 	stdinClosed atomic.Bool
 	// waited is set once the process has been reaped.
 	waited atomic.Bool
+	// deadline kills the process when the Start request's Connect timeout
+	// (Connect-Timeout-Ms) passes, as envd does; stopped once it is reaped.
+	deadline atomic.Pointer[time.Timer]
 
 	mu   sync.Mutex
 	subs map[*subscriber]struct{}
@@ -403,6 +406,9 @@ func startError(err error) error {
 func (s *Server) waitProcess(p *proc, readers []*os.File, readersWG *sync.WaitGroup) {
 	werr := p.cmd.Wait()
 	p.waited.Store(true)
+	if t := p.deadline.Load(); t != nil {
+		t.Stop()
+	}
 	for _, f := range readers {
 		if f.SetReadDeadline(time.Now().Add(drainGrace)) != nil {
 			// Not pollable: closing is the only way to stop the reader.
@@ -532,6 +538,15 @@ func keepaliveInterval(h http.Header) time.Duration {
 	return time.Duration(min(n, 3600)) * time.Second
 }
 
+// processTimeout is the Connect-Timeout-Ms of a Start request (0: none).
+func processTimeout(h http.Header) time.Duration {
+	n, err := strconv.ParseInt(h.Get("Connect-Timeout-Ms"), 10, 64)
+	if err != nil || n <= 0 {
+		return 0
+	}
+	return time.Duration(n) * time.Millisecond
+}
+
 // pump forwards a subscriber's events to a stream, with keepalives, until
 // the end event was sent, the client went away or the server closes.
 func (s *Server) pump(ctx context.Context, h http.Header, sub *subscriber, send func(*processpb.ProcessEvent) error) error {
@@ -573,6 +588,11 @@ func (ps *processService) Start(ctx context.Context, req *connect.Request[proces
 		return err
 	}
 	defer p.unsubscribe(sub)
+	if d := processTimeout(req.Header()); d > 0 {
+		// The process outlives its stream, but not the timeout the client
+		// gave it (e2b's commands.run timeoutMs): envd kills it then.
+		p.deadline.Store(time.AfterFunc(d, p.kill))
+	}
 	send := func(ev *processpb.ProcessEvent) error { return stream.Send(&processpb.StartResponse{Event: ev}) }
 	if err := send(startEvent(p.pid)); err != nil {
 		return err

@@ -353,3 +353,41 @@ func TestCloseKillsProcesses(t *testing.T) {
 	for st.Receive() {
 	}
 }
+
+// A Start request's Connect timeout (e2b's commands.run timeoutMs) bounds
+// the process, not just the stream: envd kills the process when it passes.
+func TestStartTimeoutKillsProcess(t *testing.T) {
+	e := newEnv(t)
+	ctx := ctxT(t)
+	// The client sends the deadline as Connect-Timeout-Ms.
+	tctx, tcancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer tcancel()
+	st, err := e.proc.Start(tctx, connect.NewRequest(sh("sleep 30")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	if !st.Receive() || st.Msg().GetEvent().GetStart().GetPid() == 0 {
+		t.Fatalf("start: %v", st.Err())
+	}
+	eventually(t, "timed-out process killed", func() bool {
+		l, err := e.proc.List(ctx, connect.NewRequest(&processpb.ListRequest{}))
+		return err == nil && len(l.Msg.GetProcesses()) == 0
+	})
+	// Without the header the process outlives a dropped stream.
+	sctx, cancel := context.WithCancel(ctx)
+	st2, err := e.proc.Start(sctx, connect.NewRequest(sh("sleep 30")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st2.Receive() {
+		t.Fatal(st2.Err())
+	}
+	cancel()
+	st2.Close()
+	time.Sleep(500 * time.Millisecond)
+	l, err := e.proc.List(ctx, connect.NewRequest(&processpb.ListRequest{}))
+	if err != nil || len(l.Msg.GetProcesses()) != 1 {
+		t.Fatalf("process without timeout: %v %v", l, err)
+	}
+}
