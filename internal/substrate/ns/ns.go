@@ -439,11 +439,24 @@ func (i *instance) Pause(ctx context.Context) error {
 	if i.stopped {
 		return errors.New("ns: sandbox stopped")
 	}
-	if err := i.cg.freeze(ctx, true); err != nil {
-		return fmt.Errorf("ns: pause: %w", err)
+	fctx, cancel := context.WithTimeout(ctx, FreezeTimeout)
+	defer cancel()
+	if err := i.cg.freeze(fctx, true); err != nil {
+		// A v1 freezer can stay FREEZING for good when a task waits
+		// uninterruptibly on one already frozen: never leave a sandbox
+		// half frozen, thaw it and report the pause as failed.
+		tctx, tcancel := context.WithTimeout(context.Background(), FreezeTimeout)
+		defer tcancel()
+		if terr := i.cg.freeze(tctx, false); terr != nil {
+			return fmt.Errorf("ns: pause: %w (and thawing failed: %v)", err, terr)
+		}
+		return fmt.Errorf("ns: pause: did not freeze within %s, thawed again: %w", FreezeTimeout, err)
 	}
 	return nil
 }
+
+// FreezeTimeout bounds Pause's wait for every task to be frozen.
+const FreezeTimeout = 5 * time.Second
 
 // Resume thaws the sandbox.
 func (i *instance) Resume(ctx context.Context) error {
