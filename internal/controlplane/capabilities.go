@@ -2,8 +2,12 @@ package controlplane
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/base64"
 	"errors"
 	"fmt"
+	"net/url"
+	"strconv"
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
@@ -17,6 +21,66 @@ type credentials struct {
 	AccessToken string
 	// TrafficAccessToken is E2B's e2b-traffic-access-token (service ports).
 	TrafficAccessToken string
+	// Signature is a signed /files URL's signature, forwarded by the edge
+	// instead of an access token (nil when none).
+	Signature *fileSignature
+}
+
+// fileSignature is a signed /files URL (the e2b SDK's uploadUrl and
+// downloadUrl of a secure sandbox), as the edge forwards it in the
+// capability request's query: signature, signature_expiration (optional,
+// Unix seconds), path, username and operation ("read" for GET /files,
+// "write" for POST /files).
+type fileSignature struct {
+	Signature, Expiration, Path, Username, Operation string
+}
+
+// signatureFromQuery returns the signature the edge forwarded, or nil.
+func signatureFromQuery(q url.Values) *fileSignature {
+	if !q.Has("signature") {
+		return nil
+	}
+	return &fileSignature{Signature: q.Get("signature"), Expiration: q.Get("signature_expiration"),
+		Path: q.Get("path"), Username: q.Get("username"), Operation: q.Get("operation")}
+}
+
+// expectedFileSignature is envd's signature of a /files URL:
+// "v1_" + unpadded base64 of sha256("path:operation:username:token"), with
+// ":expiration" appended when the URL expires (the e2b SDK's getSignature).
+func expectedFileSignature(path, operation, username, token, expiration string) string {
+	raw := path + ":" + operation + ":" + username + ":" + token
+	if expiration != "" {
+		raw += ":" + expiration
+	}
+	sum := sha256.Sum256([]byte(raw))
+	return "v1_" + base64.RawStdEncoding.EncodeToString(sum[:])
+}
+
+// verify checks sig against the sandbox's access token at now and returns
+// until when it authorizes (zero: no expiration). Like envd, a wrong
+// signature or one past its expiration is unauthenticated (401).
+func (sig *fileSignature) verify(token string, now time.Time) (time.Time, error) {
+	if sig.Operation != "read" && sig.Operation != "write" {
+		return time.Time{}, fmt.Errorf("%w: signature operation must be read or write", ErrUnauthenticated)
+	}
+	var until time.Time
+	if sig.Expiration != "" {
+		exp, err := strconv.ParseInt(sig.Expiration, 10, 64)
+		if err != nil {
+			return time.Time{}, fmt.Errorf("%w: invalid signature_expiration", ErrUnauthenticated)
+		}
+		until = time.Unix(exp, 0)
+	}
+	if !equalSecret(sig.Signature, expectedFileSignature(sig.Path, sig.Operation, sig.Username, token, sig.Expiration)) {
+		return time.Time{}, fmt.Errorf("%w: invalid signature", ErrUnauthenticated)
+	}
+	if !until.IsZero() && until.Unix() < now.Unix() {
+		return time.Time{}, fmt.Errorf("%w: signature is already expired", ErrUnauthenticated)
+	}
+	if !until.IsZero() {
+		until = until.Add(time.Second) // valid through its expiration second
+	}
+	return until, nil
 }
 
 // HeaderTrafficAccessToken carries a private sandbox's traffic access token.
@@ -75,6 +139,7 @@ func (s *Server) issueCapability(ctx context.Context, cred credentials, id strin
 	}
 	tokenOK := func() bool { return rec.AccessToken != "" && equalSecret(cred.AccessToken, rec.AccessToken) }
 	var callerID string
+	var signedUntil time.Time // a signed URL's expiration bounds the authorization
 	switch {
 	case c.edge() && capability.Purpose(req.Purpose) == capability.PurposeServicePort:
 		// Service ports (E2B semantics): public unless the sandbox was
@@ -93,10 +158,25 @@ func (s *Server) issueCapability(ctx context.Context, cred credentials, id strin
 			if !tokenOK() {
 				return resp, fmt.Errorf("%w: invalid access token", ErrUnauthenticated)
 			}
+		case rec.AccessToken != "" && !req.Repair && cred.Signature != nil:
+			// envd accepts a signed URL only for GET and POST /files.
+			if capability.Purpose(req.Purpose) != capability.PurposeFiles {
+				return resp, fmt.Errorf("%w: a signature authorizes /files only", ErrUnauthenticated)
+			}
+			until, err := cred.Signature.verify(rec.AccessToken, s.now())
+			if err != nil {
+				return resp, err
+			}
+			signedUntil = until
+			callerID = "edge/signature"
 		case rec.AccessToken != "" && !req.Repair:
-			return resp, fmt.Errorf("%w: sandbox %s requires its access token", ErrDenied, id)
+			// envd answers 401 to a secure sandbox's request without its
+			// token; the e2b SDK raises AuthenticationError for it.
+			return resp, fmt.Errorf("%w: sandbox %s requires its access token", ErrUnauthenticated, id)
 		}
-		callerID = "edge"
+		if callerID == "" {
+			callerID = "edge"
+		}
 	case cred.APIKey != "":
 		if rec.TeamID != c.TeamID {
 			return resp, fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
@@ -135,9 +215,13 @@ func (s *Server) issueCapability(ctx context.Context, cred credentials, id strin
 	}
 	s.log.Debug("capability issued", "sandbox", id, "generation", rec.Route.Generation, "worker", rec.Route.WorkerID,
 		"purpose", req.Purpose, "caller", callerID, "repair", req.Repair, "jti", claims.JTI)
+	authorized := minTime(rec.EndAt, now.Add(MaxAuthorization))
+	if !signedUntil.IsZero() {
+		authorized = minTime(authorized, signedUntil)
+	}
 	return spacev1.CapabilityResponse{
 		Token: tok, Route: rec.Route, NodeURL: s.nodeURL(ctx, rec), ExpiresAt: claims.Expiry,
-		AuthorizedUntil: minTime(rec.EndAt, now.Add(MaxAuthorization)), EnvdVersion: rec.EnvdVersion,
+		AuthorizedUntil: authorized, EnvdVersion: rec.EnvdVersion,
 	}, nil
 }
 

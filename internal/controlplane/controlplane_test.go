@@ -358,7 +358,7 @@ func TestCapabilityAuthorization(t *testing.T) {
 		{"wrong token", secure.SandboxID, map[string]string{"X-Access-Token": "nope"}, proc, 401},
 		{"token of tokenless", open.SandboxID, map[string]string{"X-Access-Token": secure.EnvdAccessToken}, proc, 401},
 		{"edge on tokenless", open.SandboxID, map[string]string{"X-API-Key": edgeKey}, proc, 200},
-		{"edge alone on secure", secure.SandboxID, map[string]string{"X-API-Key": edgeKey}, proc, 403},
+		{"edge alone on secure", secure.SandboxID, map[string]string{"X-API-Key": edgeKey}, proc, 401},
 		{"edge with token", secure.SandboxID, map[string]string{"X-API-Key": edgeKey, "X-Access-Token": secure.EnvdAccessToken}, proc, 200},
 		{"edge with wrong token", secure.SandboxID, map[string]string{"X-API-Key": edgeKey, "X-Access-Token": "bad"}, proc, 401},
 		{"edge repair", secure.SandboxID, map[string]string{"X-API-Key": edgeKey}, map[string]any{"purpose": "files", "repair": true}, 200},

@@ -226,7 +226,7 @@ func (s *Server) handleCapability(w http.ResponseWriter, r *http.Request) {
 	}
 	resp, err := s.issueCapability(r.Context(), credentials{
 		APIKey: r.Header.Get(spacev1.HeaderAPIKey), AccessToken: r.Header.Get(spacev1.HeaderAccessToken),
-		TrafficAccessToken: r.Header.Get(HeaderTrafficAccessToken),
+		TrafficAccessToken: r.Header.Get(HeaderTrafficAccessToken), Signature: signatureFromQuery(r.URL.Query()),
 	}, id, req)
 	if err != nil {
 		s.writeError(w, r, err)

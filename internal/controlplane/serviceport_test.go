@@ -54,7 +54,7 @@ func TestServicePortTrafficAccessToken(t *testing.T) {
 		{"private: wrong traffic token", private.SandboxID, edge(HeaderTrafficAccessToken, "nope"), sp, 403},
 		{"private: traffic token", private.SandboxID, edge(HeaderTrafficAccessToken, tok), sp, 200},
 		{"private: repair", private.SandboxID, edge(), map[string]any{"purpose": "service-port", "port": 8000, "protocol": "http", "repair": true}, 200},
-		{"private: traffic token does not open envd", private.SandboxID, edge(HeaderTrafficAccessToken, tok), proc, 403},
+		{"private: traffic token does not open envd", private.SandboxID, edge(HeaderTrafficAccessToken, tok), proc, 401},
 		{"private: owner key", private.SandboxID, map[string]string{"X-API-Key": e.key}, sp, 200},
 	}
 	for _, c := range cases {

@@ -64,6 +64,17 @@ func (e *Edge) doFetch(ctx context.Context, t target, callerToken string, repair
 		Repair:   repair,
 	})
 	u := e.cfg.ControlPlaneURL + "/space/v1/sandboxes/" + url.PathEscape(t.sandbox) + "/capabilities"
+	if !repair && callerToken == "" && t.sig.signature != "" {
+		q := url.Values{}
+		q.Set(QuerySignature, t.sig.signature)
+		if t.sig.expiration != "" {
+			q.Set(QuerySignatureExpiration, t.sig.expiration)
+		}
+		q.Set("path", t.sig.path)
+		q.Set("username", t.sig.username)
+		q.Set("operation", t.sig.operation)
+		u += "?" + q.Encode()
+	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, bytes.NewReader(body))
 	if err != nil {
 		return nil, &httpError{status: http.StatusInternalServerError, reason: "internal", msg: "building capability request"}

@@ -239,7 +239,16 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		// private traffic; then E2B's traffic access token authorizes.
 		callerToken = r.Header.Get(HeaderTrafficAccessToken)
 	}
-	st := &reqState{t: t, key: keyFor(t, callerToken), callerToken: callerToken}
+	key := keyFor(t, callerToken)
+	if callerToken == "" && t.purpose == capability.PurposeFiles {
+		// A signed uploadUrl/downloadUrl: no access token, the signature
+		// stands in for it (the control plane verifies it).
+		if sig, ok := signatureOf(r); ok {
+			t.sig = sig
+			key = keyFor(t, sig.cacheToken())
+		}
+	}
+	st := &reqState{t: t, key: key, callerToken: callerToken}
 	if herr := e.holdBody(r, st); herr != nil {
 		writeError(sw, herr)
 		return

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -44,6 +45,7 @@ type cpCall struct {
 	Req         spacev1.CapabilityRequest
 	APIKey      string
 	AccessToken string
+	Query       url.Values
 }
 
 // fakeCP is a control plane that issues real capabilities for the route it
@@ -86,7 +88,7 @@ func (cp *fakeCP) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	cp.mu.Lock()
-	cp.calls = append(cp.calls, cpCall{sb, req, r.Header.Get(spacev1.HeaderAPIKey), r.Header.Get(spacev1.HeaderAccessToken)})
+	cp.calls = append(cp.calls, cpCall{sb, req, r.Header.Get(spacev1.HeaderAPIKey), r.Header.Get(spacev1.HeaderAccessToken), r.URL.Query()})
 	status, rt, ok, need, hook := cp.status, cp.routes[sb], false, cp.tokens[sb], cp.onRepair
 	_, ok = cp.routes[sb]
 	node, authFor, delay := cp.nodeURL, cp.authFor, cp.delay
@@ -113,7 +115,8 @@ func (cp *fakeCP) serve(w http.ResponseWriter, r *http.Request) {
 	case !ok:
 		writeJSONErr(404, "sandbox "+sb+" not found")
 		return
-	case !req.Repair && need != "" && r.Header.Get(spacev1.HeaderAccessToken) != need:
+	case !req.Repair && need != "" && r.Header.Get(spacev1.HeaderAccessToken) != need &&
+		r.URL.Query().Get("signature") != "sig-"+need:
 		writeJSONErr(401, "invalid access token")
 		return
 	}

@@ -41,6 +41,50 @@ type target struct {
 	// clientStream marks calls whose request body is an open-ended stream:
 	// it is never held for a rebuilt attempt.
 	clientStream bool
+	// sig is a signed /files URL's signature (uploadUrl/downloadUrl of a
+	// secure sandbox), presented instead of an access token.
+	sig fileSignature
+}
+
+// fileSignature is what a signed /files URL carries (E2B envd semantics:
+// signature = "v1_" + base64(sha256(path:operation:username:token[:exp]))).
+// The control plane verifies it against the sandbox's access token.
+type fileSignature struct {
+	signature, expiration, path, username, operation string
+}
+
+// Query parameters of a signed /files URL, forwarded to the control plane's
+// capability endpoint.
+const (
+	QuerySignature           = "signature"
+	QuerySignatureExpiration = "signature_expiration"
+)
+
+// signatureOf returns the signature a /files request presents instead of
+// an access token: GET (and HEAD) sign the "read" operation, POST "write".
+// ok is false when the request carries none or the method signs nothing.
+func signatureOf(r *http.Request) (fileSignature, bool) {
+	q := r.URL.Query()
+	if r.URL.Path != "/files" || !q.Has(QuerySignature) {
+		return fileSignature{}, false
+	}
+	op := ""
+	switch r.Method {
+	case http.MethodGet, http.MethodHead:
+		op = "read"
+	case http.MethodPost:
+		op = "write"
+	default:
+		return fileSignature{}, false
+	}
+	return fileSignature{signature: q.Get(QuerySignature), expiration: q.Get(QuerySignatureExpiration),
+		path: q.Get("path"), username: q.Get("username"), operation: op}, true
+}
+
+// cacheToken is the cache identity of a signature: the edge must not reuse
+// one signed URL's authorization for another path, user or operation.
+func (s fileSignature) cacheToken() string {
+	return strings.Join([]string{"\x00signed", s.operation, s.path, s.username, s.expiration, s.signature}, "\x00")
 }
 
 // parseSandboxPort extracts sandbox id and port from the E2B headers or the
