@@ -347,13 +347,18 @@ func (s *Server) writeFile(path string, r io.Reader, acct *account, md map[strin
 		return storageError(err, "error creating parent directories of "+quote(path))
 	}
 	mode := fs.FileMode(0o644)
+	existed := "0"
 	if st, err := os.Stat(path); err == nil {
 		if st.IsDir() {
 			return httpErrorf(http.StatusBadRequest, "path %s is a directory", quote(path))
 		}
 		mode = st.Mode().Perm()
+		existed = "1"
 	}
-	tmp, err := os.CreateTemp(dir, "."+filepath.Base(path)+".upload-*")
+	// The temp name's first digit tells watchers whether the target
+	// existed (dirWatch reports the rename into place as envd's in-place
+	// write: create+write for a new file, write for an existing one).
+	tmp, err := os.CreateTemp(dir, "."+filepath.Base(path)+".upload-"+existed+"*")
 	if err != nil {
 		return storageError(err, "error creating file "+quote(path))
 	}

@@ -311,20 +311,31 @@ func TestWatchDirRecursive(t *testing.T) {
 	if missing > 0 {
 		t.Fatalf("missing events %v (err %v)", want, st.Err())
 	}
-	// Uploads (atomic temp file + rename) show up under the final name only.
-	resp, _ := e.post("/files?path="+url.QueryEscape("w/up.txt"), "application/octet-stream", []byte("u"), nil)
-	if resp.StatusCode != 200 {
-		t.Fatalf("upload %d", resp.StatusCode)
-	}
-	for st.Receive() {
-		fe := st.Msg().GetFilesystem()
-		if strings.Contains(fe.GetName(), ".upload-") {
-			t.Fatalf("temp file event %v", fe)
+	// Uploads (atomic temp file + rename) show up under the final name
+	// only, as envd's in-place write: create and write for a new file,
+	// write for an existing one.
+	upload := func(want ...string) {
+		t.Helper()
+		resp, _ := e.post("/files?path="+url.QueryEscape("w/up.txt"), "application/octet-stream", []byte("u"), nil)
+		if resp.StatusCode != 200 {
+			t.Fatalf("upload %d", resp.StatusCode)
 		}
-		if fe.GetName() == "up.txt" {
-			break
+		var got []string
+		for len(got) < len(want) && st.Receive() {
+			fe := st.Msg().GetFilesystem()
+			if strings.Contains(fe.GetName(), ".upload-") {
+				t.Fatalf("temp file event %v", fe)
+			}
+			if fe.GetName() == "up.txt" {
+				got = append(got, types[fe.GetType()])
+			}
+		}
+		if strings.Join(got, ",") != strings.Join(want, ",") {
+			t.Fatalf("upload events %v, want %v", got, want)
 		}
 	}
+	upload("create", "write")
+	upload("write")
 	// Bad inputs.
 	bad, err := e.fs.WatchDir(ctx, connect.NewRequest(&filesystempb.WatchDirRequest{Path: "w/nope"}))
 	if err == nil {

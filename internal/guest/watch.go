@@ -38,7 +38,16 @@ type dirWatch struct {
 	recursive    bool
 	includeEntry bool
 	db           *userDB
+
+	mu sync.Mutex
+	// uploads tracks writeFile's temp files by their target path, so that
+	// the rename into place reports what envd's in-place write would
+	// (create and write for a new file, write for an existing one).
+	uploads map[string]*upload
 }
+
+// upload is one atomic upload seen by a watch.
+type upload struct{ existed, wrote bool }
 
 // newDirWatch validates the request and starts watching. The caller must
 // call release (which closes the watch) when done.
@@ -131,18 +140,24 @@ func (w *dirWatch) convert(ev fsnotify.Event) []*filesystempb.FilesystemEvent {
 	}
 	if isUploadTemp(filepath.Base(ev.Name)) {
 		// Our own atomic-upload temp file: watchers see only the final
-		// rename into place (a create event for the target name).
+		// rename into place, reported as envd's in-place write would be.
+		w.trackUpload(ev)
 		return nil
 	}
-	name, err := filepath.Rel(w.root, ev.Name)
-	if err != nil {
-		name = ev.Name
+	var types []filesystempb.EventType
+	if ev.Has(fsnotify.Create) {
+		if up := w.takeUpload(ev.Name); up != nil {
+			ev.Op &^= fsnotify.Create
+			if up.existed {
+				types = append(types, filesystempb.EventType_EVENT_TYPE_WRITE) // O_TRUNC rewrite
+			} else {
+				types = append(types, filesystempb.EventType_EVENT_TYPE_CREATE)
+				if up.wrote {
+					types = append(types, filesystempb.EventType_EVENT_TYPE_WRITE)
+				}
+			}
+		}
 	}
-	var entry *filesystempb.EntryInfo
-	if w.includeEntry {
-		entry, _ = entryInfo(ev.Name, w.db)
-	}
-	var out []*filesystempb.FilesystemEvent
 	for _, m := range []struct {
 		op fsnotify.Op
 		t  filesystempb.EventType
@@ -154,8 +169,20 @@ func (w *dirWatch) convert(ev fsnotify.Event) []*filesystempb.FilesystemEvent {
 		{fsnotify.Chmod, filesystempb.EventType_EVENT_TYPE_CHMOD},
 	} {
 		if ev.Has(m.op) {
-			out = append(out, &filesystempb.FilesystemEvent{Name: name, Type: m.t, Entry: entry})
+			types = append(types, m.t)
 		}
+	}
+	name, err := filepath.Rel(w.root, ev.Name)
+	if err != nil {
+		name = ev.Name
+	}
+	var entry *filesystempb.EntryInfo
+	if w.includeEntry {
+		entry, _ = entryInfo(ev.Name, w.db)
+	}
+	out := make([]*filesystempb.FilesystemEvent, 0, len(types))
+	for _, t := range types {
+		out = append(out, &filesystempb.FilesystemEvent{Name: name, Type: t, Entry: entry})
 	}
 	return out
 }
@@ -326,6 +353,40 @@ func (f *filesystemService) RemoveWatcher(_ context.Context, req *connect.Reques
 	}
 	pw.stop()
 	return connect.NewResponse(&filesystempb.RemoveWatcherResponse{}), nil
+}
+
+// trackUpload records an upload temp file's progress under its target path.
+// writeFile starts the temp's digits with 1 when the target existed.
+func (w *dirWatch) trackUpload(ev fsnotify.Event) {
+	base := filepath.Base(ev.Name)
+	i := strings.LastIndex(base, ".upload-")
+	target := filepath.Join(filepath.Dir(ev.Name), base[1:i])
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if ev.Has(fsnotify.Remove) && !ev.Has(fsnotify.Rename) {
+		delete(w.uploads, target) // failed upload: nothing reaches the target
+		return
+	}
+	if w.uploads == nil {
+		w.uploads = make(map[string]*upload)
+	}
+	up := w.uploads[target]
+	if up == nil {
+		up = &upload{existed: base[i+len(".upload-")] == '1'}
+		w.uploads[target] = up
+	}
+	if ev.Has(fsnotify.Write) {
+		up.wrote = true
+	}
+}
+
+// takeUpload returns and forgets the upload that was renamed onto path.
+func (w *dirWatch) takeUpload(path string) *upload {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	up := w.uploads[path]
+	delete(w.uploads, path)
+	return up
 }
 
 // isUploadTemp reports whether base is a temp file name of writeFile
