@@ -407,3 +407,26 @@ test('error: invalid arguments', async () => {
   // envd RPC argument errors are InvalidArgumentError
   await assert.rejects(sbx.files.list('/home/user', { depth: -1 }), InvalidArgumentError)
 })
+
+// ---------------------------------------------------------------- git (deprecated SDK module over commands.run)
+
+test('git: init, configureUser, add, commit, status, branches', async () => {
+  const repo = '/home/user/repo'
+  await sbx.git.init(repo, { initialBranch: 'main' })
+  await sbx.git.configureUser('Space Test', 'test@example.com', { scope: 'local', path: repo })
+  await sbx.files.write(`${repo}/a.txt`, 'a\n')
+  let st = await sbx.git.status(repo)
+  assert.equal(st.currentBranch, 'main')
+  assert.equal(st.untrackedCount, 1)
+  assert.equal(st.isClean, false)
+  await sbx.git.add(repo, { all: true })
+  await sbx.git.commit(repo, 'first')
+  st = await sbx.git.status(repo)
+  assert.equal(st.isClean, true)
+  await sbx.git.createBranch(repo, 'feature')
+  const br = await sbx.git.branches(repo)
+  assert.equal(br.currentBranch, 'feature')
+  assert.deepEqual([...br.branches].sort(), ['feature', 'main'])
+  const log = await sbx.commands.run(`git -C ${repo} log --format=%s%x20%an`)
+  assert.equal(log.stdout, 'first Space Test\n')
+})
