@@ -160,6 +160,14 @@ test('files.exists', async () => {
   assert.equal(await sbx.files.exists('/home/user/e/no.txt'), false)
 })
 
+test('files.write metadata, returned by getInfo and list (envd 0.6.2)', async () => {
+  await sbx.files.write('/home/user/meta/m.txt', 'm', { metadata: { owner: 'agent-7', purpose: 'test' } })
+  const info = await sbx.files.getInfo('/home/user/meta/m.txt')
+  assert.deepEqual(info.metadata, { owner: 'agent-7', purpose: 'test' })
+  const [e] = await sbx.files.list('/home/user/meta')
+  assert.deepEqual(e.metadata, { owner: 'agent-7', purpose: 'test' })
+})
+
 test('files.getInfo entry fields', async () => {
   await sbx.files.write('/home/user/gi/f.txt', 'twelve bytes')
   await sbx.commands.run('chmod 640 /home/user/gi/f.txt && ln -s /home/user/gi/f.txt /home/user/gi/link')
@@ -247,10 +255,14 @@ test('files.watchDir events (non-recursive) and onExit', async () => {
 test('files.watchDir recursive', async () => {
   await sbx.files.makeDir('/home/user/wr/sub')
   const events = []
-  const h = await sbx.files.watchDir('/home/user/wr', (e) => events.push(e), { recursive: true })
+  const h = await sbx.files.watchDir('/home/user/wr', (e) => events.push(e), { recursive: true, includeEntry: true })
   await sbx.files.write('/home/user/wr/sub/deep.txt', 'x')
   assert.ok(await waitFor(() => events.some((e) => e.name === 'sub/deep.txt' && e.type === FilesystemEventType.CREATE)),
     JSON.stringify(events))
+  // includeEntry (envd 0.6.3): the event carries the entry's info
+  const ev = events.find((e) => e.name === 'sub/deep.txt')
+  assert.equal(ev.entry?.path, '/home/user/wr/sub/deep.txt')
+  assert.equal(ev.entry?.type, FileType.FILE)
   await h.stop()
   await assert.rejects(sbx.files.watchDir('/home/user/no-such-dir', () => {}), FileNotFoundError)
 })
