@@ -464,7 +464,9 @@ func readCounter(t *testing.T, path string) int {
 
 func TestPauseResume(t *testing.T) {
 	inst, spec := start(t, substrate.Limits{})
-	mustOK(t, inst, 1000, `setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.02; done' </dev/null >/dev/null 2>&1 & while [ ! -s /tmp/counter ]; do sleep 0.01; done; sleep 0.1`)
+	mustOK(t, inst, 1000, `setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.02; done' </dev/null >/dev/null 2>&1 & while [ ! -s /tmp/counter ]; do sleep 0.01; done; sleep 0.1`)
+	// The loop renames each value into place: a freeze between truncate and
+	// write would otherwise leave the file empty.
 	counter := filepath.Join(spec.Dir, UpperDir, "tmp", "counter")
 	time.Sleep(200 * time.Millisecond)
 	c0 := readCounter(t, counter)
