@@ -88,10 +88,10 @@ func newEnvCgroup(t *testing.T, ucg *os.File) *env {
 	writeFile(t, passwd, fmt.Sprintf("root:x:0:0:root:%s:/bin/sh\n# comment\nuser:x:1000:1000::%s:/bin/sh\nbroken:line\n", rootHome, home))
 	writeFile(t, group, "root:x:0:\nuser:x:1000:\nextra:x:1500:user,other\n")
 	srv, err := New(Config{
-		Identity:       Identity{Sandbox: "sbx1", Generation: 3, Execution: "ex1", Worker: "w1", Substrate: "ns", Activation: "a1"},
-		Env:            map[string]string{"SPACE_DEFAULT": "yes"},
-		PasswdPath:     passwd,
-		GroupPath:      group,
+		Identity:        Identity{Sandbox: "sbx1", Generation: 3, Execution: "ex1", Worker: "w1", Substrate: "ns", Activation: "a1"},
+		Env:             map[string]string{"SPACE_DEFAULT": "yes"},
+		PasswdPath:      passwd,
+		GroupPath:       group,
 		MaxUploadBytes:  1 << 20,
 		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
 		UserCgroupProcs: ucg,
