@@ -45,11 +45,13 @@ bench: build
 churn: build
 	SPACE_BIN_DIR=$(BIN) SPACE_CHURN_DURATION=10m $(GO) test -run TestChurn -count=1 -timeout 30m -v ./internal/up/
 
-## fuzz: a short run of every fuzz target
+## fuzz: a short run of every fuzz target in the module (FUZZTIME each)
+FUZZTIME ?= 10s
 fuzz:
-	$(GO) test -run '^$$' -fuzz=FuzzVerify -fuzztime=20s ./internal/capability
-	$(GO) test -run '^$$' -fuzz=FuzzValidateSandboxID -fuzztime=10s ./internal/identity
-	$(GO) test -run '^$$' -fuzz=FuzzResolvePath -fuzztime=20s ./internal/guest
+	@set -e; for pkg in $$($(GO) list ./...); do \
+	  for f in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz' || true); do \
+	    echo "== $$pkg $$f"; $(GO) test -run '^$$' -fuzz="^$$f$$" -fuzztime=$(FUZZTIME) $$pkg; \
+	  done; done
 
 ## check: vet, staticcheck, gofmt and go.mod tidiness
 check:
