@@ -87,16 +87,12 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fmt.Errorf("%w: execution of %s is installed but not active on this worker", errdefs.ErrUnavailable, sandbox))
 		return
 	}
-	// The request (and any stream it opens) lives no longer than the
-	// activation's lease: replacing the execution cuts it.
-	ctx, cancel := context.WithCancel(r.Context())
-	defer cancel()
-	stop := context.AfterFunc(act.ctx, cancel)
-	defer stop()
-	if act.ctx.Err() != nil {
+	ctx, release, ok := act.leaseContext(r.Context())
+	if !ok {
 		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")
 		return
 	}
+	defer release()
 	// The proxy's transport reads the request body while the response
 	// streams back: without full duplex the server would discard and close
 	// that body when the (flushed) response headers go out, failing the
@@ -117,6 +113,20 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	lw := newLeaseWriter(w, r, act)
 	defer lw.finish()
 	act.proxy.ServeHTTP(lw, r.WithContext(ctx))
+}
+
+// leaseContext derives a request context that ends with the activation's
+// lease, so replacing the execution cuts the request and any stream it
+// opens. ok is false when the lease has already ended.
+func (a *activation) leaseContext(parent context.Context) (ctx context.Context, release func(), ok bool) {
+	ctx, cancel := context.WithCancel(parent)
+	stop := context.AfterFunc(a.ctx, cancel)
+	release = func() { stop(); cancel() }
+	if a.ctx.Err() != nil {
+		release()
+		return nil, nil, false
+	}
+	return ctx, release, true
 }
 
 // isStream reports whether r opens a Connect stream (process output, PTY,

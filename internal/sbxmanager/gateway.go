@@ -282,14 +282,12 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		pausedError(w, ad.Claims.SandboxID) // never into a frozen guest
 		return
 	}
-	ctx, cancel := context.WithCancel(r.Context())
-	defer cancel()
-	stop := context.AfterFunc(act.ctx, cancel)
-	defer stop()
-	if act.ctx.Err() != nil {
+	ctx, release, ok := act.leaseContext(r.Context())
+	if !ok {
 		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")
 		return
 	}
+	defer release()
 	if proto == gateway.ProtocolHTTP {
 		_ = http.NewResponseController(w).EnableFullDuplex()
 		defer r.Body.Close() // see ServeHTTP: full duplex needs it (golang/go#68560)
