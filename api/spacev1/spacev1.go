@@ -141,6 +141,9 @@ const (
 	// from then on the worker answers RefreshRoute for it, even for
 	// unexpired capabilities, and its streams end.
 	NodePathRetire = "/space/node/v1/executions/retire"
+	// NodePathMetrics reads the execution's current resource usage (body
+	// LifecycleRequest, answer MetricsResponse). It changes nothing.
+	NodePathMetrics = "/space/node/v1/executions/metrics"
 )
 
 // LifecycleRequest is the body of pause, resume and retire.
@@ -158,6 +161,21 @@ type SnapshotRequest struct {
 type SnapshotResponse struct {
 	SnapshotID string `json:"snapshot_id"`
 	SizeBytes  int64  `json:"size_bytes"`
+}
+
+// MetricsResponse answers NodePathMetrics: one sample of the execution's
+// resource usage, taken by the worker at Timestamp. DiskTotal is 0 when the
+// substrate has no disk size of its own (the control plane fills in the
+// template's nominal size).
+type MetricsResponse struct {
+	Timestamp  time.Time `json:"timestamp"`
+	CPUCount   int       `json:"cpu_count"`
+	CPUUsedPct float64   `json:"cpu_used_pct"`
+	MemUsed    int64     `json:"mem_used"`
+	MemTotal   int64     `json:"mem_total"`
+	MemCache   int64     `json:"mem_cache"`
+	DiskUsed   int64     `json:"disk_used"`
+	DiskTotal  int64     `json:"disk_total"`
 }
 
 // ReasonExecutionReplaced is the reason (and Connect error message prefix)

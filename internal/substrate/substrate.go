@@ -8,6 +8,7 @@ package substrate
 
 import (
 	"context"
+	"time"
 
 	"github.com/spacesbx/space/internal/identity"
 )
@@ -77,4 +78,30 @@ type Substrate interface {
 	// Start activates spec and returns once the guest agent's socket is
 	// listening, or with an error after cleaning up what it created.
 	Start(ctx context.Context, spec Spec) (Instance, error)
+}
+
+// Stats is one sample of an instance's resource usage.
+type Stats struct {
+	// Timestamp is when the sample was taken.
+	Timestamp time.Time
+	// CPUCount is the number of CPUs the sandbox may use (its CPU limit
+	// rounded up to whole cores).
+	CPUCount int
+	// CPUUsedPct is the CPU time used over the sampling interval as a
+	// percentage of one core (so up to 100*CPUCount).
+	CPUUsedPct float64
+	// MemUsed and MemTotal are the memory charged to the sandbox and its
+	// limit, in bytes; MemCache is the page cache part of MemUsed.
+	MemUsed, MemTotal, MemCache int64
+	// DiskUsed is the size of the sandbox's writable layer in bytes;
+	// DiskTotal is its capacity, 0 when the substrate has none.
+	DiskUsed, DiskTotal int64
+}
+
+// StatsReporter is implemented by instances that can report their
+// resource usage. It is optional: callers check for it by type assertion.
+type StatsReporter interface {
+	// Stats samples the instance's usage. It may block briefly (a CPU
+	// percentage needs two readings) but never longer than ctx allows.
+	Stats(ctx context.Context) (Stats, error)
 }

@@ -32,6 +32,22 @@ type cgroupLayout struct {
 // v1Controllers are the v1 controllers a sandbox needs.
 var v1Controllers = []string{"memory", "pids", "cpu", "freezer"}
 
+// v1Optional are v1 controllers a sandbox uses when the host mounts them:
+// cpuacct gives Stats the sandbox's CPU time where it is not co-mounted
+// with cpu.
+var v1Optional = []string{"cpuacct"}
+
+// v1Used lists the v1 controllers of l a sandbox gets groups in.
+func (l *cgroupLayout) v1Used() []string {
+	out := slices.Clone(v1Controllers)
+	for _, c := range v1Optional {
+		if l.v1[c] != "" {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
 // detectCgroups finds the cgroup layout of the host: pure v2 when
 // /sys/fs/cgroup/cgroup.controllers exists, v1 (possibly hybrid, in which
 // case the unified hierarchy is ignored) otherwise.
@@ -58,7 +74,7 @@ func detectCgroups() (*cgroupLayout, error) {
 			continue
 		}
 		for _, o := range strings.Split(sf[2], ",") {
-			for _, c := range v1Controllers {
+			for _, c := range slices.Concat(v1Controllers, v1Optional) {
 				if o == c {
 					if _, dup := l.v1[c]; !dup {
 						l.v1[c] = unescapeMount(pf[4])
@@ -184,7 +200,7 @@ func createCgroup(l *cgroupLayout, parent, name string, lim substrate.Limits) (_
 	// group too (with whatever else is co-mounted with pids).
 	mounts := map[string][]string{} // mount -> controllers
 	var order []string
-	for _, c := range v1Controllers {
+	for _, c := range l.v1Used() {
 		mnt := l.v1[c]
 		if _, ok := mounts[mnt]; !ok {
 			order = append(order, mnt)

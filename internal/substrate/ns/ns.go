@@ -254,6 +254,7 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		dir:    spec.Dir,
 		socket: filepath.Join(spec.Dir, SocketName),
 		done:   make(chan struct{}),
+		lim:    lim,
 	}
 	if err := os.MkdirAll(spec.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("ns: activation dir: %w", err)
@@ -417,6 +418,11 @@ type instance struct {
 
 	mu      sync.Mutex // serializes Pause, Resume and Stop
 	stopped bool
+
+	// lim are the effective limits; statsMu guards lastCPU (stats.go).
+	lim     substrate.Limits
+	statsMu sync.Mutex
+	lastCPU cpuReading
 }
 
 var _ substrate.Instance = (*instance)(nil)
