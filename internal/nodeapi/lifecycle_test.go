@@ -36,6 +36,7 @@ func TestLifecycleAuthorizationAndErrors(t *testing.T) {
 		spacev1.NodePathResume:   spacev1.LifecycleRequest{Route: route},
 		spacev1.NodePathRetire:   spacev1.LifecycleRequest{Route: route},
 		spacev1.NodePathSnapshot: spacev1.SnapshotRequest{Route: route, SnapshotID: "snap1"},
+		spacev1.NodePathMetrics:  spacev1.LifecycleRequest{Route: route},
 	}
 	for path, body := range bodies {
 		for _, c := range []struct {
@@ -68,6 +69,7 @@ func TestLifecycleAuthorizationAndErrors(t *testing.T) {
 		{spacev1.NodePathRetire, bodies[spacev1.NodePathRetire], 204}, // nothing served: done
 		{spacev1.NodePathSnapshot, spacev1.SnapshotRequest{Route: route, SnapshotID: "../x"}, 400},
 		{spacev1.NodePathSnapshot, bodies[spacev1.NodePathSnapshot], 503}, // no snapshot store
+		{spacev1.NodePathMetrics, bodies[spacev1.NodePathMetrics], 404},   // nothing installed
 	} {
 		if status, out := post(t, srv.URL+c.path, control, c.body); status != c.status {
 			t.Errorf("authorized %s: %d want %d (%s)", c.path, status, c.status, out)

@@ -1,8 +1,8 @@
 // Package nodeapi is node-api, the HTTP entry point of one worker. It serves
-// the control plane's install, teardown, pause, resume, snapshot and retire
-// calls (each carrying a control capability bound to this worker and to
-// exactly the route in its body) and hands every other request to
-// sbx-manager, which admits it before forwarding.
+// the control plane's install, teardown, pause, resume, snapshot, retire
+// and metrics calls (each carrying a control capability bound to this
+// worker and to exactly the route in its body) and hands every other
+// request to sbx-manager, which admits it before forwarding.
 package nodeapi
 
 import (
@@ -92,6 +92,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("POST "+spacev1.NodePathResume, s.lifecycle(s.mgr.Resume))
 	mux.HandleFunc("POST "+spacev1.NodePathRetire, s.lifecycle(s.mgr.Retire))
 	mux.HandleFunc("POST "+spacev1.NodePathSnapshot, s.snapshot())
+	mux.HandleFunc("POST "+spacev1.NodePathMetrics, s.metrics())
 	mux.HandleFunc("GET "+spacev1.NodePathHealth, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"worker":%q,"active":%d}`, s.cfg.WorkerID, s.mgr.Active())
@@ -201,5 +202,13 @@ func (s *Server) snapshot() http.HandlerFunc {
 	return control(s, func(q *spacev1.SnapshotRequest) identity.Route { return q.Route },
 		func(ctx context.Context, q *spacev1.SnapshotRequest) (any, error) {
 			return s.mgr.Snapshot(ctx, q.Route, q.SnapshotID)
+		})
+}
+
+// metrics answers one sample of the execution's resource usage.
+func (s *Server) metrics() http.HandlerFunc {
+	return control(s, func(q *spacev1.LifecycleRequest) identity.Route { return q.Route },
+		func(ctx context.Context, q *spacev1.LifecycleRequest) (any, error) {
+			return s.mgr.Metrics(ctx, q.Route)
 		})
 }

@@ -52,6 +52,7 @@ import (
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/snapshot"
+	"github.com/spacesbx/space/internal/substrate"
 )
 
 // upperDir is the writable layer inside an activation directory
@@ -527,4 +528,30 @@ func (lw *leaseWriter) finish() {
 			panic(p)
 		}
 	}
+}
+
+// Metrics samples the resource usage of the execution named by route
+// (running or paused). Substrates whose instances do not implement
+// substrate.StatsReporter answer ErrUnavailable.
+func (m *Manager) Metrics(ctx context.Context, route identity.Route) (spacev1.MetricsResponse, error) {
+	if err := validRoute("metrics", route); err != nil {
+		return spacev1.MetricsResponse{}, err
+	}
+	act, err := m.liveActivation("metrics", route)
+	if err != nil {
+		return spacev1.MetricsResponse{}, err
+	}
+	sr, ok := act.inst.(substrate.StatsReporter)
+	if !ok {
+		return spacev1.MetricsResponse{}, fmt.Errorf("metrics %s: %w: substrate %s reports no metrics", route.SandboxID, errdefs.ErrUnavailable, route.Substrate)
+	}
+	st, err := sr.Stats(ctx)
+	if err != nil {
+		return spacev1.MetricsResponse{}, fmt.Errorf("metrics %s: %w: %v", route.SandboxID, errdefs.ErrUnavailable, err)
+	}
+	return spacev1.MetricsResponse{
+		Timestamp: st.Timestamp.UTC(), CPUCount: st.CPUCount, CPUUsedPct: st.CPUUsedPct,
+		MemUsed: st.MemUsed, MemTotal: st.MemTotal, MemCache: st.MemCache,
+		DiskUsed: st.DiskUsed, DiskTotal: st.DiskTotal,
+	}, nil
 }
