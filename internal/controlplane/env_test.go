@@ -117,6 +117,18 @@ func (n *fakeNode) serve(w http.ResponseWriter, r *http.Request) {
 		n.teardown = append(n.teardown, req)
 		n.mu.Unlock()
 		w.WriteHeader(http.StatusNoContent)
+	case spacev1.NodePathMetrics:
+		var req spacev1.LifecycleRequest
+		_ = json.Unmarshal(body, &req)
+		if err := n.verify(r, func() spacev1.TeardownRequest { return spacev1.TeardownRequest{Route: req.Route} }); err != nil {
+			n.mu.Lock()
+			n.tokenErr = err
+			n.mu.Unlock()
+			w.WriteHeader(http.StatusForbidden)
+			return
+		}
+		_ = json.NewEncoder(w).Encode(spacev1.MetricsResponse{Timestamp: time.Now(), CPUCount: 2, CPUUsedPct: 7.5,
+			MemUsed: 10 << 20, MemTotal: 512 << 20, DiskUsed: 2 << 20})
 	default:
 		w.WriteHeader(http.StatusNotFound)
 	}

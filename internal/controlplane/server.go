@@ -173,6 +173,7 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("GET /sandboxes", s.withKey(s.handleListV1))
 	mux.HandleFunc("GET /v2/sandboxes", s.withKey(s.handleListV2))
 	mux.HandleFunc("GET /sandboxes/{id}", s.withKey(s.handleGet))
+	mux.HandleFunc("GET /sandboxes/{id}/metrics", s.withKey(s.handleMetrics))
 	mux.HandleFunc("DELETE /sandboxes/{id}", s.withKey(s.handleKill))
 	mux.HandleFunc("POST /sandboxes/{id}/timeout", s.withKey(s.handleTimeout))
 	mux.HandleFunc("GET /space/v1/workers", s.handleWorkers)
