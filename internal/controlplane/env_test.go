@@ -120,7 +120,7 @@ func (n *fakeNode) serve(w http.ResponseWriter, r *http.Request) {
 	case spacev1.NodePathMetrics:
 		var req spacev1.LifecycleRequest
 		_ = json.Unmarshal(body, &req)
-		if err := n.verify(r, func() spacev1.TeardownRequest { return spacev1.TeardownRequest{Route: req.Route} }); err != nil {
+		if err := n.verify(r, func() spacev1.TeardownRequest { return spacev1.TeardownRequest(req) }); err != nil {
 			n.mu.Lock()
 			n.tokenErr = err
 			n.mu.Unlock()

@@ -704,8 +704,14 @@ func TestForkBombKeepsAgentReserve(t *testing.T) {
 		_, err := shTimeout(inst, 1000, "f() { f | f & }; f; sleep 6", 6*time.Second)
 		bomb <- err
 	}()
-	deadline := time.Now().Add(5 * time.Second)
+	// Generous: on a loaded 2-core machine the bomb grows slowly.
+	deadline := time.Now().Add(8 * time.Second)
 	for readCounter(t, filepath.Join(user, "pids.current")) < 64 {
+		select {
+		case err := <-bomb:
+			t.Fatalf("the bomb ended before filling the user group (pids.current %d, err %v)", readCounter(t, filepath.Join(user, "pids.current")), err)
+		default:
+		}
 		if time.Now().After(deadline) {
 			t.Fatalf("the bomb did not fill the user group: pids.current %d", readCounter(t, filepath.Join(user, "pids.current")))
 		}
