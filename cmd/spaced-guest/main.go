@@ -9,6 +9,7 @@ package main
 import (
 	"encoding/json"
 	"flag"
+	"fmt"
 	"log"
 	"log/slog"
 	"net"
@@ -44,24 +45,13 @@ func main() {
 
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))
 	if userCgroup != nil {
-		// The cgexec wrapper re-executes this binary as the command's user.
-		if fi, err := os.Stat("/proc/self/exe"); err == nil && fi.Mode().Perm()&0o001 == 0 {
-			cfg.Logger.Warn("spaced-guest: the agent binary is not executable by other users: commands of non-root users will fail to start", "mode", fi.Mode().String())
-		}
+		warnIfNotExecutableByOthers(cfg.Logger)
 	}
 	srv, err := guest.New(cfg)
 	if err != nil {
 		log.Fatalf("spaced-guest: %v", err)
 	}
-	network, addr, _ := strings.Cut(*listen, ":")
-	var l net.Listener
-	if *listen == "" {
-		l, err = net.FileListener(os.NewFile(3, "listener"))
-	} else if network == "unix" || network == "tcp" {
-		l, err = net.Listen(network, addr)
-	} else {
-		log.Fatalf("spaced-guest: --listen %q: want unix:/path or tcp:host:port", *listen)
-	}
+	l, err := listener(*listen)
 	if err != nil {
 		log.Fatalf("spaced-guest: listen: %v", err)
 	}
@@ -72,4 +62,24 @@ func main() {
 		log.Fatalf("spaced-guest: serve: %v", err)
 	}
 	_ = srv.Close() // waits for the Close started by the signal
+}
+
+// listener is the inherited fd 3 (spec ""), or unix:/path or tcp:host:port.
+func listener(spec string) (net.Listener, error) {
+	if spec == "" {
+		return net.FileListener(os.NewFile(3, "listener"))
+	}
+	network, addr, _ := strings.Cut(spec, ":")
+	if network != "unix" && network != "tcp" {
+		return nil, fmt.Errorf("--listen %q: want unix:/path or tcp:host:port", spec)
+	}
+	return net.Listen(network, addr)
+}
+
+// warnIfNotExecutableByOthers: the cgexec wrapper re-executes this binary
+// as the command's user, so it must be executable by everyone.
+func warnIfNotExecutableByOthers(log *slog.Logger) {
+	if fi, err := os.Stat("/proc/self/exe"); err == nil && fi.Mode().Perm()&0o001 == 0 {
+		log.Warn("spaced-guest: the agent binary is not executable by other users: commands of non-root users will fail to start", "mode", fi.Mode().String())
+	}
 }
