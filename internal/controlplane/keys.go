@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/spacesbx/space/internal/atomicfile"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -76,39 +77,14 @@ func createSigningKey(dir, path string) (ed25519.PrivateKey, error) {
 		return nil, fmt.Errorf("signing key: %w", err)
 	}
 	data := pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der})
-	// Write a temporary file, sync, then link it into place: an existing
-	// key (a concurrent start) is never overwritten.
-	f, err := os.CreateTemp(dir, ".signing-key-*")
-	if err != nil {
-		return nil, fmt.Errorf("signing key: %w", err)
-	}
-	tmp := f.Name()
-	defer os.Remove(tmp)
-	if err := f.Chmod(0o600); err == nil {
-		_, err = f.Write(data)
-		if err == nil {
-			err = f.Sync()
-		}
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-		if err != nil {
-			return nil, fmt.Errorf("signing key: %w", err)
-		}
-	} else {
-		f.Close()
-		return nil, fmt.Errorf("signing key: %w", err)
-	}
-	if err := os.Link(tmp, path); err != nil {
+	// Linked into place, never renamed over: an existing key (a concurrent
+	// start) is never overwritten.
+	if err := atomicfile.Create(path, data, 0o600); err != nil {
 		if errors.Is(err, os.ErrExist) {
 			priv, _, err := loadOrCreateSigningKey(dir)
 			return priv, err
 		}
 		return nil, fmt.Errorf("signing key: %w", err)
-	}
-	if d, err := os.Open(dir); err == nil {
-		_ = d.Sync()
-		d.Close()
 	}
 	return priv, nil
 }

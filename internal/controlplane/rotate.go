@@ -15,6 +15,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spacesbx/space/internal/atomicfile"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -182,29 +183,7 @@ func writeKeyFile(dir, name string, priv ed25519.PrivateKey) error {
 		return err
 	}
 	data := pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der})
-	f, err := os.CreateTemp(dir, ".signing-key-*")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	defer os.Remove(tmp)
-	err = f.Chmod(0o600)
-	if err == nil {
-		_, err = f.Write(data)
-	}
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, filepath.Join(dir, name)); err != nil {
-		return err
-	}
-	return syncDir(dir)
+	return atomicfile.Write(filepath.Join(dir, name), data, 0o600)
 }
 
 func commitNextKey(dir string) error {

@@ -26,6 +26,8 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/spacesbx/space/internal/atomicfile"
 )
 
 // Error classes. Every error the store returns for these situations wraps one
@@ -242,7 +244,7 @@ func startEmbedded(ctx context.Context, cfg Config) (*embed.Etcd, string, error)
 		return nil, "", err
 	}
 	if b, err := json.Marshal(savedURLs{Client: clientURL, Peer: peerURL}); err == nil {
-		_ = writeFileAtomic(urlsFile, b, 0o600)
+		_ = atomicfile.Write(urlsFile, b, 0o600)
 	}
 	cu, _ := url.Parse(clientURL)
 	pu, _ := url.Parse(peerURL)
@@ -315,41 +317,6 @@ func FreePort() (int, error) {
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
-}
-
-// writeFileAtomic writes data to a temporary file, syncs it and renames it
-// over path.
-func writeFileAtomic(path string, data []byte, mode os.FileMode) error {
-	dir := filepath.Dir(path)
-	f, err := os.CreateTemp(dir, ".tmp-"+filepath.Base(path)+"-*")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	defer os.Remove(tmp)
-	if err := f.Chmod(mode); err != nil {
-		f.Close()
-		return err
-	}
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return err
-	}
-	if d, err := os.Open(dir); err == nil {
-		_ = d.Sync()
-		d.Close()
-	}
-	return nil
 }
 
 // ctxErr maps a client error: a closed client reads as ErrClosed.

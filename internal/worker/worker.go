@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/atomicfile"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/nodeapi"
@@ -165,29 +166,13 @@ func readBundle(path string) (capability.Bundle, error) {
 	return b, json.Unmarshal(data, &b)
 }
 
-// writeBundle caches b atomically (write, fsync, rename).
+// writeBundle caches b atomically.
 func writeBundle(path string, b capability.Bundle) error {
 	data, err := json.Marshal(b)
 	if err != nil {
 		return err
 	}
-	tmp := path + ".tmp"
-	f, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
-	if err != nil {
-		return err
-	}
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp, path)
+	return atomicfile.Write(path, data, 0o600)
 }
 
 // Run keeps the bundle current, serves node-api, registers the worker once
