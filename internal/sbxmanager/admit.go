@@ -67,15 +67,7 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		sandbox = r.Header.Get("E2b-Sandbox-Id")
 	} else {
 		ad := m.Admit(r.Header.Get(spacev1.HeaderCapability), purpose)
-		m.audit.record(ad, purpose, r.URL.Path)
-		m.metrics.decisions.WithLabelValues(ad.Decision.Outcome.String()).Inc()
-		switch ad.Decision.Outcome {
-		case identity.RefreshRoute:
-			writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, ad.Decision.Reason)
-			return
-		case identity.Allow:
-		default:
-			writeOutcome(w, http.StatusForbidden, spacev1.OutcomeDeny, ad.Decision.Reason)
+		if !m.judge(w, ad, purpose, r.URL.Path) {
 			return
 		}
 		sandbox = ad.Claims.SandboxID
@@ -113,6 +105,23 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	lw := newLeaseWriter(w, r, act)
 	defer lw.finish()
 	act.proxy.ServeHTTP(lw, r.WithContext(ctx))
+}
+
+// judge records an admission (audit log, metrics) and answers a refused
+// request: 421 refresh-route or 403 deny. It reports whether the request
+// may proceed.
+func (m *Manager) judge(w http.ResponseWriter, ad Admission, purpose capability.Purpose, what string) bool {
+	m.audit.record(ad, purpose, what)
+	m.metrics.decisions.WithLabelValues(ad.Decision.Outcome.String()).Inc()
+	switch ad.Decision.Outcome {
+	case identity.Allow:
+		return true
+	case identity.RefreshRoute:
+		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, ad.Decision.Reason)
+	default:
+		writeOutcome(w, http.StatusForbidden, spacev1.OutcomeDeny, ad.Decision.Reason)
+	}
+	return false
 }
 
 // leaseContext derives a request context that ends with the activation's

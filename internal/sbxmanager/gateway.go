@@ -260,15 +260,7 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 	}
 	proto := gateway.RequestProtocol(r)
 	ad := m.AdmitServicePort(r.Header.Get(spacev1.HeaderCapability), port, proto)
-	m.audit.record(ad, capability.PurposeServicePort, fmt.Sprintf("port %d/%s %s", port, proto, r.URL.Path))
-	m.metrics.decisions.WithLabelValues(ad.Decision.Outcome.String()).Inc()
-	switch ad.Decision.Outcome {
-	case identity.RefreshRoute:
-		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, ad.Decision.Reason)
-		return
-	case identity.Allow:
-	default:
-		writeOutcome(w, http.StatusForbidden, spacev1.OutcomeDeny, ad.Decision.Reason)
+	if !m.judge(w, ad, capability.PurposeServicePort, fmt.Sprintf("port %d/%s %s", port, proto, r.URL.Path)) {
 		return
 	}
 	m.mu.RLock()
