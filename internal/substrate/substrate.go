@@ -8,6 +8,7 @@ package substrate
 
 import (
 	"context"
+	"io"
 	"time"
 
 	"github.com/spacesbx/space/internal/identity"
@@ -33,6 +34,13 @@ type Spec struct {
 	// Limits bounds the sandbox's resources; zero fields take the
 	// substrate's defaults.
 	Limits Limits
+	// RestoreState, when set, is the path of a file written by
+	// StateSaver.SaveState: the instance continues from that state (its
+	// processes still running) instead of booting. The guest then still
+	// holds the identity it had before; spaced-host activates it with
+	// Route before anything is served. Substrates whose instances do not
+	// implement StateSaver reject a non-empty RestoreState.
+	RestoreState string
 }
 
 // Limits bounds a sandbox's resources. A zero field means "substrate
@@ -104,4 +112,15 @@ type StatsReporter interface {
 	// Stats samples the instance's usage. It may block briefly (a CPU
 	// percentage needs two readings) but never longer than ctx allows.
 	Stats(ctx context.Context) (Stats, error)
+}
+
+// StateSaver is implemented by instances whose complete state (memory,
+// devices and disk) can be written out, so that an instance restored from
+// it on another worker continues the same processes (the microvm
+// substrate). The ns substrate does not implement it: its snapshots are
+// archives of the writable layer and a move restarts processes.
+type StateSaver interface {
+	// SaveState writes the instance's state to w and returns the number of
+	// bytes written. The instance must be paused and stays paused.
+	SaveState(ctx context.Context, w io.Writer) (int64, error)
 }
