@@ -97,6 +97,10 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		act.gate.RLock() // Pause waits for unary requests in flight
 		defer act.gate.RUnlock()
 	}
+	if r.URL.Path == startPath {
+		act.starts.Add(1) // before the paused check: Pause sees it or refuses it
+		defer act.starts.Add(-1)
+	}
 	if act.paused.Load() {
 		pausedError(w, sandbox) // never into a frozen guest (lifecycle.go)
 		return
@@ -137,6 +141,9 @@ func (a *activation) leaseContext(parent context.Context) (ctx context.Context, 
 	}
 	return ctx, release, true
 }
+
+// startPath starts a command; Pause waits a little for these to finish.
+const startPath = "/process.Process/Start"
 
 // isStream reports whether r opens a Connect stream (process output, PTY,
 // watch): those live until their lease ends and are not waited for.

@@ -66,3 +66,80 @@ func TestPauseDrainsUnaryRequestsInFlight(t *testing.T) {
 		t.Fatalf("request after pause: %d", resp.StatusCode)
 	}
 }
+
+// Pause gives commands already started a bounded grace to finish before
+// freezing, so that a move following the pause does not cut them; a
+// command still running after the grace is frozen as it is, its stream
+// kept open.
+func TestPauseLetsStartedCommandsFinish(t *testing.T) {
+	f := newFixture(t)
+	f.m.cfg.PauseStreamGrace = 700 * time.Millisecond
+	f.install(t, route("sbxa", 1))
+	tok := f.token(t, route("sbxa", 1), capability.PurposeProcess)
+	start := func(query string) (*http.Response, error) {
+		req, _ := http.NewRequest("POST", f.srv.URL+"/process.Process/Start"+query, strings.NewReader("{}"))
+		req.Header.Set(spacev1.HeaderCapability, tok)
+		req.Header.Set("Content-Type", "application/connect+json")
+		return http.DefaultClient.Do(req)
+	}
+	short, err := start("?end=300ms")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer short.Body.Close()
+	long, err := start("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer long.Body.Close()
+	began := time.Now()
+	if err := f.m.Pause(context.Background(), route("sbxa", 1)); err != nil {
+		t.Fatal(err)
+	}
+	waited := time.Since(began)
+	if waited < 600*time.Millisecond || waited > 3*time.Second {
+		t.Fatalf("pause waited %s, want about the 700ms grace (the long command never ends)", waited)
+	}
+	b, err := io.ReadAll(short.Body)
+	if err != nil || string(b) != "started\nfinished\n" {
+		t.Fatalf("short command: %q %v", b, err)
+	}
+	// The long one is still open (frozen, not cut): after its first line a
+	// read does not end.
+	first := make([]byte, len("started\n"))
+	if _, err := io.ReadFull(long.Body, first); err != nil {
+		t.Fatal(err)
+	}
+	rd := make(chan error, 1)
+	go func() { _, err := long.Body.Read(make([]byte, 64)); rd <- err }()
+	select {
+	case err := <-rd:
+		t.Fatalf("long command's stream ended at pause: %v", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	long.Body.Close()
+	<-rd
+	// Started while paused: refused, and not counted.
+	resp, err := start("?end=1ms")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusConflict {
+		t.Fatalf("start while paused: %d", resp.StatusCode)
+	}
+}
+
+// With no command running, Pause does not wait for the grace.
+func TestPauseWithoutCommandsDoesNotWait(t *testing.T) {
+	f := newFixture(t)
+	f.m.cfg.PauseStreamGrace = 5 * time.Second
+	f.install(t, route("sbxa", 1))
+	began := time.Now()
+	if err := f.m.Pause(context.Background(), route("sbxa", 1)); err != nil {
+		t.Fatal(err)
+	}
+	if waited := time.Since(began); waited > time.Second {
+		t.Fatalf("pause without commands took %s", waited)
+	}
+}

@@ -126,6 +126,7 @@ func (m *Manager) Pause(ctx context.Context, route identity.Route) error {
 	// already inside the guest get to finish (bounded) rather than fail.
 	act.paused.Store(true)
 	m.drainUnary(act, pauseDrain)
+	m.drainStarts(act, m.cfg.PauseStreamGrace)
 	if err := act.inst.Pause(ctx); err != nil {
 		act.paused.Store(false)
 		return fmt.Errorf("pause %s: %w", route.SandboxID, lifecycleErr(ctx, err))
@@ -149,6 +150,23 @@ func (m *Manager) drainUnary(act *activation, max time.Duration) {
 		time.Sleep(2 * time.Millisecond)
 	}
 	act.gate.Unlock()
+}
+
+// drainStarts waits until no command started through this worker is still
+// running in act, or until max. A command's stream is not cut: the freeze
+// holds it, and Resume continues it.
+func (m *Manager) drainStarts(act *activation, max time.Duration) {
+	if max <= 0 || act.starts.Load() == 0 {
+		return
+	}
+	deadline := time.Now().Add(max)
+	for act.starts.Load() > 0 {
+		if time.Now().After(deadline) {
+			m.log.Info("pausing with commands still running", "sandbox", act.route.SandboxID, "commands", act.starts.Load())
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // Resume thaws the execution named by route. Idempotent.

@@ -58,6 +58,13 @@ type Config struct {
 	DefaultLimits spacev1.Limits
 	// StartTimeout bounds activating a sandbox and its bridge. Default 30s.
 	StartTimeout time.Duration
+	// PauseStreamGrace bounds how long Pause waits, after refusing new
+	// requests, for commands already started (process.Process/Start
+	// streams) to finish before freezing. A command that finishes in time
+	// is not frozen mid-way, so a move that follows the pause does not cut
+	// it (the ns substrate restarts processes on a move). Longer-running
+	// commands are frozen as they are. Default 2s; negative: no wait.
+	PauseStreamGrace time.Duration
 	// UnsafeSkipIdentityChecks disables capability verification and the
 	// identity comparison, routing by the E2b-Sandbox-Id header instead.
 	// It exists only as the baseline of the on/off benchmark; nothing that
@@ -78,6 +85,9 @@ func (c *Config) Validate() error {
 	}
 	if c.StartTimeout <= 0 {
 		c.StartTimeout = 30 * time.Second
+	}
+	if c.PauseStreamGrace == 0 {
+		c.PauseStreamGrace = 2 * time.Second
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -136,6 +146,9 @@ type activation struct {
 	// exclusively (bounded) after refusing new requests, so a freeze does
 	// not strand a request inside the guest.
 	gate sync.RWMutex
+	// starts counts process.Process/Start streams in flight; Pause gives
+	// them PauseStreamGrace to finish.
+	starts atomic.Int64
 }
 
 // New opens the runtime records and loads them before returning: a

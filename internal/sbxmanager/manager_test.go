@@ -87,10 +87,19 @@ func (f *fakeSubstrate) Start(ctx context.Context, spec substrate.Spec) (substra
 		fmt.Fprintf(w, "file of %s gen %d", route.SandboxID, route.Generation)
 	})
 	mux.HandleFunc("/process.Process/Start", func(w http.ResponseWriter, r *http.Request) {
-		// A stream that lasts until the client or the lease ends it.
+		// A stream that lasts until the client or the lease ends it, or
+		// (?end=<duration>) a command that finishes after that long.
 		w.WriteHeader(200)
 		fmt.Fprintln(w, "started")
 		w.(http.Flusher).Flush()
+		if d, err := time.ParseDuration(r.URL.Query().Get("end")); err == nil {
+			select {
+			case <-time.After(d):
+				fmt.Fprintln(w, "finished")
+			case <-r.Context().Done():
+			}
+			return
+		}
 		<-r.Context().Done()
 	})
 	inst := &fakeInstance{route: route, sock: sock, srv: &http.Server{Handler: mux}, done: make(chan struct{})}
