@@ -498,3 +498,40 @@ func (cg *cgroup) remove(ctx context.Context) error {
 	}
 	return err
 }
+
+// unfrozenTasks describes (pid, state, wait channel) the tasks of the group
+// that are not frozen, for the error of a pause that did not complete.
+// Best effort: at most eight tasks, "" when none could be read.
+func (cg *cgroup) unfrozenTasks() string {
+	var out []string
+	for _, d := range cg.dirs {
+		b, err := os.ReadFile(filepath.Join(d, "tasks"))
+		if err != nil {
+			b, err = os.ReadFile(filepath.Join(d, "cgroup.threads"))
+			if err != nil {
+				continue
+			}
+		}
+		for _, f := range strings.Fields(string(b)) {
+			if len(out) == 8 {
+				return strings.Join(out, ", ")
+			}
+			stat, err := os.ReadFile("/proc/" + f + "/stat")
+			if err != nil {
+				continue
+			}
+			// The state follows the parenthesised command name.
+			i := bytes.LastIndexByte(stat, ')')
+			if i < 0 || i+2 >= len(stat) {
+				continue
+			}
+			state := stat[i+2]
+			wchan, _ := os.ReadFile("/proc/" + f + "/wchan")
+			if string(wchan) == "do_freezer_trap" || string(wchan) == "__refrigerator" {
+				continue // frozen
+			}
+			out = append(out, fmt.Sprintf("%s %c %s", f, state, wchan))
+		}
+	}
+	return strings.Join(out, ", ")
+}

@@ -439,30 +439,53 @@ func (i *instance) wait() {
 }
 
 // Pause freezes every process of the sandbox.
+//
+// A v1 freezer can stay FREEZING for good when a task waits
+// uninterruptibly on one already frozen (a lock held by a frozen sibling,
+// say). Such a stall depends on where each task happened to be, so Pause
+// makes up to freezeAttempts attempts of FreezeAttemptTimeout each, thawing
+// in between so the waiter gets its lock and moves on. A sandbox is never
+// left half frozen: after the last failed attempt it is thawed and the
+// pause reported as failed, naming the tasks that would not freeze.
 func (i *instance) Pause(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()
 	if i.stopped {
 		return errors.New("ns: sandbox stopped")
 	}
-	fctx, cancel := context.WithTimeout(ctx, FreezeTimeout)
-	defer cancel()
-	if err := i.cg.freeze(fctx, true); err != nil {
-		// A v1 freezer can stay FREEZING for good when a task waits
-		// uninterruptibly on one already frozen: never leave a sandbox
-		// half frozen, thaw it and report the pause as failed.
-		tctx, tcancel := context.WithTimeout(context.Background(), FreezeTimeout)
-		defer tcancel()
-		if terr := i.cg.freeze(tctx, false); terr != nil {
+	var err error
+	for attempt := 1; attempt <= freezeAttempts; attempt++ {
+		fctx, cancel := context.WithTimeout(ctx, FreezeAttemptTimeout)
+		err = i.cg.freeze(fctx, true)
+		cancel()
+		if err == nil {
+			return nil
+		}
+		stuck := i.cg.unfrozenTasks()
+		tctx, tcancel := context.WithTimeout(context.Background(), FreezeAttemptTimeout)
+		terr := i.cg.freeze(tctx, false)
+		tcancel()
+		if terr != nil {
 			return fmt.Errorf("ns: pause: %w (and thawing failed: %v)", err, terr)
 		}
-		return fmt.Errorf("ns: pause: did not freeze within %s, thawed again: %w", FreezeTimeout, err)
+		err = fmt.Errorf("did not freeze within %s (tasks not frozen: %s): %w", FreezeAttemptTimeout, stuck, err)
+		if ctx.Err() != nil {
+			break
+		}
+		// Let the tasks that were waiting on a frozen one run a little.
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Duration(attempt) * 20 * time.Millisecond):
+		}
 	}
-	return nil
+	return fmt.Errorf("ns: pause: thawed again after %d attempts: %w", freezeAttempts, err)
 }
 
-// FreezeTimeout bounds Pause's wait for every task to be frozen.
-const FreezeTimeout = 5 * time.Second
+// FreezeAttemptTimeout bounds one attempt of Pause to freeze every task;
+// Pause makes at most freezeAttempts of them.
+const FreezeAttemptTimeout = 1500 * time.Millisecond
+
+const freezeAttempts = 4
 
 // Resume thaws the sandbox.
 func (i *instance) Resume(ctx context.Context) error {
