@@ -25,6 +25,12 @@ const (
 	DefaultMaxEntries = 65536
 	// DefaultControlPlaneTimeout bounds one capability request.
 	DefaultControlPlaneTimeout = 10 * time.Second
+	// DefaultReattachAttempts bounds the backend attempts to reattach one
+	// process stream after its execution was replaced.
+	DefaultReattachAttempts = 3
+	// DefaultReattachWindow bounds the time one reattach may take (a move
+	// may still be publishing its route).
+	DefaultReattachWindow = 30 * time.Second
 )
 
 // Config configures an Edge. Zero values take the documented defaults.
@@ -63,6 +69,15 @@ type Config struct {
 	Logger *slog.Logger
 	// Clock is the time source. Default time.Now.
 	Clock func() time.Time
+	// ReattachAttempts bounds, per replacement, the backend attempts to
+	// reattach a process stream (Start, Connect) whose execution was
+	// replaced to the process on the new execution. Default 3; negative
+	// disables reattaching (the client gets "execution replaced").
+	ReattachAttempts int
+	// ReattachWindow bounds the time one reattach may take, including
+	// waits while the control plane still names the replaced execution.
+	// Default 30s.
+	ReattachWindow time.Duration
 }
 
 // withDefaults returns cfg with zero values replaced by defaults.
@@ -95,6 +110,12 @@ func (cfg Config) withDefaults() Config {
 	if cfg.Clock == nil {
 		cfg.Clock = time.Now
 	}
+	if cfg.ReattachAttempts == 0 {
+		cfg.ReattachAttempts = DefaultReattachAttempts
+	}
+	if cfg.ReattachWindow == 0 {
+		cfg.ReattachWindow = DefaultReattachWindow
+	}
 	cfg.ControlPlaneURL = strings.TrimRight(cfg.ControlPlaneURL, "/")
 	return cfg
 }
@@ -119,6 +140,9 @@ func (cfg Config) Validate() error {
 	}
 	if cfg.MaxEntries < 0 {
 		errs = append(errs, errors.New("edge: MaxEntries must not be negative"))
+	}
+	if cfg.ReattachWindow < 0 {
+		errs = append(errs, errors.New("edge: ReattachWindow must not be negative"))
 	}
 	if strings.ContainsAny(cfg.Domain, "/: ") {
 		errs = append(errs, fmt.Errorf("edge: Domain %q must be a bare DNS name", cfg.Domain))

@@ -15,6 +15,10 @@
 // refresh-route, the edge resolves the current route from the control plane
 // (repair request, edge key) and makes exactly one rebuilt attempt, provided
 // the request body is still held. A 403 deny is final.
+//
+// Process streams: a process Start or Connect stream that ends with
+// "execution replaced" is reattached to the same pid on the sandbox's new
+// execution within the same client response (reattach.go).
 package edge
 
 import (
@@ -53,6 +57,10 @@ type Edge struct {
 	srvMu  sync.Mutex
 	srv    *http.Server
 	closed bool
+
+	// reattachBackoff is the first wait between reattach tries (tests
+	// shorten it).
+	reattachBackoff time.Duration
 }
 
 type metrics struct {
@@ -63,6 +71,7 @@ type metrics struct {
 	retries    prometheus.Counter
 	renewals   prometheus.Counter
 	capFetches *prometheus.CounterVec
+	reattaches *prometheus.CounterVec
 }
 
 func newMetrics() *metrics {
@@ -86,8 +95,12 @@ func newMetrics() *metrics {
 		capFetches: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "space_edge_capability_requests_total", Help: "Capability requests to the control plane.",
 		}, []string{"kind", "result"}),
+		reattaches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_edge_stream_reattaches_total",
+			Help: "Process streams whose execution was replaced, by outcome (reattached, process_gone, failed, client_gone).",
+		}, []string{"result"}),
 	}
-	m.reg.MustRegister(m.requests, m.repairs, m.denies, m.retries, m.renewals, m.capFetches)
+	m.reg.MustRegister(m.requests, m.repairs, m.denies, m.retries, m.renewals, m.capFetches, m.reattaches)
 	return m
 }
 
@@ -103,6 +116,8 @@ func New(cfg Config) (*Edge, error) {
 		metrics:  newMetrics(),
 		cache:    make(map[cacheKey]*entry),
 		inflight: make(map[cacheKey]*flight),
+
+		reattachBackoff: defaultReattachBackoff,
 	}
 	e.proxy = &httputil.ReverseProxy{
 		Rewrite:        e.rewrite,
@@ -359,7 +374,7 @@ func (f *forwarder) RoundTrip(out *http.Request) (*http.Response, error) {
 		return nil, err
 	}
 	if res.StatusCode != http.StatusMisdirectedRequest || res.Header.Get(spacev1.HeaderRouteOutcome) != spacev1.OutcomeRefreshRoute {
-		return res, nil
+		return e.watchProcess(out, st, st.entry, res), nil
 	}
 	if !st.held {
 		e.metrics.repairs.WithLabelValues("not_replayable").Inc()
@@ -378,7 +393,11 @@ func (f *forwarder) RoundTrip(out *http.Request) (*http.Response, error) {
 	e.metrics.repairs.WithLabelValues("rebuilt").Inc()
 	// Exactly one rebuilt attempt: its answer, even another 421, goes to
 	// the client.
-	return f.send(out, st, ne)
+	res, err = f.send(out, st, ne)
+	if err != nil {
+		return nil, err
+	}
+	return e.watchProcess(out, st, ne, res), nil
 }
 
 // send makes one attempt against ent's node with ent's capability.

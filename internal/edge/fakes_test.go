@@ -271,13 +271,14 @@ func (n *fakeNode) serve(w http.ResponseWriter, r *http.Request) {
 
 // harness wires an Edge to fakes.
 type harness struct {
-	t     *testing.T
-	clock *clock
-	cp    *fakeCP
-	node  *fakeNode
-	edge  *Edge
-	srv   *httptest.Server
-	cl    *http.Client
+	t        *testing.T
+	verifier *capability.Verifier
+	clock    *clock
+	cp       *fakeCP
+	node     *fakeNode
+	edge     *Edge
+	srv      *httptest.Server
+	cl       *http.Client
 }
 
 func newHarness(t *testing.T, mod ...func(*Config)) *harness {
@@ -296,7 +297,7 @@ func newHarness(t *testing.T, mod ...func(*Config)) *harness {
 	}
 	clk := newClock()
 	v.SetClock(clk.Now)
-	h := &harness{t: t, clock: clk}
+	h := &harness{t: t, clock: clk, verifier: v}
 	h.cp = newFakeCP(t, signer, clk)
 	h.node = newFakeNode(t, v)
 	h.cp.nodeURL = h.node.srv.URL

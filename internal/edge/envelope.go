@@ -1,0 +1,192 @@
+package edge
+
+// Connect streaming envelopes as the edge sees them on process streams
+// (connectrpc.com/docs/protocol): 1 flag byte, 4 bytes big-endian length,
+// payload. Flag 0x01 marks a compressed payload, 0x02 the end-of-stream
+// message, whose payload is always JSON ({"error":{...},"metadata":{...}}
+// or {}).
+
+import (
+	"bytes"
+	"compress/gzip"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"strings"
+
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+
+	processpb "github.com/spacesbx/space/api/envd/process"
+	"github.com/spacesbx/space/api/spacev1"
+)
+
+const (
+	flagCompressed = 0x01
+	flagEndStream  = 0x02
+	envelopeHeader = 5
+	// maxInspect bounds a message the edge decodes (a StartEvent, an
+	// end-of-stream message, a Connect request). Larger ones are forwarded
+	// without being looked at.
+	maxInspect = 64 << 10
+)
+
+// codec is the Connect codec of a stream.
+type codec int
+
+const (
+	codecNone codec = iota
+	codecJSON
+	codecProto
+)
+
+// codecOf returns the codec of a Connect streaming Content-Type.
+func codecOf(contentType string) codec {
+	mt, _, err := mime.ParseMediaType(contentType)
+	if err != nil {
+		return codecNone
+	}
+	switch mt {
+	case "application/connect+json":
+		return codecJSON
+	case "application/connect+proto":
+		return codecProto
+	}
+	return codecNone
+}
+
+func (c codec) contentType() string {
+	if c == codecProto {
+		return "application/connect+proto"
+	}
+	return "application/connect+json"
+}
+
+func (c codec) unmarshal(b []byte, m proto.Message) error {
+	if c == codecProto {
+		return proto.Unmarshal(b, m)
+	}
+	return protojson.UnmarshalOptions{DiscardUnknown: true}.Unmarshal(b, m)
+}
+
+func (c codec) marshal(m proto.Message) ([]byte, error) {
+	if c == codecProto {
+		return proto.Marshal(m)
+	}
+	return protojson.Marshal(m)
+}
+
+// envelope frames payload as one Connect message with flags.
+func envelope(flags byte, payload []byte) []byte {
+	b := make([]byte, envelopeHeader+len(payload))
+	b[0] = flags
+	binary.BigEndian.PutUint32(b[1:envelopeHeader], uint32(len(payload)))
+	copy(b[envelopeHeader:], payload)
+	return b
+}
+
+// payloadOf returns a message's uncompressed payload. Only gzip (the one
+// encoding connect-go servers offer by default) is decoded; ok is false for
+// payloads the edge cannot read.
+func payloadOf(flags byte, payload []byte, encoding string) ([]byte, bool) {
+	if flags&flagCompressed == 0 {
+		return payload, true
+	}
+	if encoding != "gzip" {
+		return nil, false
+	}
+	zr, err := gzip.NewReader(bytes.NewReader(payload))
+	if err != nil {
+		return nil, false
+	}
+	defer zr.Close()
+	out, err := io.ReadAll(io.LimitReader(zr, maxInspect+1))
+	if err != nil || len(out) > maxInspect {
+		return nil, false
+	}
+	return out, true
+}
+
+// startPid returns the pid of a StartResponse/ConnectResponse message that
+// carries a StartEvent (both responses have the same shape).
+func startPid(c codec, payload []byte) (uint32, bool) {
+	var m processpb.ConnectResponse
+	if c.unmarshal(payload, &m) != nil {
+		return 0, false
+	}
+	st := m.GetEvent().GetStart()
+	if st == nil {
+		return 0, false
+	}
+	return st.GetPid(), true
+}
+
+// selectedPid returns the pid a Connect request body (one envelope)
+// selects; ok is false for a tag selector or an unreadable body.
+func selectedPid(c codec, body []byte, encoding string) (uint32, bool) {
+	if len(body) < envelopeHeader {
+		return 0, false
+	}
+	n := binary.BigEndian.Uint32(body[1:envelopeHeader])
+	if uint64(len(body)-envelopeHeader) != uint64(n) || n > maxInspect {
+		return 0, false
+	}
+	payload, ok := payloadOf(body[0], body[envelopeHeader:], encoding)
+	if !ok {
+		return 0, false
+	}
+	var m processpb.ConnectRequest
+	if c.unmarshal(payload, &m) != nil {
+		return 0, false
+	}
+	sel, ok := m.GetProcess().GetSelector().(*processpb.ProcessSelector_Pid)
+	if !ok {
+		return 0, false
+	}
+	return sel.Pid, true
+}
+
+// connectRequestBody is the body of a Connect call that selects pid.
+func connectRequestBody(c codec, pid uint32) ([]byte, error) {
+	b, err := c.marshal(&processpb.ConnectRequest{Process: &processpb.ProcessSelector{
+		Selector: &processpb.ProcessSelector_Pid{Pid: pid}}})
+	if err != nil {
+		return nil, fmt.Errorf("encoding connect request: %w", err)
+	}
+	return envelope(0, b), nil
+}
+
+// endError is the error of an end-of-stream message; Code is empty for a
+// stream that ended without error.
+type endError struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+func parseEnd(payload []byte) (endError, error) {
+	var m struct {
+		Error *endError `json:"error"`
+	}
+	if err := json.Unmarshal(payload, &m); err != nil {
+		return endError{}, err
+	}
+	if m.Error == nil {
+		return endError{}, nil
+	}
+	if m.Error.Code == "" {
+		return endError{}, errors.New("end-of-stream error without code")
+	}
+	return *m.Error, nil
+}
+
+// replaced reports whether the stream ended because its execution was
+// replaced (sbx-manager's leaseWriter, spacev1.ReasonExecutionReplaced).
+func (e endError) replaced() bool {
+	return e.Code != "" && strings.HasPrefix(e.Message, spacev1.ReasonExecutionReplaced)
+}
+
+// notFound reports a Connect not_found: the process does not exist there.
+func (e endError) notFound() bool { return e.Code == "not_found" }
