@@ -72,6 +72,13 @@ type Sandbox struct {
 	Domain             *string `json:"domain"`
 }
 
+// SandboxForkResult is one entry of POST /sandboxes/{sandboxID}/fork's
+// answer: exactly one of Sandbox and Error is set.
+type SandboxForkResult struct {
+	Sandbox *Sandbox `json:"sandbox,omitempty"`
+	Error   *Error   `json:"error,omitempty"`
+}
+
 // SandboxLifecycle is E2B's lifecycle block of a sandbox detail.
 type SandboxLifecycle struct {
 	AutoResume bool   `json:"autoResume"`

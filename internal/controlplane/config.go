@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -102,6 +103,10 @@ type Deps struct {
 	Logger *slog.Logger
 	// Clock (default time.Now).
 	Clock func() time.Time
+	// Snapshots is the snapshot store the workers write to. Optional:
+	// without it, deleting a snapshot removes its record only and the
+	// archive stays for an operator to collect.
+	Snapshots snapshot.Store
 }
 
 func (c *Config) setDefaults() {

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -149,6 +151,7 @@ type env struct {
 	srv   *Server
 	clock *fakeClock
 	key   string
+	snaps *snapshot.Local
 }
 
 func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
@@ -177,7 +180,14 @@ func (e *env) start(mut func(*Config)) {
 	if mut != nil {
 		mut(&cfg)
 	}
-	srv, err := New(cfg, Deps{Store: e.st, Logger: quiet(), Clock: e.clock.Now})
+	if e.snaps == nil {
+		snaps, err := snapshot.NewLocal(filepath.Join(e.dir, "snapshots"))
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		e.snaps = snaps
+	}
+	srv, err := New(cfg, Deps{Store: e.st, Logger: quiet(), Clock: e.clock.Now, Snapshots: e.snaps})
 	if err != nil {
 		e.t.Fatal(err)
 	}

@@ -38,15 +38,7 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request, c caller, 
 		s.writeError(w, r, err)
 		return
 	}
-	var traffic *string
-	if rec.TrafficAccessToken != "" {
-		traffic = &rec.TrafficAccessToken
-	}
-	writeJSON(w, http.StatusCreated, e2bapi.Sandbox{
-		SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
-		EnvdVersion: rec.EnvdVersion, EnvdAccessToken: rec.AccessToken, Domain: s.domain(),
-		TrafficAccessToken: traffic,
-	})
+	writeJSON(w, http.StatusCreated, s.created(rec))
 }
 
 // clientID fills E2B's deprecated clientID field.

@@ -15,6 +15,7 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/scheduler"
+	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -28,6 +29,7 @@ type Server struct {
 	now    func() time.Time
 	signer *rotatingSigner
 	sched  *scheduler.Scheduler
+	snaps  snapshot.Store // nil: snapshot archives are not removed here
 
 	apiKey          string
 	apiKeyGenerated bool
@@ -56,7 +58,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		return nil, fmt.Errorf("controlplane: store required")
 	}
 	s := &Server{cfg: cfg, st: deps.Store, http: deps.HTTPClient, log: deps.Logger, now: deps.Clock,
-		sched: scheduler.New(scheduler.DefaultK, nil), reaping: map[string]bool{}}
+		sched: scheduler.New(scheduler.DefaultK, nil), snaps: deps.Snapshots, reaping: map[string]bool{}}
 	if s.http == nil {
 		s.http = &http.Client{}
 	}
@@ -180,6 +182,7 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("GET /space/v1/sandboxes/{id}/executions", s.handleExecutions)
 	mux.HandleFunc("POST /space/v1/sandboxes/{id}/capabilities", s.settled(s.handleCapability))
 	s.lifecycleRoutes(mux)
+	s.snapshotExtraRoutes(mux)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, fmt.Errorf("%w: no route for %s %s", ErrNotFound, r.Method, r.URL.Path))
 	})

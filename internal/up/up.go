@@ -169,11 +169,15 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("up: store: %w", err)
 	}
+	snaps, err := snapshot.NewLocal(cfg.SnapshotDir)
+	if err != nil {
+		return nil, fmt.Errorf("up: snapshot store: %w", err)
+	}
 	edgeKey := "edge_" + randomHex(24)
 	p.cp, err = controlplane.New(controlplane.Config{
 		Addr: cfg.APIAddr, DataDir: filepath.Join(cfg.DataDir, "api"), BootstrapAPIKey: cfg.APIKey,
 		EdgeKey: edgeKey, Domain: cfg.Domain, DefaultEnvdVersion: guest.EnvdVersion,
-	}, controlplane.Deps{Store: p.st, Logger: log})
+	}, controlplane.Deps{Store: p.st, Logger: log, Snapshots: snaps})
 	if err != nil {
 		return nil, fmt.Errorf("up: control plane: %w", err)
 	}
@@ -188,10 +192,6 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	p.sub, err = ns.New(ns.Config{StateDir: filepath.Join(cfg.DataDir, "ns"), Logger: log})
 	if err != nil {
 		return nil, fmt.Errorf("up: ns substrate: %w", err)
-	}
-	snaps, err := snapshot.NewLocal(cfg.SnapshotDir)
-	if err != nil {
-		return nil, fmt.Errorf("up: snapshot store: %w", err)
 	}
 	for i := range cfg.Workers {
 		id := fmt.Sprintf("w%d", i+1)
