@@ -4,7 +4,7 @@
 import { test, before, after } from 'node:test'
 import assert from 'node:assert/strict'
 import { randomBytes } from 'node:crypto'
-import { Sandbox, CommandExitError, TimeoutError, NotFoundError } from 'e2b'
+import { Sandbox, SandboxError, CommandExitError, TimeoutError, NotFoundError } from 'e2b'
 
 for (const v of ['E2B_API_URL', 'E2B_SANDBOX_URL', 'E2B_API_KEY']) {
   if (!process.env[v]) throw new Error(`${v} must be set (run through go test ./test/e2e)`)
@@ -191,6 +191,42 @@ test('Sandbox.createSnapshot and Sandbox.create(snapshotId)', async () => {
   assert.equal(await c.files.read('/home/user/snap.txt'), 'in the snapshot')
   const listed = await Sandbox.listSnapshots({ sandboxId: s.sandboxId }).nextItems()
   assert.ok(listed.some((x) => x.snapshotId === snap.snapshotId))
+})
+
+test('Sandbox.deleteSnapshot: by id, then gone', async () => {
+  const s = await create()
+  const snap = await s.createSnapshot()
+  assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), true)
+  const listed = await Sandbox.listSnapshots({ sandboxId: s.sandboxId }).nextItems()
+  assert.ok(!listed.some((x) => x.snapshotId === snap.snapshotId), 'deleted snapshot still listed')
+  assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), false, 'deleting it again reports false')
+  await assert.rejects(Sandbox.create(snap.snapshotId, { metadata: { run } }), (e) => e instanceof NotFoundError || /not found/i.test(e.message))
+})
+
+test('Sandbox.fork: count sandboxes with the source files, source untouched', async () => {
+  const s = await create()
+  await s.files.write('/home/user/forked.txt', 'from the source')
+  const forks = await Sandbox.fork(s.sandboxId, { count: 2, timeoutMs: 60_000 })
+  assert.equal(forks.length, 2)
+  for (const f of forks) {
+    assert.ok(f instanceof Sandbox, `fork failed: ${f}`)
+    created.push(f)
+    assert.notEqual(f.sandboxId, s.sandboxId)
+    assert.equal(await f.files.read('/home/user/forked.txt'), 'from the source')
+    await f.files.write('/home/user/forked.txt', 'changed in ' + f.sandboxId)
+  }
+  assert.notEqual(forks[0].sandboxId, forks[1].sandboxId)
+  assert.equal(await s.files.read('/home/user/forked.txt'), 'from the source', 'forks write their own copies')
+  assert.equal((await s.getInfo()).state, 'running')
+  await assert.rejects(Sandbox.fork('nosuchsandbox0000000'), (e) => e instanceof NotFoundError || /not found/i.test(e.message))
+})
+
+test('Sandbox.updateNetwork: closed egress accepted, opening it refused', async () => {
+  const s = await create()
+  await Sandbox.updateNetwork(s.sandboxId, { denyOut: ['0.0.0.0/0'] })
+  await s.updateNetwork({ allowInternetAccess: false })
+  await assert.rejects(s.updateNetwork({ allowOut: ['8.8.8.8'] }), (e) => e instanceof SandboxError && /400/.test(e.message) && /egress/.test(e.message))
+  await assert.rejects(Sandbox.updateNetwork('nosuchsandbox0000000', {}), (e) => /not found/i.test(e.message))
 })
 
 // ---------------------------------------------------------------- Commands
