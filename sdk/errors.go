@@ -58,10 +58,17 @@ func (e *Error) Unwrap() error { return e.kind }
 // comes with status 502 as on E2B.
 const ReasonSandboxNotFound = "sandbox_not_found"
 
+// ReasonPaused is the reason of the edge's 502 for a paused sandbox (E2B's
+// proxy answers 502 too); the SDK classes it as a conflict: resume, retry.
+const ReasonPaused = "paused"
+
 // kindFor classifies a response by status, letting a known reason refine it.
 func kindFor(status int, reason string) error {
-	if reason == ReasonSandboxNotFound {
+	switch reason {
+	case ReasonSandboxNotFound:
 		return ErrNotFound
+	case ReasonPaused:
+		return ErrConflict // the edge's 502 for a paused sandbox
 	}
 	return kindForStatus(status)
 }

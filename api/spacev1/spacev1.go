@@ -181,3 +181,8 @@ type MetricsResponse struct {
 // ReasonExecutionReplaced is the reason (and Connect error message prefix)
 // with which streams of a replaced or retired execution end.
 const ReasonExecutionReplaced = "execution replaced"
+
+// ReasonPaused is the reason of a refusal because the sandbox is paused
+// (node-api's 409 for a frozen execution, the control plane's 409 for a
+// capability). The edge answers clients E2B's 502 with this reason.
+const ReasonPaused = "paused"

@@ -201,7 +201,7 @@ func (s *Server) issueCapability(ctx context.Context, cred credentials, id strin
 	case rec.State == store.StateCreating:
 		return resp, fmt.Errorf("%w: sandbox %s is still starting", ErrConflict, id)
 	case rec.State == store.StatePaused:
-		return resp, fmt.Errorf("%w: sandbox %s is paused; resume it first", ErrConflict, id)
+		return resp, fmt.Errorf("%w: sandbox %s is paused; resume it first", errSandboxPaused, id)
 	case !rec.EndAt.After(now):
 		return resp, fmt.Errorf("%w: sandbox %s has timed out", ErrNotFound, id)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 
 	"github.com/spacesbx/space/api/e2bapi"
@@ -23,6 +24,10 @@ var (
 	ErrUpstream        = errors.New("worker error")
 	ErrTooLarge        = errors.New("request body too large")
 )
+
+// errSandboxPaused refuses a capability for a paused sandbox: a conflict,
+// which the capability endpoint marks with reason "paused".
+var errSandboxPaused = fmt.Errorf("%w: paused", ErrConflict)
 
 // status maps an error to its HTTP status and the message safe to return.
 // Unclassified errors are internal: their text is not returned.

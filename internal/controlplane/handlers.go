@@ -220,6 +220,12 @@ func (s *Server) handleCapability(w http.ResponseWriter, r *http.Request) {
 		APIKey: r.Header.Get(spacev1.HeaderAPIKey), AccessToken: r.Header.Get(spacev1.HeaderAccessToken),
 		TrafficAccessToken: r.Header.Get(HeaderTrafficAccessToken), Signature: signatureFromQuery(r.URL.Query()),
 	}, id, req)
+	if errors.Is(err, errSandboxPaused) {
+		// The edge tells paused apart from other conflicts (it answers
+		// E2B's 502 for a paused sandbox and does not wait for it).
+		writeJSON(w, http.StatusConflict, spacev1.Error{Code: http.StatusConflict, Message: err.Error(), Reason: spacev1.ReasonPaused})
+		return
+	}
 	if err != nil {
 		s.writeError(w, r, err)
 		return

@@ -35,6 +35,15 @@ func writeError(w http.ResponseWriter, e *httpError) {
 	_ = json.NewEncoder(w).Encode(spacev1.Error{Code: e.status, Message: e.msg, Reason: e.reason})
 }
 
+// pausedError answers a request for a paused sandbox. E2B's proxy cannot
+// reach a paused sandbox and answers 502: the e2b SDK's isRunning() reports
+// false on exactly that, and other calls raise its "sandbox timed out or
+// paused" error. The reason tells it apart from a sandbox that is gone.
+func pausedError(sandbox string) *httpError {
+	return &httpError{status: http.StatusBadGateway, reason: spacev1.ReasonPaused,
+		msg: "sandbox " + sandbox + " is paused: resume it (connect) and retry"}
+}
+
 // maxControlResponse bounds a control-plane answer.
 const maxControlResponse = 1 << 20
 
@@ -117,6 +126,9 @@ func (e *Edge) doFetch(ctx context.Context, t target, callerToken string, repair
 			// its "sandbox not found / timed out" error and isRunning()==false.
 			return nil, &httpError{status: http.StatusBadGateway, reason: reasonSandboxNotFound,
 				msg: "sandbox " + t.sandbox + " not found: " + orDefault(msg, "it may have been killed or timed out")}
+		}
+		if res.StatusCode == http.StatusConflict && ae.Reason == spacev1.ReasonPaused {
+			return nil, pausedError(t.sandbox)
 		}
 		reason := ae.Reason
 		if reason == "" {

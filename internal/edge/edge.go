@@ -24,6 +24,7 @@ package edge
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
@@ -31,6 +32,7 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -333,6 +335,18 @@ func (e *Edge) rewrite(pr *httputil.ProxyRequest) {
 
 func (e *Edge) modifyResponse(res *http.Response) error {
 	st, _ := res.Request.Context().Value(stateKey{}).(*reqState)
+	if st != nil && isPausedAnswer(res) {
+		// node-api refused because the execution is frozen: answer what
+		// the control plane's refusal becomes (pausedError).
+		pe := pausedError(st.t.sandbox)
+		b, _ := json.Marshal(spacev1.Error{Code: pe.status, Message: pe.msg, Reason: pe.reason})
+		res.Body.Close()
+		res.StatusCode, res.Status = pe.status, ""
+		res.Header = http.Header{"Content-Type": {"application/json"}, "Cache-Control": {"no-store"}}
+		res.Body = io.NopCloser(bytes.NewReader(b))
+		res.ContentLength = int64(len(b))
+		return nil
+	}
 	if res.StatusCode == http.StatusForbidden && res.Header.Get(spacev1.HeaderRouteOutcome) == spacev1.OutcomeDeny && st != nil {
 		e.metrics.denies.WithLabelValues(string(st.t.purpose)).Inc()
 		e.log.Warn("receiver denied capability", "sandbox", st.t.sandbox, "purpose", st.t.purpose, "route", st.entry.route.String())
@@ -475,4 +489,24 @@ func itoa(n int) string {
 		return string([]byte{digits[n/100], digits[n/10%10], digits[n%10]})
 	}
 	return "other"
+}
+
+// isPausedAnswer reports whether res is node-api's 409 for a paused
+// execution (a small JSON error with reason "paused"). It reads at most a
+// few KiB and restores the body when the answer is something else.
+func isPausedAnswer(res *http.Response) bool {
+	if res.StatusCode != http.StatusConflict || !strings.HasPrefix(res.Header.Get("Content-Type"), "application/json") {
+		return false
+	}
+	const max = 4 << 10
+	b, err := io.ReadAll(io.LimitReader(res.Body, max+1))
+	res.Body = struct {
+		io.Reader
+		io.Closer
+	}{io.MultiReader(bytes.NewReader(b), res.Body), res.Body}
+	if err != nil || len(b) > max {
+		return false
+	}
+	var ae spacev1.Error
+	return json.Unmarshal(b, &ae) == nil && ae.Reason == spacev1.ReasonPaused
 }

@@ -577,3 +577,48 @@ func TestConcurrentMissesAreCoalesced(t *testing.T) {
 		t.Fatalf("control plane calls = %d, want 1", n)
 	}
 }
+
+// A paused sandbox is answered as E2B's proxy does: 502 (the e2b SDK's
+// isRunning() is false on it), with reason "paused", whether the control
+// plane refused the capability or node-api refused the frozen execution.
+// Other conflicts pass unchanged.
+func TestPausedSandboxIs502(t *testing.T) {
+	h := newHarness(t)
+	h.sandbox("sbxa")
+	check := func(what string, wantStatus int, wantReason string) {
+		t.Helper()
+		res := h.envd("GET", "sbxa", "/health", "")
+		body := readAll(t, res)
+		var e spacev1.Error
+		if err := json.Unmarshal([]byte(body), &e); err != nil {
+			t.Fatalf("%s: body %q", what, body)
+		}
+		if res.StatusCode != wantStatus || e.Reason != wantReason {
+			t.Fatalf("%s: %d %q, want %d %q", what, res.StatusCode, body, wantStatus, wantReason)
+		}
+	}
+	// The control plane refuses a capability: paused.
+	h.cp.mu.Lock()
+	h.cp.status, h.cp.reason = http.StatusConflict, spacev1.ReasonPaused
+	h.cp.mu.Unlock()
+	check("control plane paused", http.StatusBadGateway, spacev1.ReasonPaused)
+	// Another conflict from the control plane stays a 409.
+	h.cp.mu.Lock()
+	h.cp.reason = "conflict"
+	h.cp.mu.Unlock()
+	check("control plane conflict", http.StatusConflict, "conflict")
+	h.cp.mu.Lock()
+	h.cp.status, h.cp.reason = 0, ""
+	h.cp.mu.Unlock()
+
+	// node-api refuses: the execution is frozen.
+	reason := spacev1.ReasonPaused
+	h.node.handle("/health", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusConflict)
+		_ = json.NewEncoder(w).Encode(spacev1.Error{Code: 409, Message: "frozen", Reason: reason})
+	})
+	check("node paused", http.StatusBadGateway, spacev1.ReasonPaused)
+	reason = "busy"
+	check("node conflict", http.StatusConflict, "busy")
+}

@@ -62,7 +62,8 @@ type fakeCP struct {
 	nodeURL  string
 	authFor  time.Duration // AuthorizedUntil = now + authFor
 	calls    []cpCall
-	status   int // if non-zero, answer this status
+	status   int    // if non-zero, answer this status
+	reason   string // the JSON error reason of a forced status
 	onRepair func()
 	delay    time.Duration
 }
@@ -90,6 +91,7 @@ func (cp *fakeCP) serve(w http.ResponseWriter, r *http.Request) {
 	cp.mu.Lock()
 	cp.calls = append(cp.calls, cpCall{sb, req, r.Header.Get(spacev1.HeaderAPIKey), r.Header.Get(spacev1.HeaderAccessToken), r.URL.Query()})
 	status, rt, ok, need, hook := cp.status, cp.routes[sb], false, cp.tokens[sb], cp.onRepair
+	reason := cp.reason
 	_, ok = cp.routes[sb]
 	node, authFor, delay := cp.nodeURL, cp.authFor, cp.delay
 	cp.mu.Unlock()
@@ -107,7 +109,9 @@ func (cp *fakeCP) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	switch {
 	case status != 0:
-		writeJSONErr(status, "forced")
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(status)
+		_ = json.NewEncoder(w).Encode(spacev1.Error{Code: status, Message: "forced", Reason: reason})
 		return
 	case r.Header.Get(spacev1.HeaderAPIKey) != "edge-key":
 		writeJSONErr(401, "bad service key")

@@ -64,7 +64,7 @@ const upperDir = "upper"
 type SnapshotStore = snapshot.Store
 
 // ReasonPaused is the JSON error reason of a request for a paused execution.
-const ReasonPaused = "paused"
+const ReasonPaused = spacev1.ReasonPaused
 
 // lookup returns the installed record for route's sandbox and its
 // activation, checking that the record is route's execution.

@@ -367,7 +367,7 @@ func TestChurn(t *testing.T) {
 	fmt.Fprintf(&b, "churn: %s, 3 workers, %d sandboxes, %d clients, %d lifecycle drivers\n", elapsed.Round(time.Second), churnSandboxes, churnClients, churnDrivers)
 	fmt.Fprintf(&b, "  lifecycle: %d pauses, %d resumes, %d migrations, %d failed lifecycle calls\n", st.pauses.Load(), st.resumes.Load(), st.migrates.Load(), st.lcFails.Load())
 	fmt.Fprintf(&b, "  requests: %d (%d reads, %d writes, %d execs), %d ok; edge rebuilt attempts: %d\n", reqs, st.reads.Load(), st.writes.Load(), st.execs.Load(), st.ok.Load(), repairs)
-	fmt.Fprintf(&b, "  expected 409 (sandbox paused or in a lifecycle operation): %d\n", st.expected409.Load())
+	fmt.Fprintf(&b, "  expected refusals (502 paused / 409 while paused or in a lifecycle operation): %d\n", st.expected409.Load())
 	fmt.Fprintf(&b, "  misroutes: %d (of %d answers checked for %s)\n", misroutes, nServed, spacev1.HeaderExecution)
 	fmt.Fprintf(&b, "  errors after the one rebuilt attempt: %d (%.5f%%; target <= 0.0002%%)", errTotal, rate(errTotal))
 	fmt.Fprintf(&b, "; of which in flight when a move retired the execution (%q): %d; others: %d (%.5f%%)\n",
@@ -536,7 +536,7 @@ func (st *churnStats) record(sandbox, label string, start, end time.Time) {
 func (st *churnStats) outcome(op string, cs *churnSandbox, start, end time.Time, status int, body []byte) {
 	var e spacev1.Error
 	_ = json.Unmarshal(body, &e)
-	if status == http.StatusConflict && cs.inLifecycle(start, end) {
+	if pausedAnswer(status, e.Reason) && cs.inLifecycle(start, end) {
 		st.expected409.Add(1)
 		return
 	}
@@ -545,6 +545,13 @@ func (st *churnStats) outcome(op string, cs *churnSandbox, start, end time.Time,
 		class += " " + e.Reason
 	}
 	st.fail(class, fmt.Sprintf("%s: %s", cs.sbx.ID, bytes.TrimSpace(body)))
+}
+
+// pausedAnswer reports an expected refusal while a sandbox is paused or in
+// a lifecycle operation: the edge's 502 "paused" (E2B's answer for a paused
+// sandbox) or a 409 conflict.
+func pausedAnswer(status int, reason string) bool {
+	return status == http.StatusConflict || (status == http.StatusBadGateway && reason == spacev1.ReasonPaused)
 }
 
 func (st *churnStats) transport(op string, cs *churnSandbox, err error) {
@@ -672,7 +679,7 @@ func churnExec(ctx context.Context, cs *churnSandbox, r *rand.Rand, st *churnSta
 		st.transport("exec", cs, err)
 		return
 	}
-	if se.Status == http.StatusConflict && cs.inLifecycle(start, end) {
+	if pausedAnswer(se.Status, se.Reason) && cs.inLifecycle(start, end) {
 		st.expected409.Add(1)
 		return
 	}

@@ -520,7 +520,8 @@ func testPauseKeepsExecution(t *testing.T, lp *lcPlat) {
 	if e := wantJSONError(t, "read while paused (node-api)", r, http.StatusConflict); e.Reason != sbxmanager.ReasonPaused {
 		t.Fatalf("read while paused: reason %q", e.Reason)
 	}
-	if _, err := sbx.ReadFile(ctxFor(t, 30*time.Second), counter); sdkStatus(err) != http.StatusConflict || !errors.Is(err, sdk.ErrConflict) {
+	// Through the edge: E2B's 502 for a paused sandbox, reason "paused".
+	if _, err := sbx.ReadFile(ctxFor(t, 30*time.Second), counter); sdkStatus(err) != http.StatusBadGateway || !errors.Is(err, sdk.ErrConflict) {
 		t.Fatalf("read while paused (edge): %v", err)
 	}
 	// A second pause is a conflict, not a second operation.

@@ -148,10 +148,10 @@ test('Sandbox.pause then connect resumes: files and processes kept', async () =>
   const bg = await s.commands.run('sleep 600', { background: true })
   assert.equal(await s.pause(), true)
   assert.equal((await s.getInfo()).state, 'paused')
-  // Differs: E2B's isRunning answers false for a paused sandbox (its proxy
-  // answers 502); ours answers 409 "paused", which the SDK raises as
-  // SandboxError. Recorded in docs/E2B-COMPATIBILITY.md.
-  await assert.rejects(s.isRunning(), (e) => /paused/.test(e.message))
+  // As on E2B, the proxy (our edge) answers 502 for a paused sandbox, so
+  // isRunning() is false and envd calls raise the SDK's timeout error.
+  assert.equal(await s.isRunning(), false)
+  await assert.rejects(s.files.read('/home/user/kept.txt'), (e) => e instanceof TimeoutError && /paused/.test(e.message))
   const paused = await Sandbox.list({ query: { metadata: { run, role: 'pause' }, state: ['paused'] } }).nextItems()
   assert.deepEqual(paused.map((x) => x.sandboxId), [s.sandboxId])
   assert.equal(await Sandbox.pause(s.sandboxId), false, 'pausing a paused sandbox reports false')
