@@ -1,0 +1,655 @@
+package vmchan
+
+import (
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"time"
+)
+
+// Errors of streams and sessions.
+var (
+	// ErrSessionReset: the guest received a new HELLO; streams of the
+	// previous session fail with it (the agent's processes keep running).
+	ErrSessionReset = errors.New("vmchan: session reset by a new HELLO")
+	// ErrLostSync: the guest read a malformed frame header in sync (stale
+	// bytes after a restore, or the padding before a new HELLO); the
+	// session ends.
+	ErrLostSync = errors.New("vmchan: lost sync")
+	// ErrHostGone: the guest's port reported that the host disconnected.
+	ErrHostGone = errors.New("vmchan: host disconnected")
+	// ErrChannelLost: the host's connection to the port failed; there
+	// are no transparent reconnects.
+	ErrChannelLost = errors.New("vmchan: channel lost")
+	// ErrClosed: the session, client or listener was closed locally.
+	ErrClosed = errors.New("vmchan: closed")
+	// ErrTooManyStreams: the session's stream limit is reached.
+	ErrTooManyStreams = errors.New("vmchan: too many streams")
+	// ErrWriteClosed: Write after CloseWrite or Close.
+	ErrWriteClosed = errors.New("vmchan: write on closed stream")
+)
+
+// Reset codes.
+const (
+	// CodeClosed: the peer closed the stream before reading all of it.
+	CodeClosed uint32 = 1
+	// CodeRefused: the guest refused the stream (backlog or limit).
+	CodeRefused uint32 = 2
+	// CodeProtocol: the peer violated flow control on the stream.
+	CodeProtocol uint32 = 3
+)
+
+// ResetError is a stream reset by the peer.
+type ResetError struct {
+	Code   uint32
+	Reason string
+}
+
+func (e *ResetError) Error() string {
+	return fmt.Sprintf("vmchan: stream reset by peer (code %d: %s)", e.Code, e.Reason)
+}
+
+// ProtocolError is a peer that violated the protocol; the session ends.
+type ProtocolError struct{ Reason string }
+
+func (e *ProtocolError) Error() string { return "vmchan: protocol violation: " + e.Reason }
+
+// GoAwayError is a session the guest ended with GOAWAY.
+type GoAwayError struct{ Reason string }
+
+func (e *GoAwayError) Error() string { return "vmchan: guest ended the session: " + e.Reason }
+
+// SessionID is a session's random 128-bit id.
+type SessionID [SessionIDSize]byte
+
+func (s SessionID) String() string { return hex.EncodeToString(s[:]) }
+
+// writeDeadliner is implemented by ports whose blocked writes can be cut.
+type writeDeadliner interface{ SetWriteDeadline(time.Time) error }
+
+// writeReq is one DATA frame waiting for the writer.
+type writeReq struct {
+	buf  []byte
+	done chan error
+}
+
+// session is one session over the byte stream: its streams and its writer
+// goroutine. Reading belongs to the owner (Client or Listener), which
+// feeds frames to handle.
+type session struct {
+	id      SessionID
+	w       io.Writer
+	host    bool
+	maxStrm int
+	// accept receives streams the host opened (guest side only).
+	accept func(*Stream) bool
+
+	mu      sync.Mutex
+	streams map[uint32]*Stream
+	lastID  uint32
+	err     error
+	done    chan struct{}
+
+	wmu     sync.Mutex
+	ctrl    []byte            // encoded control frames to write
+	windows map[uint32]uint32 // coalesced WINDOW increments
+	data    []*writeReq
+	drain   bool // write the pending control frames, then exit
+	wake    chan struct{}
+	wg      sync.WaitGroup // the writer
+}
+
+func newSession(id SessionID, w io.Writer, host bool, maxStreams int, accept func(*Stream) bool) *session {
+	s := &session{
+		id: id, w: w, host: host, maxStrm: maxStreams, accept: accept,
+		streams: make(map[uint32]*Stream),
+		done:    make(chan struct{}),
+		windows: make(map[uint32]uint32),
+		wake:    make(chan struct{}, 1),
+	}
+	s.wg.Add(1)
+	go func() { defer s.wg.Done(); s.writeLoop() }()
+	return s
+}
+
+func (s *session) kick() {
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+}
+
+// queueCtrl queues an encoded control frame (never blocks).
+func (s *session) queueCtrl(t FrameType, id uint32, payload ...[]byte) {
+	s.wmu.Lock()
+	s.ctrl = appendFrame(s.ctrl, t, id, payload...)
+	s.wmu.Unlock()
+	s.kick()
+}
+
+func (s *session) queueWindow(id uint32, n uint32) {
+	s.wmu.Lock()
+	s.windows[id] += n
+	s.wmu.Unlock()
+	s.kick()
+}
+
+// writeData writes one DATA frame and waits until it was written.
+func (s *session) writeData(id uint32, p []byte) error {
+	req := &writeReq{buf: appendFrame(make([]byte, 0, HeaderSize+len(p)), FrameData, id, p), done: make(chan error, 1)}
+	s.wmu.Lock()
+	if s.drain {
+		s.wmu.Unlock()
+		return s.failure()
+	}
+	s.data = append(s.data, req)
+	s.wmu.Unlock()
+	s.kick()
+	select {
+	case err := <-req.done:
+		return err
+	case <-s.done:
+		return s.failure()
+	}
+}
+
+// writeLoop writes control frames first, then one queued DATA frame at a
+// time, until the session ends.
+func (s *session) writeLoop() {
+	var buf []byte
+	for {
+		s.wmu.Lock()
+		buf = append(buf[:0], s.ctrl...)
+		s.ctrl = s.ctrl[:0]
+		for id, n := range s.windows {
+			var b [4]byte
+			binary.BigEndian.PutUint32(b[:], n)
+			buf = appendFrame(buf, FrameWindow, id, b[:])
+			delete(s.windows, id)
+		}
+		var req *writeReq
+		if len(s.data) > 0 && !s.drain {
+			req = s.data[0]
+			s.data = s.data[1:]
+		}
+		drain := s.drain
+		s.wmu.Unlock()
+		if req != nil {
+			buf = append(buf, req.buf...)
+		}
+		if len(buf) > 0 {
+			_, err := s.w.Write(buf)
+			if req != nil {
+				req.done <- err
+			}
+			if err != nil {
+				s.fail(fmt.Errorf("%w: write: %v", ErrChannelLost, err))
+				return
+			}
+			continue
+		}
+		if drain {
+			return
+		}
+		select {
+		case <-s.wake:
+		case <-s.done:
+			return
+		}
+	}
+}
+
+func (s *session) failure() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.err == nil {
+		return ErrClosed
+	}
+	return s.err
+}
+
+// fail ends the session with err: every stream fails with it. It does not
+// wait for the writer (see close).
+func (s *session) fail(err error) {
+	s.mu.Lock()
+	if s.err != nil {
+		s.mu.Unlock()
+		return
+	}
+	s.err = err
+	close(s.done)
+	streams := make([]*Stream, 0, len(s.streams))
+	for _, st := range s.streams {
+		streams = append(streams, st)
+	}
+	s.streams = map[uint32]*Stream{}
+	s.mu.Unlock()
+	for _, st := range streams {
+		st.abort(err)
+	}
+}
+
+// close ends the session and waits for its writer, cutting a blocked write
+// through the port's write deadline when it has one (the host side closes
+// its connection instead).
+func (s *session) close(err error) {
+	s.fail(err)
+	if wd, ok := s.w.(writeDeadliner); ok {
+		_ = wd.SetWriteDeadline(time.Unix(1, 0))
+		s.wg.Wait()
+		_ = wd.SetWriteDeadline(time.Time{})
+		return
+	}
+	s.wg.Wait()
+}
+
+// goAway queues GOAWAY, lets the writer flush control frames for at most
+// d, then closes the session with err.
+func (s *session) goAway(err error, d time.Duration) {
+	s.wmu.Lock()
+	s.ctrl = appendFrame(s.ctrl, FrameGoAway, 0, s.id[:], clip(err.Error()))
+	s.drain = true
+	s.wmu.Unlock()
+	s.kick()
+	exited := make(chan struct{})
+	go func() { s.wg.Wait(); close(exited) }()
+	select {
+	case <-exited:
+	case <-time.After(d):
+	}
+	s.close(err)
+	<-exited
+}
+
+// handle processes one in-sync stream frame. An error is a protocol
+// violation that ends the session.
+func (s *session) handle(f Frame) error {
+	switch f.Type {
+	case FrameOpen:
+		if s.host {
+			return &ProtocolError{Reason: "the guest opened a stream"}
+		}
+		return s.handleOpen(f.Stream)
+	case FrameData, FrameWindow, FrameFin, FrameReset:
+	default:
+		return &ProtocolError{Reason: fmt.Sprintf("unexpected %s", f.Type)}
+	}
+	s.mu.Lock()
+	st := s.streams[f.Stream]
+	known := f.Stream <= s.lastID
+	s.mu.Unlock()
+	if st == nil {
+		if !known {
+			return &ProtocolError{Reason: fmt.Sprintf("%s for stream %d that was never opened", f.Type, f.Stream)}
+		}
+		return nil // a stream closed locally: late frames are dropped
+	}
+	switch f.Type {
+	case FrameData:
+		if err := st.receive(f.Payload); err != nil {
+			return err
+		}
+	case FrameWindow:
+		return st.addCredit(binary.BigEndian.Uint32(f.Payload))
+	case FrameFin:
+		st.finReceived()
+	case FrameReset:
+		st.abort(&ResetError{Code: binary.BigEndian.Uint32(f.Payload), Reason: string(f.Payload[4:])})
+		s.forget(st.id)
+	}
+	return nil
+}
+
+func (s *session) handleOpen(id uint32) error {
+	s.mu.Lock()
+	if id <= s.lastID {
+		s.mu.Unlock()
+		return &ProtocolError{Reason: fmt.Sprintf("OPEN of stream %d not above %d", id, s.lastID)}
+	}
+	s.lastID = id
+	if s.err != nil {
+		s.mu.Unlock()
+		return nil
+	}
+	if len(s.streams) >= s.maxStrm {
+		s.mu.Unlock()
+		s.queueCtrl(FrameReset, id, be32(CodeRefused), clip(ErrTooManyStreams.Error()))
+		return nil
+	}
+	st := newStream(s, id)
+	s.streams[id] = st
+	s.mu.Unlock()
+	if !s.accept(st) {
+		s.forget(id)
+		s.queueCtrl(FrameReset, id, be32(CodeRefused), []byte("accept backlog full"))
+	}
+	return nil
+}
+
+// open creates a stream on the host side and sends OPEN.
+func (s *session) open() (*Stream, error) {
+	s.mu.Lock()
+	if s.err != nil {
+		err := s.err
+		s.mu.Unlock()
+		return nil, err
+	}
+	if len(s.streams) >= s.maxStrm || s.lastID >= 1<<31 {
+		s.mu.Unlock()
+		return nil, ErrTooManyStreams
+	}
+	s.lastID++
+	st := newStream(s, s.lastID)
+	s.streams[st.id] = st
+	s.mu.Unlock()
+	s.queueCtrl(FrameOpen, st.id)
+	return st, nil
+}
+
+func (s *session) forget(id uint32) {
+	s.mu.Lock()
+	delete(s.streams, id)
+	s.mu.Unlock()
+}
+
+func be32(v uint32) []byte { return binary.BigEndian.AppendUint32(nil, v) }
+
+// Addr is the address of a stream.
+type Addr struct {
+	Session SessionID
+	Stream  uint32
+}
+
+func (Addr) Network() string  { return "vmchan" }
+func (a Addr) String() string { return fmt.Sprintf("%s/%d", a.Session, a.Stream) }
+
+// deadline is a read or write deadline of a stream.
+type deadline struct {
+	t     time.Time
+	timer *time.Timer
+	ch    chan struct{} // closed when t passes
+}
+
+func (d *deadline) set(t time.Time) {
+	if d.timer != nil {
+		d.timer.Stop()
+		d.timer = nil
+	}
+	d.t = t
+	d.ch = make(chan struct{})
+	if t.IsZero() {
+		return
+	}
+	if dur := time.Until(t); dur <= 0 {
+		close(d.ch)
+	} else {
+		ch := d.ch
+		d.timer = time.AfterFunc(dur, func() { close(ch) })
+	}
+}
+
+func (d *deadline) expired() bool {
+	select {
+	case <-d.ch:
+		return true
+	default:
+		return false
+	}
+}
+
+// Stream is one multiplexed stream; it implements net.Conn. Close sends
+// FIN (and RESET when the peer may still send); CloseWrite half-closes.
+type Stream struct {
+	sess *session
+	id   uint32
+
+	mu       sync.Mutex
+	changed  chan struct{} // closed and replaced on every state change
+	rbuf     []byte        // received, unread (<= InitialWindow)
+	recvLeft int           // window the peer may still use
+	unacked  int           // read but not yet returned as WINDOW
+	credit   int           // how much we may still send
+	finRecv  bool
+	finSent  bool
+	closed   bool
+	err      error // reset by the peer or session failure
+	rdl, wdl deadline
+}
+
+func newStream(s *session, id uint32) *Stream {
+	st := &Stream{sess: s, id: id, changed: make(chan struct{}), recvLeft: InitialWindow, credit: InitialWindow}
+	st.rdl.set(time.Time{})
+	st.wdl.set(time.Time{})
+	return st
+}
+
+// notify wakes every waiter; mu must be held.
+func (st *Stream) notify() {
+	close(st.changed)
+	st.changed = make(chan struct{})
+}
+
+func (st *Stream) receive(p []byte) error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if len(p) > st.recvLeft {
+		return &ProtocolError{Reason: fmt.Sprintf("stream %d: %d bytes beyond the window (%d left)", st.id, len(p), st.recvLeft)}
+	}
+	if st.finRecv {
+		return &ProtocolError{Reason: fmt.Sprintf("stream %d: DATA after FIN", st.id)}
+	}
+	st.recvLeft -= len(p)
+	if st.closed || st.err != nil {
+		return nil // nobody reads any more
+	}
+	st.rbuf = append(st.rbuf, p...)
+	st.notify()
+	return nil
+}
+
+func (st *Stream) addCredit(n uint32) error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if n == 0 || uint64(st.credit)+uint64(n) > maxCredit {
+		return &ProtocolError{Reason: fmt.Sprintf("stream %d: window increment %d beyond the limit", st.id, n)}
+	}
+	st.credit += int(n)
+	st.notify()
+	return nil
+}
+
+func (st *Stream) finReceived() {
+	st.mu.Lock()
+	st.finRecv = true
+	st.notify()
+	done := st.finSent && st.closed
+	st.mu.Unlock()
+	if done {
+		st.sess.forget(st.id)
+	}
+}
+
+// abort fails the stream with err (peer reset or session failure).
+func (st *Stream) abort(err error) {
+	st.mu.Lock()
+	if st.err == nil {
+		st.err = err
+	}
+	st.notify()
+	st.mu.Unlock()
+}
+
+// Read reads received data; io.EOF after the peer's FIN.
+func (st *Stream) Read(p []byte) (int, error) {
+	st.mu.Lock()
+	for {
+		switch {
+		case len(st.rbuf) > 0:
+			n := copy(p, st.rbuf)
+			st.rbuf = st.rbuf[n:]
+			if len(st.rbuf) == 0 {
+				st.rbuf = nil
+			}
+			st.unacked += n
+			var ack int
+			if st.unacked >= InitialWindow/4 && !st.finRecv && st.err == nil {
+				ack, st.unacked = st.unacked, 0
+				st.recvLeft += ack
+			}
+			st.mu.Unlock()
+			if ack > 0 {
+				st.sess.queueWindow(st.id, uint32(ack))
+			}
+			return n, nil
+		case len(p) == 0:
+			st.mu.Unlock()
+			return 0, nil
+		case st.closed:
+			st.mu.Unlock()
+			return 0, net.ErrClosed
+		case st.finRecv:
+			st.mu.Unlock()
+			return 0, io.EOF
+		case st.err != nil:
+			err := st.err
+			st.mu.Unlock()
+			return 0, err
+		case st.rdl.expired():
+			st.mu.Unlock()
+			return 0, os.ErrDeadlineExceeded
+		}
+		changed, dl := st.changed, st.rdl.ch
+		st.mu.Unlock()
+		select {
+		case <-changed:
+		case <-dl:
+		}
+		st.mu.Lock()
+	}
+}
+
+// Write sends p, waiting for window credit as needed.
+func (st *Stream) Write(p []byte) (int, error) {
+	written := 0
+	for written < len(p) {
+		st.mu.Lock()
+		for {
+			if st.closed || st.finSent {
+				st.mu.Unlock()
+				return written, ErrWriteClosed
+			}
+			if st.err != nil {
+				err := st.err
+				st.mu.Unlock()
+				return written, err
+			}
+			if st.wdl.expired() {
+				st.mu.Unlock()
+				return written, os.ErrDeadlineExceeded
+			}
+			if st.credit > 0 {
+				break
+			}
+			changed, dl := st.changed, st.wdl.ch
+			st.mu.Unlock()
+			select {
+			case <-changed:
+			case <-dl:
+			}
+			st.mu.Lock()
+		}
+		n := min(len(p)-written, st.credit, MaxDataPayload)
+		st.credit -= n
+		st.mu.Unlock()
+		if err := st.sess.writeData(st.id, p[written:written+n]); err != nil {
+			return written, err
+		}
+		written += n
+	}
+	return written, nil
+}
+
+// CloseWrite sends FIN: the peer reads io.EOF after the data sent so far.
+func (st *Stream) CloseWrite() error {
+	st.mu.Lock()
+	if st.closed || st.finSent {
+		st.mu.Unlock()
+		return nil
+	}
+	if st.err != nil {
+		err := st.err
+		st.mu.Unlock()
+		return err
+	}
+	st.finSent = true
+	st.notify()
+	st.mu.Unlock()
+	st.sess.queueCtrl(FrameFin, st.id)
+	return nil
+}
+
+// Close closes both halves: FIN if not yet sent, and RESET when the peer
+// has not finished sending (its further writes fail with *ResetError).
+func (st *Stream) Close() error {
+	st.mu.Lock()
+	if st.closed {
+		st.mu.Unlock()
+		return nil
+	}
+	st.closed = true
+	live := st.err == nil
+	sendFin := live && !st.finSent
+	sendRst := live && !st.finRecv
+	st.finSent = true
+	st.rbuf = nil
+	st.rdl.set(time.Time{})
+	st.wdl.set(time.Time{})
+	st.notify()
+	st.mu.Unlock()
+	if sendFin {
+		st.sess.queueCtrl(FrameFin, st.id)
+	}
+	if sendRst {
+		st.sess.queueCtrl(FrameReset, st.id, be32(CodeClosed), []byte("closed"))
+	}
+	st.sess.forget(st.id)
+	return nil
+}
+
+// ID is the stream's id within its session.
+func (st *Stream) ID() uint32 { return st.id }
+
+func (st *Stream) LocalAddr() net.Addr  { return Addr{Session: st.sess.id, Stream: st.id} }
+func (st *Stream) RemoteAddr() net.Addr { return Addr{Session: st.sess.id, Stream: st.id} }
+
+func (st *Stream) SetDeadline(t time.Time) error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	st.rdl.set(t)
+	st.wdl.set(t)
+	st.notify()
+	return nil
+}
+
+func (st *Stream) SetReadDeadline(t time.Time) error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	st.rdl.set(t)
+	st.notify()
+	return nil
+}
+
+func (st *Stream) SetWriteDeadline(t time.Time) error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	st.wdl.set(t)
+	st.notify()
+	return nil
+}
+
+var _ net.Conn = (*Stream)(nil)
