@@ -24,6 +24,18 @@
 // A failed check closes the connection with a *VerifyError naming it. A
 // dropped guest connection fails the operations on it and the manager
 // connection with it; the bridge never reconnects transparently.
+//
+// VM channel (Config.Channel = ChannelVM, e.g. QEMU microvm): the recorded
+// process is the VMM and the socket its virtio-serial chardev, which
+// serves one client. The bridge makes ONE connection, runs checks 1-4 on
+// it, then the vmchan handshake (HELLO, ACTIVATE with Config.Activation,
+// ACK carrying the identity the guest now holds, compared with the
+// expected one), resending HELLO until the guest has booted (bounded by
+// Config.BootTimeout). Each manager connection then gets its own stream:
+// checks 1-4 run again on the channel's connection and check 5 on the
+// stream. If the channel's connection drops, every stream fails and Serve
+// returns ErrChannelLost (spaced-host exits 1); sbx-manager must start a
+// new spaced-host, which verifies everything again.
 package bridge
 
 import (
@@ -47,6 +59,7 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/procid"
+	"github.com/spacesbx/space/internal/vmchan"
 )
 
 // IdentityPath is where the agent reports the identity it was activated with.
@@ -101,6 +114,22 @@ type Config struct {
 	DialTimeout time.Duration
 	Logger      *slog.Logger
 
+	// Channel is how the guest is reached: ChannelUnix ("" too) dials
+	// the guest socket once per manager connection (ns substrate);
+	// ChannelVM makes ONE connection to the socket (a VMM's chardev,
+	// e.g. QEMU's virtio-serial backend, which serves one client),
+	// verifies it like a guest connection, runs the vmchan handshake and
+	// gives each manager connection its own stream on it.
+	Channel string
+	// Activation is the ACTIVATE payload of ChannelVM: the JSON of the
+	// guest's configuration (guest.Config). Its "identity" must equal
+	// Expected.
+	Activation []byte
+	// BootTimeout bounds the wait for the guest's ACK in ChannelVM (the
+	// VMM accepts at once, the agent answers once the VM booted).
+	// Default 60s.
+	BootTimeout time.Duration
+
 	// noSockDiag skips the sock_diag peer-socket check (benchmarks only).
 	noSockDiag bool
 }
@@ -116,11 +145,43 @@ func (c *Config) Validate() error {
 	if c.DialTimeout <= 0 {
 		c.DialTimeout = 5 * time.Second
 	}
+	switch c.Channel {
+	case "", ChannelUnix:
+		c.Channel = ChannelUnix
+		if len(c.Activation) > 0 {
+			return errors.New("bridge: an activation is only sent over a vm channel")
+		}
+	case ChannelVM:
+		var act struct {
+			Identity identity.Route `json:"identity"`
+		}
+		if err := json.Unmarshal(c.Activation, &act); err != nil {
+			return fmt.Errorf("bridge: activation: %w", err)
+		}
+		if d := identity.Diff(act.Identity, c.Expected); len(d) > 0 {
+			return fmt.Errorf("bridge: activation identity differs from the expected one in %s", strings.Join(d, ","))
+		}
+		if c.BootTimeout <= 0 {
+			c.BootTimeout = 60 * time.Second
+		}
+	default:
+		return fmt.Errorf("bridge: unknown channel %q (want %s or %s)", c.Channel, ChannelUnix, ChannelVM)
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
 	return nil
 }
+
+// Channels (Config.Channel).
+const (
+	ChannelUnix = "unix"
+	ChannelVM   = "vmchan"
+)
+
+// ErrChannelLost means the single connection of a vm channel failed: every
+// stream on it failed and the bridge stops (no transparent reconnect).
+var ErrChannelLost = errors.New("bridge: vm channel lost")
 
 // Bridge forwards HTTP between sbx-manager and one activation's agent.
 type Bridge struct {
@@ -137,6 +198,11 @@ type Bridge struct {
 	// diagGuest answers in the agent's network namespace, diagSelf in
 	// ours (the same socket when they are one namespace).
 	diagGuest, diagSelf *procid.Diag
+
+	// vm is the vm channel (ChannelVM) and chanConn its one connection.
+	vm       *vmchan.Client
+	chanConn net.Conn
+	closing  atomic.Bool
 
 	closeOnce sync.Once
 	// verified counts guest connections that passed every check.
@@ -164,6 +230,12 @@ func New(cfg Config) (*Bridge, error) {
 		b.release()
 		return nil, err
 	}
+	if cfg.Channel == ChannelVM {
+		if err := b.openChannel(); err != nil {
+			b.release()
+			return nil, err
+		}
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.DialTimeout)
 	defer cancel()
 	gc, err := b.dialGuest(ctx)
@@ -190,18 +262,44 @@ func New(cfg Config) (*Bridge, error) {
 	return b, nil
 }
 
-// Serve serves manager connections on l until Close.
+// Serve serves manager connections on l until Close. With a vm channel
+// it also ends, with ErrChannelLost, when the channel's connection fails.
 func (b *Bridge) Serve(l net.Listener) error {
-	err := b.srv.Serve(l)
-	if errors.Is(err, http.ErrServerClosed) {
-		return nil
+	if b.vm == nil {
+		err := b.srv.Serve(l)
+		if errors.Is(err, http.ErrServerClosed) {
+			return nil
+		}
+		return err
 	}
-	return err
+	served := make(chan error, 1)
+	go func() { served <- b.srv.Serve(l) }()
+	select {
+	case err := <-served:
+		if errors.Is(err, http.ErrServerClosed) {
+			return nil
+		}
+		return err
+	case <-b.vm.Done():
+		if b.closing.Load() {
+			<-served
+			return nil
+		}
+		cause := b.vm.Err()
+		b.cfg.Logger.Error("bridge: vm channel lost: failing every stream and stopping", "err", cause)
+		b.srv.Close()
+		<-served
+		return fmt.Errorf("%w: %w", ErrChannelLost, cause)
+	}
 }
 
 // Close stops the bridge; open streams are cut.
 func (b *Bridge) Close() error {
-	err := b.srv.Close()
+	b.closing.Store(true)
+	var err error
+	if b.srv != nil {
+		err = b.srv.Close()
+	}
 	b.release()
 	return err
 }
@@ -209,6 +307,9 @@ func (b *Bridge) Close() error {
 // release frees the pidfd and sock_diag sockets; later checks fail.
 func (b *Bridge) release() {
 	b.closeOnce.Do(func() {
+		if b.vm != nil {
+			b.vm.Close()
+		}
 		if b.guest != nil {
 			b.guest.Close()
 		}
@@ -354,16 +455,24 @@ func (b *Bridge) verifyPeerSocket(c net.Conn) error {
 // Shutdown stops accepting and waits for in-flight requests until ctx ends.
 func (b *Bridge) Shutdown(ctx context.Context) error { return b.srv.Shutdown(ctx) }
 
-// dialGuest opens and verifies a new guest connection: transport checks
-// first, then the identity the agent reports on that very connection.
-func (b *Bridge) dialGuest(ctx context.Context) (*guestConn, error) {
+// checkPath is the path-inode check.
+func (b *Bridge) checkPath() error {
 	var st unix.Stat_t
 	if err := unix.Stat(b.cfg.GuestSocket, &st); err != nil {
-		return nil, verr(CheckPathInode, "%w: %v", ErrSocketPath, err)
+		return verr(CheckPathInode, "%w: %v", ErrSocketPath, err)
 	}
 	if uint64(st.Dev) != b.pathDev || st.Ino != b.pathIno {
-		return nil, verr(CheckPathInode, "%w: %s is inode %d:%d, recorded %d:%d",
+		return verr(CheckPathInode, "%w: %s is inode %d:%d, recorded %d:%d",
 			ErrSocketPath, b.cfg.GuestSocket, st.Dev, st.Ino, b.pathDev, b.pathIno)
+	}
+	return nil
+}
+
+// dialVerified dials the guest socket and runs the transport checks on
+// the new connection.
+func (b *Bridge) dialVerified(ctx context.Context) (net.Conn, error) {
+	if err := b.checkPath(); err != nil {
+		return nil, err
 	}
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "unix", b.cfg.GuestSocket)
@@ -372,6 +481,72 @@ func (b *Bridge) dialGuest(ctx context.Context) (*guestConn, error) {
 	}
 	if err := b.verifyTransport(c); err != nil {
 		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// openChannel (ChannelVM) makes the one connection to the VMM's socket,
+// verifies it like a guest connection (the VMM is the recorded process),
+// runs the vmchan handshake within BootTimeout and compares the identity
+// the guest ACKs with the expected one.
+func (b *Bridge) openChannel() error {
+	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.DialTimeout)
+	c, err := b.dialVerified(ctx)
+	cancel()
+	if err != nil {
+		return err
+	}
+	bctx, cancel := context.WithTimeout(context.Background(), b.cfg.BootTimeout)
+	defer cancel()
+	vm, err := vmchan.NewClient(bctx, c, vmchan.ClientConfig{
+		Activation: b.cfg.Activation, BootTimeout: b.cfg.BootTimeout, Logger: b.cfg.Logger,
+	})
+	if err != nil {
+		return fmt.Errorf("bridge: vm channel: %w", err)
+	}
+	var got identity.Route
+	if err := json.Unmarshal(vm.Ack(), &got); err != nil {
+		vm.Close()
+		return verr(CheckGuestIdentity, "%w: ACK: %v", ErrGuestIdentity, err)
+	}
+	if d := identity.Diff(got, b.cfg.Expected); len(d) > 0 {
+		vm.Close()
+		return verr(CheckGuestIdentity, "%w: ACK differs in %s", ErrGuestIdentity, strings.Join(d, ","))
+	}
+	b.vm, b.chanConn = vm, c
+	b.cfg.Logger.Info("bridge: vm channel established", "session", vm.Session().String())
+	return nil
+}
+
+// openGuest returns a new transport-verified guest connection: a new
+// Unix connection (ChannelUnix), or a new stream on the vm channel after
+// the transport checks were run again on the channel's connection.
+func (b *Bridge) openGuest(ctx context.Context) (net.Conn, error) {
+	if b.vm == nil {
+		return b.dialVerified(ctx)
+	}
+	if err := b.vm.Err(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrChannelLost, err)
+	}
+	if err := b.checkPath(); err != nil {
+		return nil, err
+	}
+	if err := b.verifyTransport(b.chanConn); err != nil {
+		return nil, err
+	}
+	c, err := b.vm.Open(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrChannelLost, err)
+	}
+	return c, nil
+}
+
+// dialGuest opens and verifies a new guest connection: transport checks
+// first, then the identity the agent reports on that very connection.
+func (b *Bridge) dialGuest(ctx context.Context) (*guestConn, error) {
+	c, err := b.openGuest(ctx)
+	if err != nil {
 		return nil, err
 	}
 	if dl, ok := ctx.Deadline(); ok {
@@ -441,8 +616,16 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if err := b.forward(w, r, gc); err != nil {
 		gc.broken = err
 		gc.conn.Close()
+		if b.vm != nil && errors.Is(err, errGuestBodyCut) {
+			// The response's headers are out: abort the manager's
+			// connection so the cut stream cannot look complete.
+			panic(http.ErrAbortHandler)
+		}
 	}
 }
+
+// errGuestBodyCut: the guest's response body failed midway.
+var errGuestBodyCut = errors.New("guest response cut")
 
 func (b *Bridge) fail(w http.ResponseWriter, err error) {
 	w.Header().Set("Connection", "close")
@@ -515,6 +698,9 @@ func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) 
 		}
 		if rerr != nil {
 			copyErr = rerr
+			if b.vm != nil {
+				copyErr = fmt.Errorf("%w: %w", errGuestBodyCut, rerr)
+			}
 			break
 		}
 	}

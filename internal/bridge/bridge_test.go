@@ -50,6 +50,8 @@ func TestMain(m *testing.M) {
 		fmt.Println("listening")
 		http.Serve(l, fakeGuest(want, nil))
 		os.Exit(0)
+	case "fake-qemu": // a VMM's chardev: one client at a time, relayed to the port
+		os.Exit(fakeQEMU(os.Getenv("QEMU_SOCK"), os.Getenv("PORT_SOCK")))
 	case "listen-fd3": // call listen(2) on an inherited bound socket
 		if err := unix.Listen(3, 16); err != nil {
 			os.Exit(3)

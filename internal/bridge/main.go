@@ -29,6 +29,9 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	listen := fs.String("listen", "", "Unix socket path to serve sbx-manager on")
 	expected := fs.String("expected", "", "expected execution identity (JSON)")
 	managerPID := fs.Int("manager-pid", 0, "only accept connections from this pid (0: any)")
+	channel := fs.String("channel", ChannelUnix, "how the guest is reached: unix (one connection per manager connection) or vmchan (one multiplexed connection to a VMM's chardev socket)")
+	activationFile := fs.String("activation-file", "", "vmchan: file holding the ACTIVATE payload (JSON of the guest config)")
+	bootTimeout := fs.Duration("boot-timeout", 60*time.Second, "vmchan: how long to wait for the guest to answer the handshake")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -39,7 +42,16 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	log = log.With("sandbox", want.SandboxID, "generation", want.Generation, "worker", want.WorkerID)
-	b, err := New(Config{GuestSocket: *guestSock, GuestPID: *guestPID, Expected: want, ManagerPID: *managerPID, Logger: log})
+	var activation []byte
+	if *activationFile != "" {
+		var err error
+		if activation, err = os.ReadFile(*activationFile); err != nil {
+			fmt.Fprintf(stderr, "spaced-host: --activation-file: %v\n", err)
+			return 2
+		}
+	}
+	b, err := New(Config{GuestSocket: *guestSock, GuestPID: *guestPID, Expected: want, ManagerPID: *managerPID, Logger: log,
+		Channel: *channel, Activation: activation, BootTimeout: *bootTimeout})
 	if err != nil {
 		log.Error("refusing to start", "err", err)
 		return 1
