@@ -10,12 +10,12 @@ STATICCHECK_VERSION ?= v0.8.2
 
 CMDS := space space-api space-edge space-node spaced-host netgtw
 
-.PHONY: all build run test bench check fuzz e2e-deps deps clean churn
+.PHONY: all build run test bench check fuzz e2e-deps deps vm-deps clean churn
 
 all: build
 
 ## build: all binaries into ./bin (spaced-guest is static: it runs inside sandboxes)
-build:
+build: vm-deps
 	@mkdir -p $(BIN)
 	$(GO) build -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/spaced-guest ./cmd/spaced-guest
@@ -32,6 +32,27 @@ deps:
 e2e-deps: deps test/e2e/node_modules/.package-lock.json
 test/e2e/node_modules/.package-lock.json: test/e2e/package.json test/e2e/package-lock.json
 	npm ci --prefix test/e2e --no-audit --no-fund --loglevel=error
+
+## vm-deps: what the microvm substrate runs on: QEMU, a static busybox (the
+## guest's userland) and Debian's cloud kernel (vmlinuz + modules) extracted
+## into $(VM_KERNEL_DIR), never installed into /boot. Fast when done.
+VM_KERNEL_DIR := $(CURDIR)/.cache/vm/kernel
+VM_KERNEL_META ?= linux-image-cloud-amd64
+vm-deps: $(VM_KERNEL_DIR)/.done
+	@dpkg -s qemu-system-x86 busybox-static >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86 busybox-static; }
+$(VM_KERNEL_DIR)/.done:
+	@set -e; pkg=$$(apt-cache depends $(VM_KERNEL_META) 2>/dev/null | awk '/Depends: linux-image-/ {print $$2; exit}'); \
+	  if [ -z "$$pkg" ]; then apt-get update -qq; \
+	    pkg=$$(apt-cache depends $(VM_KERNEL_META) | awk '/Depends: linux-image-/ {print $$2; exit}'); fi; \
+	  test -n "$$pkg" || { echo "vm-deps: cannot resolve $(VM_KERNEL_META)"; exit 1; }; \
+	  tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; chmod 755 "$$tmp"; chown _apt "$$tmp" 2>/dev/null || true; \
+	  (cd "$$tmp" && apt-get download -qq "$$pkg"); \
+	  rm -rf "$(VM_KERNEL_DIR)"; mkdir -p "$(VM_KERNEL_DIR)"; \
+	  dpkg-deb -x "$$tmp"/$$pkg_*.deb "$(VM_KERNEL_DIR)"; \
+	  ln -sfn "$$(cd "$(VM_KERNEL_DIR)" && ls boot/vmlinuz-* | head -n1)" "$(VM_KERNEL_DIR)/vmlinuz"; \
+	  ln -sfn "$$(cd "$(VM_KERNEL_DIR)" && ls -d lib/modules/* | head -n1)" "$(VM_KERNEL_DIR)/modules"; \
+	  echo "$$pkg" > "$@"; echo "vm-deps: kernel $$pkg in $(VM_KERNEL_DIR)"
 
 ## test: the whole suite: unit, integration (root, namespaces, etcd) and end to end (e2b SDK)
 test: build e2e-deps
