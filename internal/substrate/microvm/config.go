@@ -1,0 +1,183 @@
+package microvm
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"time"
+
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// Defaults applied by Config.withDefaults and to zero Spec.Limits fields.
+const (
+	DefaultQEMUPath          = "/usr/bin/qemu-system-x86_64"
+	DefaultBusyboxPath       = "/bin/busybox"
+	DefaultMemoryBytes int64 = 256 << 20
+	DefaultCPUMillis   int64 = 1000
+	// MinMemoryBytes is the smallest guest that boots the kernel, unpacks
+	// the initramfs (agent included) and still has room for user work.
+	MinMemoryBytes int64 = 128 << 20
+	// MaxVCPUs bounds ceil(CPUMillis/1000).
+	MaxVCPUs            = 32
+	DefaultStartTimeout = 30 * time.Second
+	DefaultStopTimeout  = 5 * time.Second
+	// DefaultUIDFirst and DefaultUIDCount are the host uid (and gid) range
+	// QEMU processes run as when the substrate runs as root: one uid per
+	// running instance, unused by any account.
+	DefaultUIDFirst   uint32 = 2_100_000_000
+	DefaultUIDCount   uint32 = 10_000
+	DefaultUIDLockDir        = "/run/space/microvm-uids"
+)
+
+// Config configures the microvm substrate.
+type Config struct {
+	// StateDir holds substrate-wide state; guest images are cached under
+	// StateDir/images/<sha256>.cpio.gz. Required, absolute.
+	StateDir string
+	// QEMUPath is the qemu-system-x86_64 binary (default
+	// DefaultQEMUPath). QEMU 7.2 or later.
+	QEMUPath string
+	// KernelPath is the guest kernel (a bzImage, e.g. Debian's
+	// linux-image-cloud-amd64 vmlinuz; `make vm-deps` extracts one to
+	// .cache/vm/kernel/vmlinuz). Required, absolute.
+	KernelPath string
+	// ModulesDir is the kernel's lib/modules/<version> directory; the
+	// virtio, virtio_ring, virtio_mmio, virtio_console and qemu_fw_cfg
+	// modules are copied from it into the image. Required, absolute.
+	ModulesDir string
+	// BusyboxPath is a static busybox, the guest's userland (default
+	// DefaultBusyboxPath, from Debian's busybox-static).
+	BusyboxPath string
+	// Limits are the defaults for zero Spec.Limits fields. Zero fields
+	// here take DefaultMemoryBytes and DefaultCPUMillis. Pids is not
+	// enforced (the guest kernel is the boundary).
+	Limits substrate.Limits
+	// Accel is "kvm", "tcg" or "" (default: kvm when /dev/kvm can be
+	// opened, else tcg).
+	Accel string
+	// UIDFirst and UIDCount are the host uid range (uid = gid) QEMU runs
+	// in when the substrate runs as root: every instance gets a uid of its
+	// own, held by an flock in UIDLockDir for its lifetime (defaults
+	// DefaultUIDFirst, DefaultUIDCount, DefaultUIDLockDir; the lock dir is
+	// host-wide so several workers on one host never share a uid). Not
+	// root: QEMU runs as the caller.
+	UIDFirst, UIDCount uint32
+	UIDLockDir         string
+	// StartTimeout bounds Start when the caller's context has no earlier
+	// deadline (default 30 s: image building and a restore included).
+	StartTimeout time.Duration
+	// StopTimeout bounds the graceful part of Stop (QMP quit) before
+	// SIGKILL (default 5 s).
+	StopTimeout time.Duration
+	// Logger receives lifecycle logs (default slog.Default()).
+	Logger *slog.Logger
+
+	// testMode, when set, is passed as space.test=<mode> on the kernel
+	// command line: the init runs a test loop on the channel instead of
+	// the agent (see initScript). Tests only.
+	testMode string
+}
+
+func (c Config) withDefaults() Config {
+	if c.QEMUPath == "" {
+		c.QEMUPath = DefaultQEMUPath
+	}
+	if c.BusyboxPath == "" {
+		c.BusyboxPath = DefaultBusyboxPath
+	}
+	if c.Limits.MemoryBytes == 0 {
+		c.Limits.MemoryBytes = DefaultMemoryBytes
+	}
+	if c.Limits.CPUMillis == 0 {
+		c.Limits.CPUMillis = DefaultCPUMillis
+	}
+	if c.UIDFirst == 0 {
+		c.UIDFirst = DefaultUIDFirst
+	}
+	if c.UIDCount == 0 {
+		c.UIDCount = DefaultUIDCount
+	}
+	if c.UIDLockDir == "" {
+		c.UIDLockDir = DefaultUIDLockDir
+	}
+	if c.StartTimeout == 0 {
+		c.StartTimeout = DefaultStartTimeout
+	}
+	if c.StopTimeout == 0 {
+		c.StopTimeout = DefaultStopTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// Validate reports whether c (after defaults) is usable. It does not touch
+// the file system; New checks that the files exist.
+func (c Config) Validate() error {
+	c = c.withDefaults()
+	for _, p := range []struct{ name, v string }{
+		{"StateDir", c.StateDir}, {"QEMUPath", c.QEMUPath}, {"KernelPath", c.KernelPath},
+		{"ModulesDir", c.ModulesDir}, {"BusyboxPath", c.BusyboxPath}, {"UIDLockDir", c.UIDLockDir},
+	} {
+		if p.v == "" || !filepath.IsAbs(p.v) {
+			return fmt.Errorf("microvm: %s must be an absolute path, got %q", p.name, p.v)
+		}
+	}
+	switch c.Accel {
+	case "", "kvm", "tcg":
+	default:
+		return fmt.Errorf("microvm: Accel must be \"kvm\", \"tcg\" or empty, got %q", c.Accel)
+	}
+	if uint64(c.UIDFirst)+uint64(c.UIDCount) > 1<<31 || c.UIDFirst < 1000 {
+		return fmt.Errorf("microvm: uid range %d+%d must lie within [1000, 2^31)", c.UIDFirst, c.UIDCount)
+	}
+	if c.StartTimeout < 0 || c.StopTimeout < 0 {
+		return errors.New("microvm: timeouts must not be negative")
+	}
+	return validateLimits(c.Limits)
+}
+
+func validateLimits(l substrate.Limits) error {
+	switch {
+	case l.MemoryBytes < 0 || (l.MemoryBytes > 0 && l.MemoryBytes < MinMemoryBytes):
+		return fmt.Errorf("microvm: memory limit %d must be at least %d MiB", l.MemoryBytes, MinMemoryBytes>>20)
+	case l.MemoryBytes > 1<<40:
+		return fmt.Errorf("microvm: memory limit %d is too large", l.MemoryBytes)
+	case l.CPUMillis < 0 || l.CPUMillis > MaxVCPUs*1000:
+		return fmt.Errorf("microvm: cpu limit %d must be between 0 and %d millicores", l.CPUMillis, MaxVCPUs*1000)
+	case l.Pids < 0:
+		return fmt.Errorf("microvm: pids limit %d must not be negative", l.Pids)
+	}
+	return nil
+}
+
+// mergeLimits fills zero fields of l from def.
+func mergeLimits(l, def substrate.Limits) substrate.Limits {
+	if l.MemoryBytes == 0 {
+		l.MemoryBytes = def.MemoryBytes
+	}
+	if l.CPUMillis == 0 {
+		l.CPUMillis = def.CPUMillis
+	}
+	if l.Pids == 0 {
+		l.Pids = def.Pids
+	}
+	return l
+}
+
+// machineShape is what the guest's memory layout depends on: a restored
+// state must be loaded into the same shape.
+type machineShape struct {
+	MemoryMiB int64 `json:"memory_mib"`
+	VCPUs     int   `json:"vcpus"`
+}
+
+func shapeOf(l substrate.Limits) machineShape {
+	return machineShape{
+		MemoryMiB: (l.MemoryBytes + (1<<20 - 1)) >> 20,
+		VCPUs:     int(max((l.CPUMillis+999)/1000, 1)),
+	}
+}

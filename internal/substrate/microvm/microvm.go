@@ -1,0 +1,609 @@
+//go:build linux
+
+// Package microvm is the SPACE substrate that runs every sandbox in its own
+// QEMU "microvm" virtual machine (DESIGN.md section 10): a guest kernel of
+// its own, a full memory snapshot for pause-and-move, and the same request
+// path as the ns substrate (spaced-host -> a Unix socket -> spaced-guest).
+//
+// # The machine
+//
+// qemu-system-x86_64 -M microvm (KVM when /dev/kvm can be opened, TCG
+// otherwise: -cpu host or -cpu max), -nodefaults -no-user-config, no NIC,
+// no disk, no host device: the only devices are the ISA serial console (to
+// Spec.Dir/console.log), a virtio-serial port named PortName (the agent's
+// channel) and, under TCG, the PIT, PIC and RTC the kernel needs to
+// calibrate its clocks (without the PIT a loaded TCG host can stall the
+// boot in delay-loop calibration; the kernel is also told the host's TSC
+// frequency, see hostTSCKHz). vCPUs = ceil(CPUMillis/1000), memory =
+// MemoryBytes (default 256 MiB, minimum 128 MiB). The exact command line is
+// built by qemuArgs.
+//
+// The guest boots the kernel (Config.KernelPath) with an initramfs the
+// substrate builds itself on first use and caches under
+// StateDir/images/<sha256 of every input>.cpio.gz: static busybox, the
+// virtio and fw_cfg modules, the agent at /.space/spaced-guest and a
+// busybox sh /init (see initScript) that mounts proc, sys, devtmpfs,
+// devpts and tmpfs /tmp, /run and /dev/shm, loads the modules, brings lo up
+// and execs the agent as pid 1 with SPACE_GUEST_VM_PORT=space.0 plus
+// Spec.AgentEnv. Spec.AgentEnv travels as a fw_cfg item (not on the
+// command line: it is too small and world-readable); the init copies it
+// and unloads the fw_cfg driver. /bin/bash is busybox sh (the e2b SDK runs
+// "/bin/bash -l -c"); accounts are root and user (uid 1000).
+//
+// # Files live in guest memory
+//
+// The root file system is the initramfs itself (a tmpfs-like rootfs in
+// guest RAM); there is no disk. Everything a sandbox writes is therefore
+// part of its memory, and a memory snapshot (SaveState) carries files and
+// processes together. The flip side: files count against MemoryBytes, and
+// nothing survives Stop except through SaveState. Spec.Dir holds no
+// writable layer.
+//
+// # Activation directory (Spec.Dir)
+//
+//	guest.sock   the agent channel's listening socket (removed by Stop)
+//	console.log  the guest's serial console and QEMU's messages, capped at
+//	             4 MiB (kept; Start errors quote its tail)
+//
+// # Host side of the channel
+//
+// The substrate binds and listens on guest.sock itself and hands the
+// listening socket to QEMU as an inherited descriptor (-chardev
+// socket,fd=3,server=on); QEMU calls listen() on it again, so the
+// listener's credentials (what a client reads with SO_PEERCRED) are
+// QEMU's, the listener lives in QEMU's descriptor table and the substrate
+// closes its copy: spaced-host can tie the socket to InitPID() exactly as
+// it ties the ns substrate's socket to the agent. QEMU is controlled over
+// QMP on one end of a socketpair (the other end is QEMU's fd 4): no QMP
+// socket exists in the file system.
+//
+// # Least privilege
+//
+// QEMU runs with -sandbox on,obsolete=deny,elevateprivileges=deny,
+// spawn=deny,resourcecontrol=deny (its own seccomp filter: no exec, no
+// set*id, no scheduler/affinity changes). When the substrate runs as root,
+// QEMU is started directly as an unprivileged uid of its own (uid = gid,
+// one per running instance from [UIDFirst, UIDFirst+UIDCount), leased by
+// an flock; no supplementary groups except /dev/kvm's group under KVM), so
+// two QEMUs can neither signal nor ptrace each other and none can read
+// another's activation directory. QEMU's -runas is not used: QEMU 7.2
+// installs its seccomp filter before it drops privileges, so -runas with
+// elevateprivileges=deny dies with SIGSYS. Every file QEMU needs is opened
+// by the substrate and passed as a descriptor (the kernel, the image and
+// the environment as /proc/self/fd/N, a memfd for the environment; the
+// migration stream through QMP getfd), so QEMU needs no access to any host
+// directory. No mount or pid namespace: QEMU under its own uid, its
+// seccomp filter and no host devices is the boundary that matters, and a
+// namespace set-up would add a re-exec like the ns substrate's for little.
+// QEMU dies with the hosting process (parent-death signal) and is forked
+// from one dedicated locked OS thread for that reason.
+//
+// # Pause, state and restore
+//
+// Pause is QMP stop (vCPUs halted, same QEMU process), Resume is cont.
+// SaveState (paused instances only) writes a small header (format version,
+// memory, vCPUs, CPU model, accelerator, image id) followed by QEMU's
+// migration stream (QMP migrate to a pipe passed with getfd: fd: migration,
+// because spawn=deny rules out exec:). A Start with Spec.RestoreState
+// checks the header against what this substrate would run (same image id,
+// so the same kernel, modules, busybox and agent; same CPU model; the
+// spec's limits, when set, must give the same shape), launches the same
+// command line with -incoming fd:N on the state file, waits for the
+// migration to complete and continues the guest: its processes go on
+// where they stopped. The guest keeps the identity it had; spaced-host
+// re-activates it over the channel.
+package microvm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// Names of the entries of an activation directory.
+const (
+	SocketName = "guest.sock"
+	ConsoleLog = "console.log"
+	maxLogSize = 4 << 20
+)
+
+// Descriptor numbers in QEMU (ExtraFiles order).
+const (
+	fdAgent   = 3
+	fdQMP     = 4
+	fdKernel  = 5
+	fdInitrd  = 6
+	fdEnv     = 7
+	fdIncomig = 8
+)
+
+// Substrate is the microvm substrate. It is safe for concurrent use.
+type Substrate struct {
+	cfg      Config
+	accel    string
+	cpu      string
+	kvmGroup int    // gid of /dev/kvm under KVM, else -1
+	tscKHz   uint64 // host TSC frequency under TCG (0: unknown)
+	asRoot   bool
+
+	imgMu sync.Mutex
+	sums  map[fileKey][32]byte
+
+	spawnMu   sync.Mutex
+	spawnCh   chan func()
+	spawnDone chan struct{}
+	closed    bool
+}
+
+var _ substrate.Substrate = (*Substrate)(nil)
+
+// New checks the configuration and the host (QEMU, kernel, modules,
+// busybox) and returns a substrate. The guest image is built lazily by the
+// first Start.
+func New(cfg Config) (*Substrate, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.withDefaults()
+	for _, p := range []string{cfg.QEMUPath, cfg.KernelPath, cfg.BusyboxPath} {
+		if fi, err := os.Stat(p); err != nil {
+			return nil, fmt.Errorf("microvm: %w", err)
+		} else if !fi.Mode().IsRegular() {
+			return nil, fmt.Errorf("microvm: %s is not a regular file", p)
+		}
+	}
+	for _, m := range guestModules {
+		if _, err := os.Stat(filepath.Join(cfg.ModulesDir, m)); err != nil {
+			return nil, fmt.Errorf("microvm: kernel module: %w", err)
+		}
+	}
+	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
+		return nil, err
+	}
+	s := &Substrate{cfg: cfg, accel: cfg.Accel, kvmGroup: -1, asRoot: os.Geteuid() == 0, sums: map[fileKey][32]byte{}}
+	if s.accel == "" {
+		s.accel = "tcg"
+		if f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0); err == nil {
+			f.Close()
+			s.accel = "kvm"
+		}
+	}
+	s.cpu = "max"
+	if s.accel == "tcg" {
+		s.tscKHz = hostTSCKHz()
+	}
+	if s.accel == "kvm" {
+		s.cpu = "host"
+		var st unix.Stat_t
+		if err := unix.Stat("/dev/kvm", &st); err != nil {
+			return nil, fmt.Errorf("microvm: /dev/kvm: %w", err)
+		}
+		s.kvmGroup = int(st.Gid)
+	}
+	return s, nil
+}
+
+// Name returns identity.SubstrateMicroVM.
+func (s *Substrate) Name() string { return identity.SubstrateMicroVM }
+
+// Accel reports the accelerator instances use ("kvm" or "tcg").
+func (s *Substrate) Accel() string { return s.accel }
+
+// spawn runs f on a dedicated, locked OS thread that lives until Close:
+// QEMU's parent-death signal fires when the thread that forked it exits.
+func (s *Substrate) spawn(f func()) error {
+	s.spawnMu.Lock()
+	if s.closed {
+		s.spawnMu.Unlock()
+		return errors.New("microvm: substrate closed")
+	}
+	if s.spawnCh == nil {
+		s.spawnCh, s.spawnDone = make(chan func()), make(chan struct{})
+		go func() {
+			runtime.LockOSThread() // never unlocked: the thread dies with Close
+			defer close(s.spawnDone)
+			for f := range s.spawnCh {
+				f()
+			}
+		}()
+	}
+	ch := s.spawnCh
+	s.spawnMu.Unlock()
+	done := make(chan struct{})
+	ch <- func() { defer close(done); f() }
+	<-done
+	return nil
+}
+
+// Close stops the spawner thread; running VMs are killed by their
+// parent-death signal, so Stop them first. Start fails afterwards.
+func (s *Substrate) Close() error {
+	s.spawnMu.Lock()
+	defer s.spawnMu.Unlock()
+	if s.closed {
+		return nil
+	}
+	s.closed = true
+	if s.spawnCh != nil {
+		close(s.spawnCh)
+		<-s.spawnDone
+	}
+	return nil
+}
+
+func validateSpec(spec *substrate.Spec) error {
+	if err := spec.Route.Validate(); err != nil {
+		return err
+	}
+	if spec.Route.Substrate != identity.SubstrateMicroVM {
+		return fmt.Errorf("microvm: route names substrate %q", spec.Route.Substrate)
+	}
+	if spec.Dir == "" || !filepath.IsAbs(spec.Dir) {
+		return fmt.Errorf("microvm: Dir must be an absolute path, got %q", spec.Dir)
+	}
+	if n := len(filepath.Join(spec.Dir, SocketName)); n >= 108 {
+		return fmt.Errorf("microvm: Dir %q too long for a Unix socket path (%d bytes)", spec.Dir, n)
+	}
+	if !filepath.IsAbs(spec.AgentPath) {
+		return fmt.Errorf("microvm: AgentPath must be absolute, got %q", spec.AgentPath)
+	}
+	fi, err := os.Stat(spec.AgentPath)
+	if err != nil {
+		return fmt.Errorf("microvm: agent: %w", err)
+	}
+	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
+		return fmt.Errorf("microvm: agent %s is not an executable file", spec.AgentPath)
+	}
+	if _, err := agentEnvScript(spec.AgentEnv); err != nil {
+		return err
+	}
+	return validateLimits(spec.Limits)
+}
+
+// agentEnvScript renders env as "export NAME='value'" lines for the init
+// to source (single quotes, so nothing in a value is interpreted).
+func agentEnvScript(env []string) ([]byte, error) {
+	var b strings.Builder
+	for _, kv := range env {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || !validEnvName(k) {
+			return nil, fmt.Errorf("microvm: agent environment entry %q is not NAME=value", kv)
+		}
+		if strings.ContainsRune(v, 0) {
+			return nil, fmt.Errorf("microvm: agent environment %s contains NUL", k)
+		}
+		fmt.Fprintf(&b, "export %s='%s'\n", k, strings.ReplaceAll(v, "'", `'\''`))
+	}
+	return []byte(b.String()), nil
+}
+
+func validEnvName(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i, c := range s {
+		switch {
+		case c == '_', c >= 'A' && c <= 'Z', c >= 'a' && c <= 'z':
+		case c >= '0' && c <= '9' && i > 0:
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// hostnameFor is the guest's hostname: the sandbox id, lower case, cut to
+// the characters and length a hostname (and the kernel command line)
+// allows.
+func hostnameFor(id string) string {
+	var b strings.Builder
+	for _, c := range strings.ToLower(id) {
+		if (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' {
+			b.WriteRune(c)
+		}
+		if b.Len() == 63 {
+			break
+		}
+	}
+	if b.Len() == 0 {
+		return "sandbox"
+	}
+	return b.String()
+}
+
+// launch is what qemuArgs needs for one instance.
+type launch struct {
+	shape    machineShape
+	hostname string
+	incoming bool
+}
+
+// qemuArgs is QEMU's command line (argv[1:]) for one instance. Descriptors
+// are those of the ExtraFiles Start passes.
+func (s *Substrate) qemuArgs(l launch) []string {
+	machine := "microvm,accel=" + s.accel + ",rtc=on"
+	if s.accel == "tcg" {
+		machine += ",pit=on,pic=on"
+	}
+	appendLine := "console=ttyS0 quiet panic=-1 space.hostname=" + l.hostname
+	if s.tscKHz > 0 {
+		appendLine += " tsc_early_khz=" + strconv.FormatUint(s.tscKHz, 10)
+	}
+	if s.cfg.testMode != "" {
+		appendLine += " space.test=" + s.cfg.testMode
+	}
+	args := []string{
+		"-name", "space-" + l.hostname,
+		"-machine", machine,
+		"-cpu", s.cpu,
+		"-smp", strconv.Itoa(l.shape.VCPUs),
+		"-m", strconv.FormatInt(l.shape.MemoryMiB, 10) + "M",
+		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+		"-chardev", "stdio,id=con,signal=off",
+		"-serial", "chardev:con",
+		"-kernel", procFD(fdKernel),
+		"-initrd", procFD(fdInitrd),
+		"-append", appendLine,
+		"-fw_cfg", "name=" + envFwCfg + ",file=" + procFD(fdEnv),
+		"-device", "virtio-serial-device,max_ports=2",
+		"-chardev", "socket,id=agent,fd=" + strconv.Itoa(fdAgent) + ",server=on,wait=off",
+		"-device", "virtserialport,chardev=agent,name=" + PortName,
+		"-chardev", "socket,id=qmp,fd=" + strconv.Itoa(fdQMP),
+		"-mon", "chardev=qmp,mode=control",
+		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+		"-msg", "timestamp=on",
+	}
+	if l.incoming {
+		args = append(args, "-incoming", "fd:"+strconv.Itoa(fdIncomig))
+	}
+	return args
+}
+
+func procFD(n int) string { return "/proc/self/fd/" + strconv.Itoa(n) }
+
+// Start activates spec (see the package doc) and returns once QEMU runs
+// with the agent channel's socket listening (and, for a restore, once the
+// saved state is loaded and the guest continues). The guest's readiness is
+// for the caller to check over the channel.
+func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.Instance, error) {
+	if err := validateSpec(&spec); err != nil {
+		return nil, err
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, s.cfg.StartTimeout)
+		defer cancel()
+	}
+	t0 := time.Now()
+	imgID, imgPath, err := s.ensureImage(spec.AgentPath)
+	if err != nil {
+		return nil, err
+	}
+	lim := mergeLimits(spec.Limits, s.cfg.Limits)
+	l := launch{shape: shapeOf(lim), hostname: hostnameFor(spec.Route.SandboxID)}
+	var state *os.File
+	if spec.RestoreState != "" {
+		f, hdr, err := openState(spec.RestoreState)
+		if err != nil {
+			return nil, err
+		}
+		defer f.Close()
+		if err := s.checkHeader(hdr, imgID, spec.Limits); err != nil {
+			return nil, err
+		}
+		state, l.shape, l.incoming = f, hdr.Shape, true
+		lim.MemoryBytes, lim.CPUMillis = hdr.Shape.MemoryMiB<<20, int64(hdr.Shape.VCPUs)*1000
+	}
+	envScript, _ := agentEnvScript(spec.AgentEnv) // validated above
+
+	if err := os.MkdirAll(spec.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("microvm: activation dir: %w", err)
+	}
+	inst := &instance{
+		s: s, route: spec.Route, dir: spec.Dir, socket: filepath.Join(spec.Dir, SocketName),
+		imageID: imgID, shape: l.shape, lim: lim, done: make(chan struct{}),
+	}
+	fail := func(err error) (substrate.Instance, error) {
+		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if serr := inst.Stop(sctx); serr != nil {
+			s.cfg.Logger.Warn("microvm: cleanup after failed start", "route", spec.Route.String(), "err", serr)
+		}
+		if tail := inst.consoleTail(2048); tail != "" {
+			err = fmt.Errorf("%w; console tail:\n%s", err, tail)
+		}
+		return nil, fmt.Errorf("microvm: start %s: %w", spec.Route.SandboxID, err)
+	}
+	logf, err := os.OpenFile(filepath.Join(spec.Dir, ConsoleLog), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	if err != nil {
+		return fail(err)
+	}
+	inst.log = &cappedWriter{f: logf, left: maxLogSize}
+
+	var cred *syscall.Credential
+	if s.asRoot {
+		lease, err := leaseUID(s.cfg.UIDLockDir, s.cfg.UIDFirst, s.cfg.UIDCount, uint32(time.Now().UnixNano()))
+		if err != nil {
+			return fail(err)
+		}
+		inst.uid = lease
+		cred = &syscall.Credential{Uid: lease.uid, Gid: lease.uid, Groups: []uint32{}}
+		if s.kvmGroup >= 0 {
+			cred.Groups = []uint32{uint32(s.kvmGroup)}
+		}
+	}
+
+	lf, err := s.openLaunchFiles(inst, imgPath, envScript)
+	if err != nil {
+		return fail(err)
+	}
+	defer lf.closeAll()
+	extra := []*os.File{lf.listener, lf.qmpChild, lf.kernel, lf.initrd, lf.env}
+	if state != nil {
+		extra = append(extra, state)
+	}
+	cmd := &exec.Cmd{
+		Path:       s.cfg.QEMUPath,
+		Args:       append([]string{"qemu-system-x86_64"}, s.qemuArgs(l)...),
+		Env:        []string{},
+		Dir:        "/",
+		Stdin:      nil,
+		Stdout:     inst.log,
+		Stderr:     inst.log,
+		ExtraFiles: extra,
+		WaitDelay:  2 * time.Second,
+		SysProcAttr: &syscall.SysProcAttr{
+			Credential: cred,
+			Pdeathsig:  syscall.SIGKILL,
+			Setsid:     true,
+		},
+	}
+	var startErr error
+	if err := s.spawn(func() { startErr = cmd.Start() }); err != nil {
+		return fail(err)
+	}
+	if startErr != nil {
+		return fail(fmt.Errorf("launch qemu: %w", startErr))
+	}
+	inst.cmd = cmd
+	inst.pid = cmd.Process.Pid
+	inst.wg.Add(1)
+	go inst.wait()
+	lf.close() // QEMU holds its copies; the listener must be QEMU's alone
+	if state != nil {
+		state.Close()
+	}
+	q, err := newQMP(ctx, lf.qmp)
+	lf.qmp = nil // the client owns it now
+	if err != nil {
+		return fail(err)
+	}
+	inst.qmp = q
+	if l.incoming {
+		if err := inst.finishIncoming(ctx); err != nil {
+			return fail(err)
+		}
+	}
+	st, err := q.status(ctx)
+	if err != nil {
+		return fail(err)
+	}
+	if st != "running" {
+		return fail(fmt.Errorf("vm is %q after start", st))
+	}
+	s.cfg.Logger.Debug("microvm: started", "route", spec.Route.String(), "pid", inst.pid,
+		"accel", s.accel, "restored", l.incoming, "took", time.Since(t0))
+	return inst, nil
+}
+
+// launchFiles are what QEMU inherits (listener, qmpChild, kernel, initrd,
+// env: its fds 3 to 7) and the substrate's end of the QMP socketpair.
+type launchFiles struct {
+	listener, qmpChild, kernel, initrd, env *os.File
+	qmp                                     *net.UnixConn
+	once                                    sync.Once
+}
+
+// close closes the inherited files (QEMU keeps its own copies) and, unless
+// taken, the QMP connection. Idempotent.
+func (lf *launchFiles) close() {
+	lf.once.Do(func() {
+		for _, f := range []*os.File{lf.listener, lf.qmpChild, lf.kernel, lf.initrd, lf.env} {
+			if f != nil {
+				f.Close()
+			}
+		}
+	})
+}
+
+func (lf *launchFiles) closeAll() {
+	lf.close()
+	if lf.qmp != nil {
+		lf.qmp.Close()
+	}
+}
+
+// openLaunchFiles binds the agent channel's listener at inst.socket and
+// opens everything else QEMU inherits.
+func (s *Substrate) openLaunchFiles(inst *instance, imgPath string, env []byte) (_ *launchFiles, err error) {
+	lf := &launchFiles{}
+	defer func() {
+		if err != nil {
+			lf.closeAll()
+		}
+	}()
+	if err := os.Remove(inst.socket); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("stale socket: %w", err)
+	}
+	lfd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	lf.listener = os.NewFile(uintptr(lfd), "guest-listener")
+	if err := unix.Bind(lfd, &unix.SockaddrUnix{Name: inst.socket}); err != nil {
+		return nil, fmt.Errorf("bind %s: %w", inst.socket, err)
+	}
+	if err := unix.Listen(lfd, 16); err != nil {
+		return nil, err
+	}
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	lf.qmpChild = os.NewFile(uintptr(pair[1]), "qmp-qemu")
+	if lf.qmp, err = fileConn(os.NewFile(uintptr(pair[0]), "qmp")); err != nil {
+		return nil, err
+	}
+	if lf.kernel, err = os.Open(s.cfg.KernelPath); err != nil {
+		return nil, err
+	}
+	if lf.initrd, err = os.Open(imgPath); err != nil {
+		return nil, err
+	}
+	mfd, err := unix.MemfdCreate("space-agent-env", unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, err
+	}
+	lf.env = os.NewFile(uintptr(mfd), "agent-env")
+	if len(env) == 0 {
+		env = []byte("\n") // fw_cfg refuses an empty file
+	}
+	if _, err := lf.env.Write(env); err != nil {
+		return nil, err
+	}
+	if _, err := lf.env.Seek(0, 0); err != nil {
+		return nil, err
+	}
+	return lf, nil
+}
+
+// fileConn turns f (a connected Unix socket) into a *net.UnixConn; f is
+// closed (the conn has its own descriptor).
+func fileConn(f *os.File) (*net.UnixConn, error) {
+	c, err := net.FileConn(f)
+	f.Close()
+	if err != nil {
+		return nil, err
+	}
+	uc, ok := c.(*net.UnixConn)
+	if !ok {
+		c.Close()
+		return nil, errors.New("microvm: qmp: not a unix socket")
+	}
+	return uc, nil
+}

@@ -1,0 +1,122 @@
+//go:build linux
+
+package microvm
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// Stats sampling: a CPU percentage needs two readings; Stats reuses the
+// previous call's reading when it is between cpuSampleMin and cpuSampleMax
+// old and otherwise takes two readings cpuSampleMin apart.
+const (
+	cpuSampleMin = 100 * time.Millisecond
+	cpuSampleMax = 10 * time.Second
+)
+
+type cpuReading struct {
+	at    time.Time
+	usage time.Duration
+}
+
+// clkTck is USER_HZ, 100 on every Linux architecture SPACE runs on.
+const clkTck = 100
+
+// Stats samples the VM from the host's side:
+//
+//   - CPU: QEMU's user+system time (/proc/<pid>/stat) over the interval,
+//     in percent of one core; CPUCount is the vCPU count;
+//   - memory: MemTotal is the guest's memory; MemUsed is QEMU's resident
+//     set (guest pages it touched plus QEMU's own, so an upper bound of
+//     what the guest uses; a guest never gives pages back without a
+//     balloon); MemCache is 0 (not visible from the host);
+//   - disk: 0 and 0 (files live in guest memory, see the package doc).
+func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
+	i.mu.Lock()
+	err := i.live()
+	i.mu.Unlock()
+	if err != nil {
+		return substrate.Stats{}, err
+	}
+	i.statsMu.Lock()
+	defer i.statsMu.Unlock()
+	cur, err := readProcCPU(i.pid)
+	if err != nil {
+		return substrate.Stats{}, err
+	}
+	prev := i.lastCPU
+	if age := cur.at.Sub(prev.at); prev.at.IsZero() || age < cpuSampleMin || age > cpuSampleMax {
+		prev = cur
+		t := time.NewTimer(cpuSampleMin)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return substrate.Stats{}, ctx.Err()
+		case <-t.C:
+		}
+		if cur, err = readProcCPU(i.pid); err != nil {
+			return substrate.Stats{}, err
+		}
+	}
+	i.lastCPU = cur
+	st := substrate.Stats{
+		Timestamp: cur.at,
+		CPUCount:  i.shape.VCPUs,
+		MemTotal:  i.shape.MemoryMiB << 20,
+	}
+	if d := cur.at.Sub(prev.at); d > 0 {
+		st.CPUUsedPct = 100 * float64(cur.usage-prev.usage) / float64(d)
+	}
+	if rss, err := readRSS(i.pid); err == nil {
+		st.MemUsed = min(rss, st.MemTotal)
+	}
+	return st, nil
+}
+
+func readProcCPU(pid int) (cpuReading, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return cpuReading{}, fmt.Errorf("microvm: stats: %w", err)
+	}
+	at := time.Now()
+	// Fields after the parenthesized command: state is field 3, utime 14,
+	// stime 15.
+	s := string(b)
+	end := strings.LastIndexByte(s, ')')
+	if end < 0 {
+		return cpuReading{}, fmt.Errorf("microvm: stats: malformed /proc/%d/stat", pid)
+	}
+	f := strings.Fields(s[end+1:])
+	if len(f) < 13 {
+		return cpuReading{}, fmt.Errorf("microvm: stats: malformed /proc/%d/stat", pid)
+	}
+	ut, err1 := strconv.ParseInt(f[11], 10, 64)
+	stt, err2 := strconv.ParseInt(f[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return cpuReading{}, fmt.Errorf("microvm: stats: malformed /proc/%d/stat", pid)
+	}
+	return cpuReading{at: at, usage: time.Duration(ut+stt) * time.Second / clkTck}, nil
+}
+
+func readRSS(pid int) (int64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/statm", pid))
+	if err != nil {
+		return 0, err
+	}
+	f := strings.Fields(string(b))
+	if len(f) < 2 {
+		return 0, fmt.Errorf("malformed statm")
+	}
+	pages, err := strconv.ParseInt(f[1], 10, 64)
+	if err != nil {
+		return 0, err
+	}
+	return pages * int64(os.Getpagesize()), nil
+}

@@ -1,0 +1,354 @@
+//go:build linux
+
+package microvm
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// testConfig finds QEMU and the kernel `make vm-deps` extracts into the
+// repository's .cache/vm/kernel, or skips.
+func testConfig(t *testing.T) Config {
+	t.Helper()
+	if _, err := os.Stat(DefaultQEMUPath); err != nil {
+		t.Skipf("skipping: %s missing (make vm-deps installs it)", DefaultQEMUPath)
+	}
+	if _, err := os.Stat(DefaultBusyboxPath); err != nil {
+		t.Skipf("skipping: %s missing (make vm-deps installs busybox-static)", DefaultBusyboxPath)
+	}
+	wd, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := wd
+	for {
+		if _, err := os.Stat(filepath.Join(root, "go.mod")); err == nil {
+			break
+		}
+		if root == "/" {
+			t.Fatal("no go.mod above the test directory")
+		}
+		root = filepath.Dir(root)
+	}
+	kdir := filepath.Join(root, ".cache", "vm", "kernel")
+	if _, err := os.Stat(filepath.Join(kdir, "vmlinuz")); err != nil {
+		t.Skipf("skipping: no guest kernel in %s (run make vm-deps)", kdir)
+	}
+	state := t.TempDir()
+	return Config{
+		StateDir:    state,
+		KernelPath:  filepath.Join(kdir, "vmlinuz"),
+		ModulesDir:  filepath.Join(kdir, "modules"),
+		UIDLockDir:  filepath.Join(state, "uids"),
+		StopTimeout: 3 * time.Second,
+		testMode:    "counter",
+	}
+}
+
+func testRoute(act string) identity.Route {
+	return identity.Route{
+		SandboxID: "vmtest01", Generation: 1, ExecutionID: "exec1", WorkerID: "w1",
+		Substrate: identity.SubstrateMicroVM, ActivationID: act,
+	}
+}
+
+// channel is a connection to the guest's test loop.
+type channel struct {
+	c  net.Conn
+	rd *bufio.Reader
+}
+
+func dialChannel(t *testing.T, inst substrate.Instance) *channel {
+	t.Helper()
+	c, err := net.Dial("unix", inst.GuestSocket())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return &channel{c: c, rd: bufio.NewReader(c)}
+}
+
+// ask sends line and returns the reply line, or an error after timeout.
+func (ch *channel) ask(line string, timeout time.Duration) (string, error) {
+	if _, err := ch.c.Write([]byte(line + "\n")); err != nil {
+		return "", err
+	}
+	return ch.reply(timeout)
+}
+
+func (ch *channel) reply(timeout time.Duration) (string, error) {
+	_ = ch.c.SetReadDeadline(time.Now().Add(timeout))
+	s, err := ch.rd.ReadString('\n')
+	return strings.TrimSpace(s), err
+}
+
+func TestVMLifecycleSaveRestore(t *testing.T) {
+	cfg := testConfig(t)
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	agent := DefaultBusyboxPath // the counter test mode never runs the agent
+	base := t.TempDir()
+	spec := substrate.Spec{
+		Route: testRoute("a1"), Template: "base", Dir: filepath.Join(base, "a1"), AgentPath: agent,
+		AgentEnv: []string{"SPACE_GUEST_CONFIG={\"x\":\"it's\"}"},
+	}
+
+	// Image build is measured apart from the boot.
+	t0 := time.Now()
+	if _, _, err := s.ensureImage(agent); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("image build: %s (accel %s)", time.Since(t0).Round(time.Millisecond), s.Accel())
+
+	t0 = time.Now()
+	inst, err := s.Start(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := time.Since(t0)
+	defer inst.Stop(context.Background())
+	ch := dialChannel(t, inst)
+	// Bytes sent before the guest opens its port wait in the socket (QEMU
+	// reads only what the guest can take), so one line suffices.
+	if r, err := ch.ask("a", 60*time.Second); err != nil || r != "1 a" {
+		t.Fatalf("first reply %q, %v; want %q; console:\n%s", r, err, "1 a", inst.(*instance).consoleTail(3000))
+	}
+	t.Logf("Start returned after %s; guest answered %s after Start began (%s)", started.Round(time.Millisecond),
+		time.Since(t0).Round(time.Millisecond), grepLine(inst.(*instance).consoleTail(4096), "space-init: ready"))
+	if r, err := ch.ask("b", 5*time.Second); err != nil || r != "2 b" {
+		t.Fatalf("second reply %q, %v", r, err)
+	}
+
+	// The listener belongs to QEMU: a client's SO_PEERCRED names QEMU's pid
+	// (and, as root, the instance's own uid).
+	uc := ch.c.(*net.UnixConn)
+	raw, _ := uc.SyscallConn()
+	var cred *unix.Ucred
+	_ = raw.Control(func(fd uintptr) { cred, err = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if int(cred.Pid) != inst.InitPID() {
+		t.Errorf("listener peer pid %d, want QEMU's %d", cred.Pid, inst.InitPID())
+	}
+	if os.Geteuid() == 0 {
+		vi := inst.(*instance)
+		if cred.Uid != vi.uid.uid || cred.Uid < DefaultUIDFirst {
+			t.Errorf("QEMU runs as uid %d, want its leased uid %d", cred.Uid, vi.uid.uid)
+		}
+	}
+
+	// Pause: nothing comes back while stopped; Resume delivers it.
+	t0 = time.Now()
+	if err := inst.Pause(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pauseTook := time.Since(t0)
+	if r, err := ch.ask("c", 700*time.Millisecond); err == nil {
+		t.Fatalf("paused guest answered %q", r)
+	}
+	t0 = time.Now()
+	if err := inst.Resume(ctx); err != nil {
+		t.Fatal(err)
+	}
+	resumeTook := time.Since(t0)
+	if r, err := ch.reply(10 * time.Second); err != nil || r != "3 c" {
+		t.Fatalf("reply after resume %q, %v", r, err)
+	}
+	t.Logf("pause %s, resume %s", pauseTook.Round(time.Microsecond), resumeTook.Round(time.Microsecond))
+
+	st, err := inst.(substrate.StatsReporter).Stats(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.CPUCount != 1 || st.MemTotal != DefaultMemoryBytes || st.MemUsed <= 0 {
+		t.Errorf("stats %+v", st)
+	}
+
+	// SaveState needs a paused VM.
+	saver := inst.(substrate.StateSaver)
+	if _, err := saver.SaveState(ctx, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "paused") {
+		t.Fatalf("SaveState on a running vm: %v", err)
+	}
+	if err := inst.Pause(ctx); err != nil {
+		t.Fatal(err)
+	}
+	statePath := filepath.Join(base, "state")
+	f, err := os.Create(statePath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 = time.Now()
+	n, err := saver.SaveState(ctx, f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	saveTook := time.Since(t0)
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if fi, _ := os.Stat(statePath); fi.Size() != n {
+		t.Fatalf("SaveState reported %d bytes, file has %d", n, fi.Size())
+	}
+	t.Logf("SaveState of a %d MiB guest: %d bytes (%.1f MiB) in %s", DefaultMemoryBytes>>20, n, float64(n)/(1<<20), saveTook.Round(time.Millisecond))
+
+	// The source can continue after a save (postmigrate -> running).
+	if err := inst.Resume(ctx); err != nil {
+		t.Fatalf("resume after save: %v", err)
+	}
+	if r, err := ch.ask("d", 10*time.Second); err != nil || r != "4 d" {
+		t.Fatalf("source after save: %q, %v", r, err)
+	}
+	t0 = time.Now()
+	if err := inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("stop %s", time.Since(t0).Round(time.Millisecond))
+	select {
+	case <-inst.Done():
+	default:
+		t.Fatal("Done not closed after Stop")
+	}
+	if err := inst.Stop(ctx); err != nil {
+		t.Fatalf("second Stop: %v", err)
+	}
+	if _, err := os.Stat(spec.Dir + "/" + SocketName); !os.IsNotExist(err) {
+		t.Errorf("guest.sock left behind: %v", err)
+	}
+	if err := inst.Pause(ctx); err == nil {
+		t.Error("Pause after Stop succeeded")
+	}
+
+	// Restore in another activation dir: the loop goes on counting from
+	// the saved state (counter 3 at save time, "d" came after).
+	spec2 := spec
+	spec2.Route = testRoute("a2")
+	spec2.Dir = filepath.Join(base, "a2")
+	spec2.RestoreState = statePath
+	t0 = time.Now()
+	inst2, err := s.Start(ctx, spec2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	restoreStart := time.Since(t0)
+	defer inst2.Stop(context.Background())
+	ch2 := dialChannel(t, inst2)
+	r, err := ch2.ask("e", 30*time.Second)
+	if err != nil || r != "4 e" {
+		t.Fatalf("restored guest answered %q, %v; want \"4 e\" (console: %s)", r, err, inst2.(*instance).consoleTail(1000))
+	}
+	t.Logf("restore: Start returned after %s, first answer after %s", restoreStart.Round(time.Millisecond), time.Since(t0).Round(time.Millisecond))
+	if err := inst2.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// Mismatches are rejected before QEMU starts.
+	spec3 := spec2
+	spec3.Route = testRoute("a3")
+	spec3.Dir = filepath.Join(base, "a3")
+	spec3.Limits.MemoryBytes = 512 << 20
+	if _, err := s.Start(ctx, spec3); err == nil || !strings.Contains(err.Error(), "256 MiB") {
+		t.Errorf("restore with other memory: %v", err)
+	}
+	spec3.Limits = substrate.Limits{}
+	tampered := filepath.Join(base, "tampered")
+	rewriteHeader(t, statePath, tampered, func(h *stateHeader) { h.ImageID = strings.Repeat("0", 64) })
+	spec3.RestoreState = tampered
+	if _, err := s.Start(ctx, spec3); err == nil || !strings.Contains(err.Error(), "guest image") {
+		t.Errorf("restore of another image: %v", err)
+	}
+	if err := os.WriteFile(tampered, []byte("not a state file at all"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Start(ctx, spec3); err == nil || !strings.Contains(err.Error(), "magic") {
+		t.Errorf("restore of garbage: %v", err)
+	}
+}
+
+// rewriteHeader copies a state file with its header changed by mut.
+func rewriteHeader(t *testing.T, src, dst string, mut func(*stateHeader)) {
+	t.Helper()
+	f, h, err := openState(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	mut(&h)
+	hb, err := h.marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := os.Create(dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer out.Close()
+	if _, err := out.Write(hb); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := out.ReadFrom(f); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestAgentEnvReachesInit checks the quoting of the environment script
+// with the same busybox sh the guest runs.
+func TestAgentEnvScript(t *testing.T) {
+	vals := []string{`plain`, `it's "quoted" $HOME \n`, "multi\nline", `'`, ``}
+	var env []string
+	for i, v := range vals {
+		env = append(env, fmt.Sprintf("V%d=%s", i, v))
+	}
+	script, err := agentEnvScript(env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range []string{"1X=a", "A-B=c", "noequals", "X=a\x00b"} {
+		if _, err := agentEnvScript([]string{bad}); err == nil {
+			t.Errorf("%q accepted", bad)
+		}
+	}
+	sh := DefaultBusyboxPath
+	if _, err := os.Stat(sh); err != nil {
+		t.Skip("no busybox")
+	}
+	p := filepath.Join(t.TempDir(), "env")
+	if err := os.WriteFile(p, script, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for i, v := range vals {
+		out, err := exec.Command(sh, "sh", "-c", fmt.Sprintf(`. %s && printf %%s "$V%d"`, p, i)).Output()
+		if err != nil || string(out) != v {
+			t.Errorf("V%d = %q, %v; want %q", i, out, err, v)
+		}
+	}
+}
+
+func grepLine(text, sub string) string {
+	for _, l := range strings.Split(text, "\n") {
+		if strings.Contains(l, sub) {
+			return strings.TrimSpace(l)
+		}
+	}
+	return ""
+}
