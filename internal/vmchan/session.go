@@ -346,8 +346,9 @@ func (s *session) open() (*Stream, error) {
 	s.lastID++
 	st := newStream(s, s.lastID)
 	s.streams[st.id] = st
-	s.mu.Unlock()
+	// Queued under s.mu: OPENs must reach the guest in id order.
 	s.queueCtrl(FrameOpen, st.id)
+	s.mu.Unlock()
 	return st, nil
 }
 
