@@ -63,15 +63,16 @@ func (id Identity) Validate() error {
 
 // Defaults applied by New for zero-valued Config fields.
 const (
-	DefaultUser             = "user"
-	DefaultPasswdPath       = "/etc/passwd"
-	DefaultGroupPath        = "/etc/group"
-	DefaultMaxUploadBytes   = int64(4) << 30 // per /files request
-	DefaultMaxMessageBytes  = 16 << 20       // per Connect message
-	DefaultMaxWatcherEvents = 10000          // buffered per polled watcher
-	DefaultMaxWatchers      = 256            // polled watchers + WatchDir streams
-	DefaultShutdownTimeout  = 5 * time.Second
-	DefaultPath             = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+	DefaultUser                = "user"
+	DefaultPasswdPath          = "/etc/passwd"
+	DefaultGroupPath           = "/etc/group"
+	DefaultMaxUploadBytes      = int64(4) << 30 // per /files request
+	DefaultMaxMessageBytes     = 16 << 20       // per Connect message
+	DefaultMaxWatcherEvents    = 10000          // buffered per polled watcher
+	DefaultMaxWatchers         = 256            // polled watchers + WatchDir streams
+	DefaultShutdownTimeout     = 5 * time.Second
+	DefaultDetachedOutputBytes = 1 << 20 // per process, VM mode
+	DefaultPath                = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 )
 
 // Config configures the agent. The zero value of every field means "use the
@@ -103,6 +104,14 @@ type Config struct {
 	MaxWatchers int `json:"max_watchers,omitempty"`
 	// ShutdownTimeout bounds Close. Default 5s. (JSON: nanoseconds.)
 	ShutdownTimeout time.Duration `json:"shutdown_timeout,omitempty"`
+	// DetachedOutputBytes, when positive, keeps up to that many bytes of
+	// each process's output produced while no stream is subscribed to it
+	// (the oldest dropped first, counted) and delivers them first to the
+	// next process.Process/Connect: a client that reattaches after a VM
+	// move loses no output. Zero: output without a subscriber is dropped
+	// (the ns substrate, where processes do not survive a move). VM mode
+	// defaults it to DefaultDetachedOutputBytes.
+	DetachedOutputBytes int `json:"detached_output_bytes,omitempty"`
 	// Logger receives operational logs. Default: slog.Default().
 	Logger *slog.Logger `json:"-"`
 	// UserCgroupProcs, when set, is the cgroup.procs file (open for
@@ -167,7 +176,7 @@ func (c Config) Validate() error {
 			errs = append(errs, fmt.Errorf("env: value of %q contains NUL", k))
 		}
 	}
-	if c.MaxUploadBytes < 0 || c.MaxMessageBytes < 0 || c.MaxWatcherEvents < 0 || c.MaxWatchers < 0 || c.ShutdownTimeout < 0 {
+	if c.MaxUploadBytes < 0 || c.DetachedOutputBytes < 0 || c.MaxMessageBytes < 0 || c.MaxWatcherEvents < 0 || c.MaxWatchers < 0 || c.ShutdownTimeout < 0 {
 		errs = append(errs, errors.New("limits must not be negative"))
 	}
 	return errors.Join(errs...)

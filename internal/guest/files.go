@@ -59,7 +59,7 @@ func (s *Server) filesUser(r *http.Request) (*account, *userDB, error) {
 		}
 	}
 	if name == "" {
-		name = s.cfg.DefaultUser
+		name = s.act.Load().DefaultUser
 	}
 	db, err := s.users()
 	if err != nil {

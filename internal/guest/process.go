@@ -62,6 +62,12 @@ type proc struct {
 	mu   sync.Mutex
 	subs map[*subscriber]struct{}
 	end  *processpb.ProcessEvent // set when the process ended and output is drained
+	// detached is output produced while no stream was subscribed, kept
+	// for the next Connect (at most detachLimit bytes; 0: none kept).
+	detachLimit   int
+	detached      []*processpb.ProcessEvent
+	detachedBytes int
+	dropped       uint64 // bytes of detached output dropped (oldest first)
 }
 
 type subscriber struct {
@@ -82,6 +88,22 @@ func (p *proc) subscribe() (*subscriber, *processpb.ProcessEvent) {
 	return sub, nil
 }
 
+// reattach is subscribe for process.Process/Connect: it also takes the
+// output kept while nobody was subscribed (Config.DetachedOutputBytes),
+// to be sent before anything else, and how many bytes of it were dropped.
+func (p *proc) reattach() (*subscriber, *processpb.ProcessEvent, []*processpb.ProcessEvent, uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	kept, dropped := p.detached, p.dropped
+	p.detached, p.detachedBytes, p.dropped = nil, 0, 0
+	if p.end != nil {
+		return nil, p.end, kept, dropped
+	}
+	sub := &subscriber{ch: make(chan *processpb.ProcessEvent, subscriberBuffer), done: make(chan struct{})}
+	p.subs[sub] = struct{}{}
+	return sub, nil, kept, dropped
+}
+
 func (p *proc) unsubscribe(sub *subscriber) {
 	if sub == nil {
 		return
@@ -91,13 +113,62 @@ func (p *proc) unsubscribe(sub *subscriber) {
 	if _, ok := p.subs[sub]; ok {
 		delete(p.subs, sub)
 		close(sub.done)
+		p.rescueLocked(sub)
 	}
+}
+
+// rescueLocked moves what sub had queued but its stream never sent into
+// the detached output, when sub was the last subscriber.
+func (p *proc) rescueLocked(sub *subscriber) {
+	if p.detachLimit <= 0 || len(p.subs) > 0 {
+		return
+	}
+	for {
+		select {
+		case ev, ok := <-sub.ch:
+			if !ok {
+				return
+			}
+			p.keepLocked(ev)
+		default:
+			return
+		}
+	}
+}
+
+// keepLocked keeps a data event produced while nobody is subscribed,
+// dropping the oldest kept output beyond Config.DetachedOutputBytes.
+func (p *proc) keepLocked(ev *processpb.ProcessEvent) {
+	if p.detachLimit <= 0 || ev.GetData() == nil {
+		return
+	}
+	p.detached = append(p.detached, ev)
+	p.detachedBytes += dataLen(ev)
+	for p.detachedBytes > p.detachLimit && len(p.detached) > 0 {
+		n := dataLen(p.detached[0])
+		p.detached[0] = nil
+		p.detached = p.detached[1:]
+		p.detachedBytes -= n
+		p.dropped += uint64(n)
+	}
+}
+
+func dataLen(ev *processpb.ProcessEvent) int {
+	d := ev.GetData()
+	return len(d.GetStdout()) + len(d.GetStderr()) + len(d.GetPty())
 }
 
 // publish delivers ev to every current subscriber, blocking while a live
 // subscriber's queue is full (backpressure), never after it unsubscribed.
+// Without subscribers, data is kept for the next Connect when
+// Config.DetachedOutputBytes is set, and dropped otherwise.
 func (p *proc) publish(ev *processpb.ProcessEvent) {
 	p.mu.Lock()
+	if len(p.subs) == 0 {
+		p.keepLocked(ev)
+		p.mu.Unlock()
+		return
+	}
 	subs := make([]*subscriber, 0, len(p.subs))
 	for s := range p.subs {
 		subs = append(subs, s)
@@ -106,8 +177,35 @@ func (p *proc) publish(ev *processpb.ProcessEvent) {
 	for _, s := range subs {
 		select {
 		case s.ch <- ev:
+			select {
+			case <-s.done: // queued after the stream went away
+				p.mu.Lock()
+				p.rescueLocked(s)
+				p.mu.Unlock()
+			default:
+			}
 		case <-s.done:
+			p.mu.Lock()
+			if len(p.subs) == 0 {
+				p.keepLocked(ev)
+			}
+			p.mu.Unlock()
 		}
+	}
+}
+
+// requeue puts kept output a Connect could not send back in front of the
+// detached output, for the next Connect.
+func (p *proc) requeue(evs []*processpb.ProcessEvent) {
+	if len(evs) == 0 {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	rest := p.detached
+	p.detached, p.detachedBytes = nil, 0
+	for _, ev := range append(append([]*processpb.ProcessEvent(nil), evs...), rest...) {
+		p.keepLocked(ev)
 	}
 }
 
@@ -242,6 +340,8 @@ func (s *Server) startProcess(h http.Header, req *processpb.StartRequest) (*proc
 		cfg:  proto.Clone(pc).(*processpb.ProcessConfig),
 		cmd:  cmd,
 		subs: make(map[*subscriber]struct{}),
+
+		detachLimit: s.cfg.DetachedOutputBytes,
 	}
 	sub, _ := p.subscribe()
 
@@ -454,7 +554,7 @@ func (s *Server) waitProcess(p *proc, readers []*os.File, readersWG *sync.WaitGr
 // HOME/USER/LOGNAME, PWD, then the request's envs (which win).
 func (s *Server) processEnv(acct *account, cwd string, reqEnv map[string]string) ([]string, error) {
 	m := map[string]string{"PATH": DefaultPath}
-	for k, v := range s.cfg.Env {
+	for k, v := range s.act.Load().Env {
 		m[k] = v
 	}
 	m["HOME"] = acct.Home
@@ -605,11 +705,21 @@ func (ps *processService) Connect(ctx context.Context, req *connect.Request[proc
 	if err != nil {
 		return err
 	}
-	sub, end := p.subscribe()
+	sub, end, kept, dropped := p.reattach()
 	defer p.unsubscribe(sub)
 	send := func(ev *processpb.ProcessEvent) error { return stream.Send(&processpb.ConnectResponse{Event: ev}) }
 	if err := send(startEvent(p.pid)); err != nil {
+		p.requeue(kept)
 		return err
+	}
+	if dropped > 0 {
+		ps.s.log.Warn("detached process output dropped", "pid", p.pid, "bytes", dropped)
+	}
+	for i, ev := range kept {
+		if err := send(ev); err != nil {
+			p.requeue(kept[i:])
+			return err
+		}
 	}
 	if end != nil {
 		return send(end)

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -43,6 +44,10 @@ type Server struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup // every goroutine the server owns
 
+	// act is the per-activation part of the configuration; Reactivate
+	// replaces it as a whole.
+	act atomic.Pointer[activation]
+
 	mu        sync.Mutex
 	closed    bool
 	procs     map[uint32]*proc
@@ -67,6 +72,7 @@ func New(cfg Config) (*Server, error) {
 		procs:    make(map[uint32]*proc),
 		watchers: make(map[string]*pollWatcher),
 	}
+	s.act.Store(&activation{Identity: cfg.Identity, Env: cfg.Env, DefaultUser: cfg.DefaultUser})
 	opts := []connect.HandlerOption{connect.WithReadMaxBytes(cfg.MaxMessageBytes)}
 	mux := http.NewServeMux()
 	mux.Handle(processpbconnect.NewProcessHandler(&processService{s}, opts...))
@@ -80,7 +86,7 @@ func New(cfg Config) (*Server, error) {
 	mux.HandleFunc("GET "+PathIdentity, func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		w.Header().Set("Cache-Control", "no-store")
-		_ = json.NewEncoder(w).Encode(s.cfg.Identity)
+		_ = json.NewEncoder(w).Encode(s.Identity())
 	})
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeJSONError(w, http.StatusNotFound, "no route for "+r.Method+" "+r.URL.Path)
@@ -102,6 +108,32 @@ func New(cfg Config) (*Server, error) {
 		go func() { defer s.wg.Done(); s.reapOrphans() }()
 	}
 	return s, nil
+}
+
+// activation is what an activation sets and a later one (after a VM
+// restore) replaces atomically: requests read it once through s.act.
+type activation struct {
+	Identity    Identity
+	Env         map[string]string
+	DefaultUser string
+}
+
+// Identity returns the identity the agent currently holds.
+func (s *Server) Identity() Identity { return s.act.Load().Identity }
+
+// Reactivate replaces the per-activation configuration (identity, env,
+// default user) with cfg's, atomically: requests that start afterwards
+// see only the new values. The other fields of cfg are ignored (limits,
+// paths and the cgroup keep their first values). Processes keep running.
+func (s *Server) Reactivate(cfg Config) error {
+	if err := cfg.Validate(); err != nil {
+		return fmt.Errorf("guest: invalid config: %w", err)
+	}
+	cfg = cfg.withDefaults()
+	old := s.act.Swap(&activation{Identity: cfg.Identity, Env: cfg.Env, DefaultUser: cfg.DefaultUser})
+	s.log.Info("agent reactivated", "sandbox", cfg.Identity.Sandbox, "generation", cfg.Identity.Generation,
+		"execution", cfg.Identity.Execution, "activation", cfg.Identity.Activation, "previous_activation", old.Identity.Activation)
+	return nil
 }
 
 // Handler returns the HTTP handler of the whole API (for tests and for
@@ -170,7 +202,7 @@ func (s *Server) users() (*userDB, error) {
 // userFromAuth returns the account named by an "Authorization: Basic
 // base64(user:)" header (as sent by the e2b SDK), or the default user.
 func (s *Server) userFromAuth(h http.Header) (*account, *userDB, error) {
-	name := s.cfg.DefaultUser
+	name := s.act.Load().DefaultUser
 	if a := h.Get("Authorization"); a != "" {
 		u, ok := basicUser(a)
 		if !ok {

@@ -1,0 +1,178 @@
+package guest
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/spacesbx/space/internal/vmchan"
+)
+
+// Defaults of VM mode.
+const (
+	DefaultVirtioPortsDir = "/sys/class/virtio-ports"
+	DefaultDevDir         = "/dev"
+	// DefaultPortWait bounds the wait for the port device to appear.
+	DefaultPortWait = 30 * time.Second
+)
+
+// VMConfig configures VM mode: the agent inside a microVM, reached over
+// one virtio-serial port multiplexed with vmchan, configured by the
+// host's ACTIVATE message instead of SPACE_GUEST_CONFIG.
+type VMConfig struct {
+	// Port is the virtio-serial port name (e.g. "space.0"), resolved to
+	// /dev/vportNpM through /sys/class/virtio-ports/*/name.
+	Port string
+	// Base supplies what the activation cannot: Logger (and tests may
+	// set paths and limits; the activation's non-zero fields win).
+	// DetachedOutputBytes defaults to DefaultDetachedOutputBytes.
+	Base Config
+	// PortsDir and DevDir default to /sys/class/virtio-ports and /dev.
+	PortsDir, DevDir string
+	// PortWait bounds the wait for the port to appear. Default 30s.
+	PortWait time.Duration
+}
+
+// ResolvePort returns the device path of the virtio-serial port named
+// name, listed in portsDir (one directory per port with a "name" file).
+func ResolvePort(portsDir, devDir, name string) (string, error) {
+	ents, err := os.ReadDir(portsDir)
+	if err != nil {
+		return "", fmt.Errorf("virtio ports: %w", err)
+	}
+	for _, e := range ents {
+		b, err := os.ReadFile(filepath.Join(portsDir, e.Name(), "name"))
+		if err == nil && strings.TrimSpace(string(b)) == name {
+			return filepath.Join(devDir, e.Name()), nil
+		}
+	}
+	return "", fmt.Errorf("virtio port %q: %w", name, os.ErrNotExist)
+}
+
+// RunVM runs the agent in VM mode until ctx ends: it waits for the port,
+// opens it and serves every session the host starts on it. The first
+// activation creates the server, later ones (after a restore elsewhere)
+// replace its identity, env and default user (Server.Reactivate) before
+// the ACK; processes keep running across sessions.
+func RunVM(ctx context.Context, vc VMConfig) error {
+	if vc.Port == "" {
+		return errors.New("guest: vm mode: port name is required")
+	}
+	if vc.PortsDir == "" {
+		vc.PortsDir = DefaultVirtioPortsDir
+	}
+	if vc.DevDir == "" {
+		vc.DevDir = DefaultDevDir
+	}
+	if vc.PortWait <= 0 {
+		vc.PortWait = DefaultPortWait
+	}
+	log := vc.Base.withDefaults().Logger
+	var dev string
+	deadline := time.Now().Add(vc.PortWait)
+	for {
+		var err error
+		if dev, err = ResolvePort(vc.PortsDir, vc.DevDir, vc.Port); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("guest: vm mode: %w", err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	// O_NONBLOCK: the runtime poller then serves the port, so a write that
+	// blocks while no host is connected can be cut by a deadline.
+	f, err := os.OpenFile(dev, os.O_RDWR|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("guest: vm mode: open %s: %w", dev, err)
+	}
+	log.Info("vm mode: serving", "port", vc.Port, "device", dev)
+	return ServeVM(ctx, f, vc.Base)
+}
+
+// ServeVM serves VM mode on an open port (which it owns) until ctx ends,
+// then closes the server and the port.
+func ServeVM(ctx context.Context, port io.ReadWriteCloser, base Config) error {
+	if base.DetachedOutputBytes == 0 {
+		base.DetachedOutputBytes = DefaultDetachedOutputBytes
+	}
+	a := &vmAgent{base: base, log: base.withDefaults().Logger}
+	a.l = vmchan.NewListener(port, vmchan.ListenerConfig{Activate: a.activate, Logger: a.log})
+	a.l.Start()
+	<-ctx.Done()
+	a.mu.Lock()
+	a.closed = true
+	srv := a.srv
+	a.mu.Unlock()
+	var serr error
+	if srv != nil {
+		serr = srv.Close() // kills processes, shuts the HTTP server down
+	}
+	_ = a.l.Close() // ends the session, the reader and the writer
+	a.wg.Wait()
+	return errors.Join(serr, a.serveErr)
+}
+
+// vmAgent holds the server of VM mode, created by the first activation.
+type vmAgent struct {
+	base Config
+	log  *slog.Logger
+	l    *vmchan.Listener
+
+	mu       sync.Mutex
+	srv      *Server
+	closed   bool
+	wg       sync.WaitGroup // Serve
+	serveErr error
+}
+
+// activate applies an ACTIVATE payload (the JSON of Config) and returns
+// the identity the agent now holds, for the ACK.
+func (a *vmAgent) activate(sid vmchan.SessionID, payload []byte) ([]byte, error) {
+	cfg := a.base
+	if err := json.Unmarshal(payload, &cfg); err != nil {
+		return nil, fmt.Errorf("activation: %w", err)
+	}
+	cfg.Logger, cfg.UserCgroupProcs = a.base.Logger, nil // the VM is the limit
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("activation: %w", err)
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return nil, errors.New("agent is shutting down")
+	}
+	if a.srv == nil {
+		srv, err := New(cfg)
+		if err != nil {
+			return nil, err
+		}
+		a.srv = srv
+		a.wg.Add(1)
+		go func() {
+			defer a.wg.Done()
+			if err := srv.Serve(a.l); err != nil && !errors.Is(err, net.ErrClosed) {
+				a.serveErr = err
+			}
+		}()
+		a.log.Info("vm mode: activated", "session", sid.String(), "sandbox", cfg.Identity.Sandbox,
+			"execution", cfg.Identity.Execution, "activation", cfg.Identity.Activation)
+	} else if err := a.srv.Reactivate(cfg); err != nil {
+		return nil, err
+	}
+	return json.Marshal(a.srv.Identity())
+}
