@@ -27,7 +27,7 @@
 // and execs the agent as pid 1 with SPACE_GUEST_VM_PORT=space.0 plus
 // Spec.AgentEnv. Spec.AgentEnv travels as a fw_cfg item (not on the
 // command line: it is too small and world-readable); the init copies it
-// and unloads the fw_cfg driver. /bin/bash is busybox sh (the e2b SDK runs
+// and unloads the fw_cfg driver. /bin/bash execs busybox sh (the e2b SDK runs
 // "/bin/bash -l -c"); accounts are root and user (uid 1000).
 //
 // # Files live in guest memory

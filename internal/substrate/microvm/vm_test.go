@@ -135,8 +135,30 @@ func TestVMLifecycleSaveRestore(t *testing.T) {
 	}
 	t.Logf("Start returned after %s; guest answered %s after Start began (%s)", started.Round(time.Millisecond),
 		time.Since(t0).Round(time.Millisecond), grepLine(inst.(*instance).consoleTail(4096), "space-init: ready"))
-	if r, err := ch.ask("b", 5*time.Second); err != nil || r != "2 b" {
-		t.Fatalf("second reply %q, %v", r, err)
+	// What the init set up, seen from the guest.
+	for _, q := range []struct{ cmd, want string }{
+		{`echo "$SPACE_GUEST_CONFIG"`, `2 {"x":"it's"}`},
+		{`hostname; id -u user; /bin/bash -c 'echo bash'; cat /sys/class/virtio-ports/vport0p1/name; readlink /dev/virtio-ports/space.0`,
+			`3 vmtest01 1000 bash space.0 /dev/vport0p1`},
+		{`echo $PATH; ls /sys/firmware/qemu_fw_cfg 2>&1 | wc -l; test -w /tmp && test -w / && echo writable`,
+			`4 /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin 1 writable`},
+	} {
+		if r, err := ch.ask("sh "+q.cmd, 10*time.Second); err != nil || strings.TrimSpace(r) != q.want {
+			t.Errorf("guest %q = %q, %v; want %q", q.cmd, r, err, q.want)
+		}
+	}
+	// The clock: the RTC gives the date at boot, the host's TSC frequency
+	// keeps it going.
+	r, err := ch.ask("sh date +%s", 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n, guestNow int64
+	if _, err := fmt.Sscanf(r, "%d %d", &n, &guestNow); err != nil || n != 5 {
+		t.Fatalf("date reply %q: %v", r, err)
+	}
+	if d := time.Now().Unix() - guestNow; d < -2 || d > 2 {
+		t.Errorf("guest clock is %d s off the host's", d)
 	}
 
 	// The listener belongs to QEMU: a client's SO_PEERCRED names QEMU's pid
@@ -172,7 +194,7 @@ func TestVMLifecycleSaveRestore(t *testing.T) {
 		t.Fatal(err)
 	}
 	resumeTook := time.Since(t0)
-	if r, err := ch.reply(10 * time.Second); err != nil || r != "3 c" {
+	if r, err := ch.reply(10 * time.Second); err != nil || r != "6 c" {
 		t.Fatalf("reply after resume %q, %v", r, err)
 	}
 	t.Logf("pause %s, resume %s", pauseTook.Round(time.Microsecond), resumeTook.Round(time.Microsecond))
@@ -199,7 +221,7 @@ func TestVMLifecycleSaveRestore(t *testing.T) {
 		t.Fatal(err)
 	}
 	t0 = time.Now()
-	n, err := saver.SaveState(ctx, f)
+	size, err := saver.SaveState(ctx, f)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,16 +229,16 @@ func TestVMLifecycleSaveRestore(t *testing.T) {
 	if err := f.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if fi, _ := os.Stat(statePath); fi.Size() != n {
-		t.Fatalf("SaveState reported %d bytes, file has %d", n, fi.Size())
+	if fi, _ := os.Stat(statePath); fi.Size() != size {
+		t.Fatalf("SaveState reported %d bytes, file has %d", size, fi.Size())
 	}
-	t.Logf("SaveState of a %d MiB guest: %d bytes (%.1f MiB) in %s", DefaultMemoryBytes>>20, n, float64(n)/(1<<20), saveTook.Round(time.Millisecond))
+	t.Logf("SaveState of a %d MiB guest: %d bytes (%.1f MiB) in %s", DefaultMemoryBytes>>20, size, float64(size)/(1<<20), saveTook.Round(time.Millisecond))
 
 	// The source can continue after a save (postmigrate -> running).
 	if err := inst.Resume(ctx); err != nil {
 		t.Fatalf("resume after save: %v", err)
 	}
-	if r, err := ch.ask("d", 10*time.Second); err != nil || r != "4 d" {
+	if r, err := ch.ask("d", 10*time.Second); err != nil || r != "7 d" {
 		t.Fatalf("source after save: %q, %v", r, err)
 	}
 	t0 = time.Now()
@@ -240,7 +262,7 @@ func TestVMLifecycleSaveRestore(t *testing.T) {
 	}
 
 	// Restore in another activation dir: the loop goes on counting from
-	// the saved state (counter 3 at save time, "d" came after).
+	// the saved state (counter 6 at save time, "d" came after).
 	spec2 := spec
 	spec2.Route = testRoute("a2")
 	spec2.Dir = filepath.Join(base, "a2")
@@ -253,9 +275,9 @@ func TestVMLifecycleSaveRestore(t *testing.T) {
 	restoreStart := time.Since(t0)
 	defer inst2.Stop(context.Background())
 	ch2 := dialChannel(t, inst2)
-	r, err := ch2.ask("e", 30*time.Second)
-	if err != nil || r != "4 e" {
-		t.Fatalf("restored guest answered %q, %v; want \"4 e\" (console: %s)", r, err, inst2.(*instance).consoleTail(1000))
+	r, err = ch2.ask("e", 30*time.Second)
+	if err != nil || r != "7 e" {
+		t.Fatalf("restored guest answered %q, %v; want \"7 e\" (console: %s)", r, err, inst2.(*instance).consoleTail(1000))
 	}
 	t.Logf("restore: Start returned after %s, first answer after %s", restoreStart.Round(time.Millisecond), time.Since(t0).Round(time.Millisecond))
 	if err := inst2.Stop(ctx); err != nil {
