@@ -75,6 +75,22 @@ type Worker struct {
 	Capacity int       `json:"capacity"`
 	Load     int       `json:"load"`
 	Since    time.Time `json:"since"`
+	// Substrates the worker runs (identity.SubstrateNS, ...); empty means
+	// ns only (workers that predate the field).
+	Substrates []string `json:"substrates,omitempty"`
+}
+
+// Serves reports whether w runs sandboxes of substrate.
+func (w Worker) Serves(substrate string) bool {
+	if len(w.Substrates) == 0 {
+		return substrate == identity.SubstrateNS
+	}
+	for _, s := range w.Substrates {
+		if s == substrate {
+			return true
+		}
+	}
+	return false
 }
 
 // Execution is one entry of GET /space/v1/sandboxes/{id}/executions.

@@ -42,10 +42,17 @@ type Template struct {
 	CPUCount   int
 	MemoryMB   int
 	DiskSizeMB int
+	// Substrate runs the template's sandboxes (default Config.Substrate);
+	// only workers that advertise it are picked.
+	Substrate string
 }
 
 // DefaultTemplate is the "base" template's size.
 var DefaultTemplate = Template{CPUCount: 2, MemoryMB: 512, DiskSizeMB: 1024}
+
+// DefaultVMTemplate is "base-vm": the base userland in a microVM (its files
+// live in guest memory, so DiskSizeMB is 0).
+var DefaultVMTemplate = Template{CPUCount: 1, MemoryMB: 256, Substrate: identity.SubstrateMicroVM}
 
 // Config holds the control plane's settings.
 type Config struct {
@@ -70,7 +77,7 @@ type Config struct {
 	DefaultTimeout time.Duration
 	MaxTimeout     time.Duration
 	// Templates that may be created, by template id (default: "base" with
-	// DefaultTemplate's resources).
+	// DefaultTemplate's resources and "base-vm" with DefaultVMTemplate's).
 	Templates map[string]Template
 	// Substrate of new executions (default "ns").
 	Substrate string
@@ -126,10 +133,16 @@ func (c *Config) setDefaults() {
 		c.MaxTimeout = DefaultMaxTimeout
 	}
 	if len(c.Templates) == 0 {
-		c.Templates = map[string]Template{"base": DefaultTemplate}
+		c.Templates = map[string]Template{"base": DefaultTemplate, "base-vm": DefaultVMTemplate}
 	}
 	if c.Substrate == "" {
 		c.Substrate = identity.SubstrateNS
+	}
+	for name, t := range c.Templates {
+		if t.Substrate == "" {
+			t.Substrate = c.Substrate
+			c.Templates[name] = t
+		}
 	}
 	if c.DefaultEnvdVersion == "" {
 		c.DefaultEnvdVersion = DefaultEnvdVersion
@@ -170,6 +183,9 @@ func (c Config) Validate() error {
 	for name, t := range c.Templates {
 		if name == "" || t.CPUCount < 0 || t.MemoryMB < 0 || t.DiskSizeMB < 0 {
 			return fmt.Errorf("controlplane config: bad template %q", name)
+		}
+		if t.Substrate != identity.SubstrateNS && t.Substrate != identity.SubstrateMicroVM {
+			return fmt.Errorf("controlplane config: template %q: unknown substrate %q", name, t.Substrate)
 		}
 	}
 	return nil

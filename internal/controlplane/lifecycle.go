@@ -80,6 +80,10 @@ type MigrateResponse struct {
 
 const moveNote = "the sandbox now runs as a new execution: files were kept (writable layer restored from a snapshot), processes were restarted"
 
+// moveNoteVM is the note of a move on the microvm substrate, whose
+// snapshots hold the whole machine.
+const moveNoteVM = "the sandbox now runs as a new execution: memory, processes and files were kept (full VM snapshot restored)"
+
 // opDeadline is how long an operation may hold a record before the reaper
 // recovers it (every node call it makes has its own, shorter, deadline).
 func (s *Server) opDeadline() time.Duration {
@@ -493,7 +497,7 @@ func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.Li
 	keepSnap := func(r *store.SandboxRecord) { r.PausedSnapshot = snapID }
 
 	// pick the target
-	ws, err := s.workersWithLoad(ctx)
+	ws, err := s.workersWithLoad(ctx, old.Substrate)
 	if err != nil {
 		return giveUp(err, keepSnap)
 	}
@@ -519,7 +523,7 @@ func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.Li
 			return fmt.Errorf("%w: sandbox %s route moved", errOpLost, id)
 		}
 		r.Generation++
-		next = s.newRoute(id, r.Generation, w.ID)
+		next = s.newRoute(id, r.Generation, w.ID, old.Substrate)
 		r.PendingRoute = &next
 		r.PausedSnapshot = snapID
 		return nil
@@ -591,6 +595,9 @@ func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.Li
 	out := &MigrateResponse{
 		SandboxID: id, From: old, Route: next, SnapshotID: snapID,
 		ProcessesRestarted: true, FilesKept: true, Note: moveNote,
+	}
+	if next.Substrate == identity.SubstrateMicroVM {
+		out.ProcessesRestarted, out.Note = false, moveNoteVM
 	}
 	for _, e := range rec.Executions {
 		if e.Route == next {

@@ -561,7 +561,7 @@ func TestStaleOperationRecovered(t *testing.T) {
 			StartedAt: e.clock.Now().UTC().Add(-e.srv.opDeadline() + 500*time.Millisecond)}
 		r.State = store.StateMigrating
 		r.Generation++
-		pending = e.srv.newRoute(id, r.Generation, "w2")
+		pending = e.srv.newRoute(id, r.Generation, "w2", identity.SubstrateNS)
 		r.PendingRoute = &pending
 		return nil
 	})

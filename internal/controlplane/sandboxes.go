@@ -124,19 +124,30 @@ func containsNUL(s string) bool {
 	return false
 }
 
-func (s *Server) newRoute(id string, gen uint64, workerID string) identity.Route {
+func (s *Server) newRoute(id string, gen uint64, workerID, substrate string) identity.Route {
 	return identity.Route{
 		SandboxID: id, Generation: gen, ExecutionID: randHex(16), WorkerID: workerID,
-		Substrate: s.cfg.Substrate, ActivationID: randHex(16),
+		Substrate: substrate, ActivationID: randHex(16),
 	}
 }
 
 // loads returns each worker's placements as the store sees them (creating
 // and running sandboxes), which may be ahead of the worker's own report.
-func (s *Server) workersWithLoad(ctx context.Context) ([]spacev1.Worker, error) {
-	ws, err := s.st.ListWorkers(ctx)
+// workersWithLoad lists the registered workers that run substrate ("":
+// all of them), with their load.
+func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]spacev1.Worker, error) {
+	all, err := s.st.ListWorkers(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("%w: worker registry: %v", ErrUnavailable, err)
+	}
+	var ws []spacev1.Worker
+	for _, w := range all {
+		if substrate == "" || w.Serves(substrate) {
+			ws = append(ws, w)
+		}
+	}
+	if len(all) > 0 && len(ws) == 0 {
+		return nil, fmt.Errorf("%w: no registered worker runs the %s substrate", ErrUnavailable, substrate)
 	}
 	entries, err := s.st.ListSandboxes(ctx)
 	if err != nil {
@@ -181,7 +192,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		lastErr error
 	)
 	for attempt := 0; attempt < installAttempts; attempt++ {
-		ws, err := s.workersWithLoad(ctx)
+		ws, err := s.workersWithLoad(ctx, p.Spec.Substrate)
 		if err != nil {
 			lastErr = err
 			break
@@ -195,7 +206,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		}
 		tried = append(tried, w.ID)
 		rec.Generation++
-		rec.Route = s.newRoute(rec.ID, rec.Generation, w.ID)
+		rec.Route = s.newRoute(rec.ID, rec.Generation, w.ID, p.Spec.Substrate)
 		rec.NodeURL = w.NodeURL
 		if attempt == 0 {
 			rev, err = s.st.CreateSandbox(ctx, rec)
