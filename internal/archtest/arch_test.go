@@ -17,9 +17,10 @@ func deps(t *testing.T, pkg string) []string {
 	return strings.Fields(string(out))
 }
 
-// inGuest reports whether d is the guest package or one of its own subpackages.
+// inGuest reports whether d is the guest package, one of its own
+// subpackages or the host-guest channel it speaks in a microVM.
 func inGuest(d string) bool {
-	return d == mod+"internal/guest" || strings.HasPrefix(d, mod+"internal/guest/")
+	return d == mod+"internal/guest" || strings.HasPrefix(d, mod+"internal/guest/") || d == mod+"internal/vmchan"
 }
 
 func TestDependencyRules(t *testing.T) {
@@ -36,6 +37,8 @@ func TestDependencyRules(t *testing.T) {
 		{"internal/guest", func(d string) bool {
 			return !strings.HasPrefix(d, mod) || strings.HasPrefix(d, mod+"api/envd") || inGuest(d)
 		}, "the guest imports no server-side package"},
+		{"internal/vmchan", func(d string) bool { return !strings.HasPrefix(d, mod) || d == mod+"internal/vmchan" },
+			"the host-guest channel depends on nothing internal (both sides link it)"},
 		{"cmd/spaced-guest", func(d string) bool {
 			return !strings.Contains(d, "go.etcd.io") && !strings.HasPrefix(d, mod+"internal/") || inGuest(d)
 		}, "the in-sandbox binary carries only the guest"},
