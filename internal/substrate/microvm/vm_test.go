@@ -31,21 +31,7 @@ func testConfig(t *testing.T) Config {
 	if _, err := os.Stat(DefaultBusyboxPath); err != nil {
 		t.Skipf("skipping: %s missing (make vm-deps installs busybox-static)", DefaultBusyboxPath)
 	}
-	wd, err := os.Getwd()
-	if err != nil {
-		t.Fatal(err)
-	}
-	root := wd
-	for {
-		if _, err := os.Stat(filepath.Join(root, "go.mod")); err == nil {
-			break
-		}
-		if root == "/" {
-			t.Fatal("no go.mod above the test directory")
-		}
-		root = filepath.Dir(root)
-	}
-	kdir := filepath.Join(root, ".cache", "vm", "kernel")
+	kdir := filepath.Join(repoRoot(t), ".cache", "vm", "kernel")
 	if _, err := os.Stat(filepath.Join(kdir, "vmlinuz")); err != nil {
 		t.Skipf("skipping: no guest kernel in %s (run make vm-deps)", kdir)
 	}
@@ -57,6 +43,24 @@ func testConfig(t *testing.T) Config {
 		UIDLockDir:  filepath.Join(state, "uids"),
 		StopTimeout: 3 * time.Second,
 		testMode:    "counter",
+	}
+}
+
+// repoRoot is the directory of go.mod above the test's directory.
+func repoRoot(t *testing.T) string {
+	t.Helper()
+	root, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(root, "go.mod")); err == nil {
+			return root
+		}
+		if root == "/" {
+			t.Fatal("no go.mod above the test directory")
+		}
+		root = filepath.Dir(root)
 	}
 }
 
