@@ -228,6 +228,9 @@ func (m *Manager) Snapshot(ctx context.Context, route identity.Route, id string)
 	if act != nil && !act.paused.Load() {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: execution must be paused first", route.SandboxID, errdefs.ErrConflict)
 	}
+	if route.Substrate == identity.SubstrateMicroVM {
+		return m.snapshotState(ctx, route, act, id)
+	}
 	upper := filepath.Join(rec.Dir, upperDir)
 	if fi, err := os.Lstat(upper); err != nil || !fi.IsDir() {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: writable layer %s missing", route.SandboxID, errdefs.ErrNotFound, upper)
@@ -250,6 +253,36 @@ func (m *Manager) Snapshot(ctx context.Context, route identity.Route, id string)
 	}
 	m.log.Info("snapshot stored", "sandbox", route.SandboxID, "generation", route.Generation, "snapshot", id,
 		"bytes", n, "entries", st.Entries, "skipped", st.Skipped)
+	return spacev1.SnapshotResponse{SnapshotID: id, SizeBytes: n}, nil
+}
+
+// snapshotState stores a paused VM's whole state (memory, devices; its
+// files live in memory) under id. Runs under the sandbox lock.
+func (m *Manager) snapshotState(ctx context.Context, route identity.Route, act *activation, id string) (spacev1.SnapshotResponse, error) {
+	var saver substrate.StateSaver
+	if act != nil {
+		saver, _ = act.inst.(substrate.StateSaver)
+	}
+	if saver == nil {
+		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: the VM is not running on this worker, its state cannot be saved", route.SandboxID, errdefs.ErrConflict)
+	}
+	pr, pw := io.Pipe()
+	var wg sync.WaitGroup
+	var saved int64
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		var serr error
+		saved, serr = saver.SaveState(ctx, pw)
+		pw.CloseWithError(serr)
+	}()
+	n, err := m.snaps.Put(ctx, id, pr)
+	pr.CloseWithError(errors.New("snapshot store stopped reading"))
+	wg.Wait()
+	if err != nil {
+		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w", route.SandboxID, lifecycleErr(ctx, err))
+	}
+	m.log.Info("VM state stored", "sandbox", route.SandboxID, "generation", route.Generation, "snapshot", id, "bytes", n, "saved", saved)
 	return spacev1.SnapshotResponse{SnapshotID: id, SizeBytes: n}, nil
 }
 
@@ -339,6 +372,9 @@ func (m *Manager) prepareInstall(ctx context.Context, req spacev1.InstallRequest
 		return fmt.Errorf("install %s: %w: no snapshot store configured on worker %s", r.SandboxID, errdefs.ErrUnavailable, m.cfg.WorkerID)
 	}
 	dir := activationDir(m.cfg.StateDir, r)
+	if r.Substrate == identity.SubstrateMicroVM {
+		return m.fetchState(ctx, r, req.RestoreSnapshot, dir)
+	}
 	upper := filepath.Join(dir, upperDir)
 	if err := os.RemoveAll(upper); err != nil {
 		return fmt.Errorf("install %s: clear writable layer: %w", r.SandboxID, err)
@@ -363,6 +399,48 @@ func (m *Manager) prepareInstall(ctx context.Context, req spacev1.InstallRequest
 	m.log.Info("snapshot restored", "sandbox", r.SandboxID, "generation", r.Generation, "snapshot", req.RestoreSnapshot,
 		"entries", st.Entries, "bytes", st.Bytes)
 	return nil
+}
+
+// fetchState copies a VM state snapshot into the new activation's
+// directory, where activate hands it to the substrate (which checks its
+// header before loading it).
+func (m *Manager) fetchState(ctx context.Context, r identity.Route, id, dir string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("install %s: %w", r.SandboxID, err)
+	}
+	rc, err := m.snaps.Open(ctx, id)
+	if err != nil {
+		return fmt.Errorf("install %s: restore: %w", r.SandboxID, err)
+	}
+	defer rc.Close()
+	path := filepath.Join(dir, stateFile)
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
+	if err != nil {
+		return fmt.Errorf("install %s: %w", r.SandboxID, err)
+	}
+	n, err := io.Copy(f, ctxReader{ctx, rc})
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		os.Remove(path)
+		return fmt.Errorf("install %s: fetch VM state %s: %w", r.SandboxID, id, lifecycleErr(ctx, err))
+	}
+	m.log.Info("VM state fetched", "sandbox", r.SandboxID, "generation", r.Generation, "snapshot", id, "bytes", n)
+	return nil
+}
+
+// ctxReader stops a copy when ctx ends.
+type ctxReader struct {
+	ctx context.Context
+	r   io.Reader
+}
+
+func (c ctxReader) Read(p []byte) (int, error) {
+	if err := c.ctx.Err(); err != nil {
+		return 0, err
+	}
+	return c.r.Read(p)
 }
 
 // pausedError answers a request for a paused execution.

@@ -23,6 +23,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -97,7 +98,11 @@ func (c *Config) Validate() error {
 
 // Deps are the manager's collaborators.
 type Deps struct {
-	Substrate substrate.Substrate
+	// Substrate runs sandboxes; Substrates adds more (e.g. ns and
+	// microvm on one worker). Routes pick one by name; at least one is
+	// required.
+	Substrate  substrate.Substrate
+	Substrates []substrate.Substrate
 	Verifier  *capability.Verifier
 	// Snapshots stores writable-layer snapshots (nil: Snapshot and
 	// installs with RestoreSnapshot fail as unavailable).
@@ -107,7 +112,7 @@ type Deps struct {
 // Manager serves the executions installed on one worker.
 type Manager struct {
 	cfg     Config
-	sub     substrate.Substrate
+	subs    map[string]substrate.Substrate
 	ver     *capability.Verifier
 	snaps   SnapshotStore
 	store   *recordStore
@@ -157,7 +162,13 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if deps.Substrate == nil || (deps.Verifier == nil && !cfg.UnsafeSkipIdentityChecks) {
+	subs := map[string]substrate.Substrate{}
+	for _, s := range append([]substrate.Substrate{deps.Substrate}, deps.Substrates...) {
+		if s != nil {
+			subs[s.Name()] = s
+		}
+	}
+	if len(subs) == 0 || (deps.Verifier == nil && !cfg.UnsafeSkipIdentityChecks) {
 		return nil, fmt.Errorf("sbxmanager: %w: substrate and verifier are required", errdefs.ErrInvalid)
 	}
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
@@ -178,7 +189,7 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 		return nil, fmt.Errorf("sbxmanager: %w", err)
 	}
 	m := &Manager{
-		cfg: cfg, sub: deps.Substrate, ver: deps.Verifier, snaps: deps.Snapshots, store: st, audit: audit,
+		cfg: cfg, subs: subs, ver: deps.Verifier, snaps: deps.Snapshots, store: st, audit: audit,
 		metrics: newMetrics(cfg.Registerer), log: cfg.Logger.With("worker", cfg.WorkerID),
 		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{},
 	}
@@ -209,8 +220,8 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	if r.WorkerID != m.cfg.WorkerID {
 		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: route names worker %q, this is %q", errdefs.ErrInvalid, r.WorkerID, m.cfg.WorkerID)
 	}
-	if r.Substrate != m.sub.Name() {
-		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: substrate %q not served here", errdefs.ErrInvalid, r.Substrate)
+	if m.subs[r.Substrate] == nil {
+		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: substrate %q not served on worker %s", errdefs.ErrInvalid, r.Substrate, m.cfg.WorkerID)
 	}
 	unlock := m.lockSandbox(r.SandboxID)
 	defer unlock()
@@ -255,6 +266,10 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	}
 	dir := activationDir(m.cfg.StateDir, r)
 	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC()}
+	if req.RestoreSnapshot != "" && r.Substrate == identity.SubstrateMicroVM {
+		rec.restoreState = filepath.Join(dir, stateFile) // prepareInstall fetched it
+		defer os.Remove(rec.restoreState)             // loaded by now, or useless
+	}
 
 	sctx, cancel := context.WithTimeout(ctx, m.cfg.StartTimeout)
 	defer cancel()
@@ -286,6 +301,14 @@ func activationDir(stateDir string, r identity.Route) string {
 	return filepath.Join(stateDir, "act", hex.EncodeToString(sum[:8]))
 }
 
+// Files in a microvm activation directory: the guest configuration that
+// spaced-host sends as the activation message, and a VM state being
+// restored (removed once loaded).
+const (
+	activationFile = "activation.json"
+	stateFile      = "restore.state"
+)
+
 // guestConfig is what spaced-guest reads from SPACE_GUEST_CONFIG.
 type guestConfig struct {
 	Identity    identity.Route    `json:"identity"`
@@ -296,20 +319,36 @@ type guestConfig struct {
 func (m *Manager) activate(ctx context.Context, rec record) (*activation, error) {
 	r := rec.Route
 	gcfg, _ := json.Marshal(guestConfig{Identity: r, Env: rec.EnvVars, DefaultUser: "user"})
-	inst, err := m.sub.Start(ctx, substrate.Spec{
+	spec := substrate.Spec{
 		Route: r, Template: rec.Template, Dir: rec.Dir, AgentPath: m.cfg.AgentPath,
-		AgentEnv: []string{"SPACE_GUEST_CONFIG=" + string(gcfg)},
-		Limits:   substrate.Limits{MemoryBytes: rec.Limits.MemoryBytes, Pids: rec.Limits.Pids, CPUMillis: rec.Limits.CPUMillis},
-	})
+		Limits:       substrate.Limits{MemoryBytes: rec.Limits.MemoryBytes, Pids: rec.Limits.Pids, CPUMillis: rec.Limits.CPUMillis},
+		RestoreState: rec.restoreState,
+	}
+	// The ns agent reads its configuration at start; a VM's agent learns
+	// it (again, after a restore) from spaced-host's activation message.
+	vm := r.Substrate == identity.SubstrateMicroVM
+	if !vm {
+		spec.AgentEnv = []string{"SPACE_GUEST_CONFIG=" + string(gcfg)}
+	} else if err := os.MkdirAll(rec.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("start sandbox: %w", err)
+	} else if err := os.WriteFile(filepath.Join(rec.Dir, activationFile), gcfg, 0o600); err != nil {
+		return nil, fmt.Errorf("start sandbox: activation: %w", err)
+	}
+	inst, err := m.subs[r.Substrate].Start(ctx, spec)
 	if err != nil {
 		return nil, fmt.Errorf("start sandbox: %w", err)
 	}
-	act, err := m.startBridge(ctx, inst, rec.Dir)
+	act, err := m.startBridge(ctx, inst, rec.Dir, vm)
 	if err != nil {
 		stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		inst.Stop(stopCtx)
 		cancel()
 		return nil, err
+	}
+	if vm {
+		// A VM has no network namespace on the host to reach its ports
+		// from; service ports are not served for it (never the host's).
+		return act, nil
 	}
 	if act.gw, err = m.startGateway(ctx, inst, rec.Dir); err != nil {
 		m.stopActivation(act, "gateway failed")
@@ -320,7 +359,7 @@ func (m *Manager) activate(ctx context.Context, rec record) (*activation, error)
 
 // startBridge launches spaced-host for inst and waits until it has
 // verified the guest and listens.
-func (m *Manager) startBridge(ctx context.Context, inst substrate.Instance, dir string) (*activation, error) {
+func (m *Manager) startBridge(ctx context.Context, inst substrate.Instance, dir string, vm bool) (*activation, error) {
 	r := inst.Route()
 	sock := filepath.Join(dir, "host.sock")
 	want, _ := json.Marshal(r)
@@ -329,9 +368,15 @@ func (m *Manager) startBridge(ctx context.Context, inst substrate.Instance, dir 
 		return nil, fmt.Errorf("bridge log: %w", err)
 	}
 	defer logf.Close()
-	cmd := exec.Command(m.cfg.SpacedHostPath,
-		"--guest-socket", inst.GuestSocket(), "--guest-pid", strconv.Itoa(inst.InitPID()),
-		"--listen", sock, "--expected", string(want), "--manager-pid", strconv.Itoa(os.Getpid()))
+	args := []string{"--guest-socket", inst.GuestSocket(), "--guest-pid", strconv.Itoa(inst.InitPID()),
+		"--listen", sock, "--expected", string(want), "--manager-pid", strconv.Itoa(os.Getpid())}
+	if vm {
+		// One verified connection to QEMU's chardev socket, multiplexed;
+		// the guest is (re)activated with the activation file first.
+		args = append(args, "--channel", "vmchan", "--activation-file", filepath.Join(dir, activationFile),
+			"--boot-timeout", m.cfg.StartTimeout.String())
+	}
+	cmd := exec.Command(m.cfg.SpacedHostPath, args...)
 	cmd.Stderr = logf
 	cmd.Env = []string{"GOMAXPROCS=1", "GOGC=50"}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
@@ -512,6 +557,16 @@ func (m *Manager) Teardown(ctx context.Context, route identity.Route) error {
 		m.log.Warn("remove sandbox dir", "sandbox", route.SandboxID, "err", err)
 	}
 	return nil
+}
+
+// Substrates names the substrates this manager runs, sorted.
+func (m *Manager) Substrates() []string {
+	out := make([]string, 0, len(m.subs))
+	for name := range m.subs {
+		out = append(out, name)
+	}
+	sort.Strings(out)
+	return out
 }
 
 // Records returns a copy of the installed runtime records.

@@ -24,6 +24,9 @@ type record struct {
 	Limits    spacev1.Limits    `json:"limits"`
 	Dir       string            `json:"dir"`
 	Installed time.Time         `json:"installed"`
+	// restoreState is the VM state file an install restores (microvm);
+	// not persisted.
+	restoreState string
 }
 
 // recordStore persists runtime records in bbolt.

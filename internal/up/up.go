@@ -25,6 +25,8 @@ import (
 	"github.com/spacesbx/space/internal/sbxmanager"
 	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
+	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/substrate/microvm"
 	"github.com/spacesbx/space/internal/substrate/ns"
 	"github.com/spacesbx/space/internal/worker"
 )
@@ -51,6 +53,12 @@ type Config struct {
 	BinDir string
 	// Domain is the public sandbox domain. Default localhost.
 	Domain string
+	// VMKernelDir holds the microvm guest kernel (vmlinuz) and its modules
+	// (modules/), as `make vm-deps` extracts them. Default: .cache/vm/kernel
+	// beside BinDir's parent (the repository) when it exists. Without it,
+	// or without QEMU, workers run the ns substrate only and creating a
+	// base-vm sandbox is unavailable (503).
+	VMKernelDir string
 	// DefaultLimits apply to sandboxes (zero: substrate defaults).
 	DefaultLimits spacev1.Limits
 	// UnsafeSkipIdentityChecks is the baseline of the on/off benchmark only.
@@ -100,7 +108,17 @@ func (c *Config) Validate() error {
 	if c.SnapshotDir == "" {
 		c.SnapshotDir = filepath.Join(c.DataDir, "snapshots")
 	}
+	if c.VMKernelDir == "" {
+		if d := filepath.Join(filepath.Dir(c.BinDir), ".cache", "vm", "kernel"); fileExists(filepath.Join(d, "vmlinuz")) {
+			c.VMKernelDir = d
+		}
+	}
 	return nil
+}
+
+func fileExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
 }
 
 // Platform is a running single-machine SPACE.
@@ -109,6 +127,7 @@ type Platform struct {
 	st      *store.Store
 	cp      *controlplane.Server
 	sub     *ns.Substrate
+	vm      *microvm.Substrate // nil: no microvm substrate here
 	Workers []*worker.Worker
 	edge    *edge.Edge
 
@@ -193,6 +212,17 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("up: ns substrate: %w", err)
 	}
+	var extra []substrate.Substrate
+	if cfg.VMKernelDir != "" {
+		p.vm, err = microvm.New(microvm.Config{StateDir: filepath.Join(cfg.DataDir, "microvm"),
+			KernelPath: filepath.Join(cfg.VMKernelDir, "vmlinuz"), ModulesDir: filepath.Join(cfg.VMKernelDir, "modules"), Logger: log})
+		if err != nil {
+			log.Warn("microvm substrate unavailable; workers run ns only", "err", err)
+		} else {
+			extra = append(extra, p.vm)
+			log.Info("microvm substrate ready", "accel", p.vm.Accel())
+		}
+	}
 	for i := range cfg.Workers {
 		id := fmt.Sprintf("w%d", i+1)
 		w, err := worker.New(worker.Config{
@@ -201,7 +231,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 				SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),
 				EnvdVersion: guest.EnvdVersion, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
 			},
-		}, worker.Deps{Substrate: p.sub, Registrar: registrar{p.st}, Bundles: p.st, Sandboxes: sandboxWatch{p.st}, Snapshots: snaps})
+		}, worker.Deps{Substrate: p.sub, Substrates: extra, Registrar: registrar{p.st}, Bundles: p.st, Sandboxes: sandboxWatch{p.st}, Snapshots: snaps})
 		if err != nil {
 			return nil, fmt.Errorf("up: worker %s: %w", id, err)
 		}
@@ -282,6 +312,9 @@ func (p *Platform) Close() error {
 	}
 	if p.sub != nil {
 		p.sub.Close()
+	}
+	if p.vm != nil {
+		p.vm.Close()
 	}
 	if p.st != nil {
 		p.st.Close()

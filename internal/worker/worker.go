@@ -85,6 +85,9 @@ func (c *Config) Validate() error {
 // Deps are the worker's collaborators.
 type Deps struct {
 	Substrate substrate.Substrate
+	// Substrates are more substrates this worker runs (e.g. microvm
+	// beside ns); all of them are advertised at registration.
+	Substrates []substrate.Substrate
 	Registrar Registrar
 	Bundles   BundleSource
 	// Registerer receives metrics (nil: a private registry).
@@ -134,7 +137,7 @@ func New(cfg Config, deps Deps) (*Worker, error) {
 	}
 	mc := cfg.Manager
 	mc.Registerer = prometheus.WrapRegistererWith(prometheus.Labels{"worker": cfg.ID}, reg)
-	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrate: deps.Substrate, Verifier: ver, Snapshots: deps.Snapshots})
+	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrate: deps.Substrate, Substrates: deps.Substrates, Verifier: ver, Snapshots: deps.Snapshots})
 	if err != nil {
 		return nil, err
 	}
@@ -227,6 +230,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	}
 	reg, err := w.deps.Registrar.RegisterWorker(ctx, spacev1.Worker{
 		ID: w.cfg.ID, NodeURL: w.URL(), State: "ready", Capacity: w.cfg.Capacity, Since: time.Now().UTC(),
+		Substrates: w.mgr.Substrates(),
 	}, w.cfg.LeaseTTL)
 	if err != nil {
 		return fmt.Errorf("worker %s: register: %w", w.cfg.ID, err)
