@@ -103,7 +103,7 @@ type Deps struct {
 	// required.
 	Substrate  substrate.Substrate
 	Substrates []substrate.Substrate
-	Verifier  *capability.Verifier
+	Verifier   *capability.Verifier
 	// Snapshots stores writable-layer snapshots (nil: Snapshot and
 	// installs with RestoreSnapshot fail as unavailable).
 	Snapshots SnapshotStore
@@ -268,7 +268,7 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC()}
 	if req.RestoreSnapshot != "" && r.Substrate == identity.SubstrateMicroVM {
 		rec.restoreState = filepath.Join(dir, stateFile) // prepareInstall fetched it
-		defer os.Remove(rec.restoreState)             // loaded by now, or useless
+		defer os.Remove(rec.restoreState)                // loaded by now, or useless
 	}
 
 	sctx, cancel := context.WithTimeout(ctx, m.cfg.StartTimeout)

@@ -88,8 +88,8 @@ type Deps struct {
 	// Substrates are more substrates this worker runs (e.g. microvm
 	// beside ns); all of them are advertised at registration.
 	Substrates []substrate.Substrate
-	Registrar Registrar
-	Bundles   BundleSource
+	Registrar  Registrar
+	Bundles    BundleSource
 	// Registerer receives metrics (nil: a private registry).
 	Registerer *prometheus.Registry
 	// Sandboxes, when set, tells the worker about the control plane's

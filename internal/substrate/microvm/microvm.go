@@ -424,6 +424,11 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		if serr := inst.Stop(sctx); serr != nil {
 			s.cfg.Logger.Warn("microvm: cleanup after failed start", "route", spec.Route.String(), "err", serr)
 		}
+		if inst.qmp != nil {
+			if ev := inst.qmp.recentEvents(); len(ev) > 0 {
+				err = fmt.Errorf("%w (qmp events: %s)", err, strings.Join(ev, ", "))
+			}
+		}
 		if tail := inst.consoleTail(2048); tail != "" {
 			err = fmt.Errorf("%w; console tail:\n%s", err, tail)
 		}

@@ -378,3 +378,42 @@ func grepLine(text, sub string) string {
 	}
 	return ""
 }
+
+// TestStartFailureCleansUp: QEMU refusing to boot (busybox is no kernel)
+// fails Start with QEMU's own words, and leaves no socket or uid behind.
+func TestStartFailureCleansUp(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.KernelPath = DefaultBusyboxPath
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	dir := filepath.Join(t.TempDir(), "f1")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, err = s.Start(ctx, substrate.Spec{Route: testRoute("f1"), Template: "base", Dir: dir, AgentPath: DefaultBusyboxPath})
+	if err == nil || !strings.Contains(err.Error(), "console tail") || !strings.Contains(err.Error(), "qemu-system-x86_64:") {
+		t.Fatalf("Start with a bad kernel: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, SocketName)); !os.IsNotExist(err) {
+		t.Errorf("socket left behind: %v", err)
+	}
+	if os.Geteuid() == 0 {
+		l, err := leaseUID(cfg.UIDLockDir, cfg.UIDFirst, 1, 0)
+		if err != nil {
+			t.Fatalf("uid not released: %v", err)
+		}
+		l.release()
+	}
+	t.Logf("Start error: %v", err)
+	// A spec for another substrate or with a relative dir never gets far.
+	bad := substrate.Spec{Route: testRoute("f2"), Dir: "rel", AgentPath: DefaultBusyboxPath}
+	if _, err := s.Start(ctx, bad); err == nil {
+		t.Error("relative Dir accepted")
+	}
+	bad.Dir, bad.Route.Substrate = dir, identity.SubstrateNS
+	if _, err := s.Start(ctx, bad); err == nil {
+		t.Error("ns route accepted")
+	}
+}
