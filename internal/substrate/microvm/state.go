@@ -167,7 +167,17 @@ func (i *instance) SaveState(ctx context.Context, w io.Writer) (int64, error) {
 			cancel()
 			pr.Close()
 		}
-		r := <-copied
+		var r result
+		select {
+		case r = <-copied:
+		case <-ctx.Done():
+			// QEMU did not close its end: cut the copy off.
+			pr.Close()
+			r = <-copied
+			if err == nil {
+				err = ctx.Err()
+			}
+		}
 		pr.Close()
 		if err == nil && r.err != nil {
 			err = r.err

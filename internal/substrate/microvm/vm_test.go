@@ -417,3 +417,44 @@ func TestStartFailureCleansUp(t *testing.T) {
 		t.Error("ns route accepted")
 	}
 }
+
+// TestGuestDeathClosesDone: a guest kernel panic ends QEMU (panic=-1 and
+// -no-reboot), Done closes and Stop still cleans up.
+func TestGuestDeathClosesDone(t *testing.T) {
+	cfg := testConfig(t)
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	dir := filepath.Join(t.TempDir(), "d1")
+	inst, err := s.Start(ctx, substrate.Spec{Route: testRoute("d1"), Template: "base", Dir: dir, AgentPath: DefaultBusyboxPath})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Stop(context.Background())
+	ch := dialChannel(t, inst)
+	if r, err := ch.ask("x", 60*time.Second); err != nil || r != "1 x" {
+		t.Fatalf("first reply %q, %v", r, err)
+	}
+	_, _ = ch.c.Write([]byte("sh echo c > /proc/sysrq-trigger\n"))
+	select {
+	case <-inst.Done():
+	case <-time.After(60 * time.Second):
+		t.Fatal("QEMU still running after a guest panic")
+	}
+	if err := inst.Resume(ctx); err == nil {
+		t.Error("Resume after QEMU exited succeeded")
+	}
+	if err := inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, SocketName)); !os.IsNotExist(err) {
+		t.Errorf("socket left behind: %v", err)
+	}
+	if !strings.Contains(inst.(*instance).consoleTail(8192), "sysrq") {
+		t.Errorf("console.log lacks the panic: %s", inst.(*instance).consoleTail(500))
+	}
+}
