@@ -255,6 +255,15 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	return p, nil
 }
 
+// VMAccel reports the microvm substrate's accelerator ("kvm" or "tcg"), or
+// "" when the platform runs without it (no guest kernel or QEMU).
+func (p *Platform) VMAccel() string {
+	if p.vm == nil {
+		return ""
+	}
+	return p.vm.Accel()
+}
+
 func (p *Platform) goRun(name string, f func() error) {
 	p.wg.Add(1)
 	go func() {
