@@ -1,0 +1,152 @@
+package up
+
+// microVM sandboxes (template base-vm) through the whole request path:
+// edge -> node-api -> sbx-manager -> spaced-host (vmchan over QEMU's
+// virtio-serial chardev) -> spaced-guest as the VM's pid 1. Under TCG
+// (no /dev/kvm here) a boot takes a few seconds, so the count is small.
+
+import (
+	"bytes"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/sdk"
+)
+
+// vmPlatform starts a platform with two workers and skips (saying why)
+// when it runs without the microvm substrate.
+func vmPlatform(t *testing.T) *lcPlat {
+	t.Helper()
+	if _, err := os.Stat("/usr/bin/qemu-system-x86_64"); err != nil {
+		t.Skip("microvm: qemu-system-x86_64 not installed (make vm-deps installs it)")
+	}
+	lp := startPlatform(t, 2)
+	if lp.VMAccel() == "" {
+		t.Skip("microvm: substrate unavailable (no guest kernel in .cache/vm/kernel: run make vm-deps)")
+	}
+	t.Logf("microvm accelerator: %s", lp.VMAccel())
+	return lp
+}
+
+func newVM(t *testing.T, lp *lcPlat) *sdk.Sandbox {
+	t.Helper()
+	sbx, err := lp.client(t).CreateSandbox(ctxFor(t, 2*time.Minute), sdk.CreateOptions{Template: "base-vm", Secure: true, Timeout: 30 * time.Minute})
+	if err != nil {
+		t.Fatalf("create base-vm sandbox: %v", err)
+	}
+	return sbx
+}
+
+func runOut(t *testing.T, sbx *sdk.Sandbox, cmd string) string {
+	t.Helper()
+	var out, errb bytes.Buffer
+	code, err := sbx.Run(ctxFor(t, time.Minute), cmd, sdk.RunOptions{Stdout: &out, Stderr: &errb})
+	if err != nil || code != 0 {
+		t.Fatalf("run %q: code %d err %v stderr %q", cmd, code, err, errb.String())
+	}
+	return out.String()
+}
+
+// TestMicroVM: create, exec, files and PTY in a VM; then a process started
+// before a cross-worker move is still running after it, with its state;
+// capabilities for the old execution are refused at both workers.
+func TestMicroVM(t *testing.T) {
+	lp := vmPlatform(t)
+	sbx := newVM(t, lp)
+	rec := lp.record(t, sbx.ID)
+	if rec.Route.Substrate != identity.SubstrateMicroVM {
+		t.Fatalf("base-vm runs on %q", rec.Route.Substrate)
+	}
+
+	// exec: a guest kernel of its own, not the host's.
+	hostUname, _ := os.ReadFile("/proc/sys/kernel/osrelease")
+	if got := strings.TrimSpace(runOut(t, sbx, "uname -r")); got == "" || got == strings.TrimSpace(string(hostUname)) {
+		t.Fatalf("guest kernel %q (host %q): not a VM", got, hostUname)
+	}
+	if got := runOut(t, sbx, "id -un"); got != "user\n" {
+		t.Fatalf("default user %q", got)
+	}
+
+	// files
+	ctx := ctxFor(t, time.Minute)
+	if _, err := sbx.WriteFile(ctx, "/home/user/vm.txt", []byte("in the vm")); err != nil {
+		t.Fatalf("write: %v", err)
+	}
+	if b, err := sbx.ReadFile(ctx, "/home/user/vm.txt"); err != nil || string(b) != "in the vm" {
+		t.Fatalf("read: %q %v", b, err)
+	}
+	if got := runOut(t, sbx, "cat /home/user/vm.txt"); got != "in the vm" {
+		t.Fatalf("file seen by a command: %q", got)
+	}
+
+	// PTY
+	p, err := sbx.PTY(ctx, 24, 80)
+	if err != nil {
+		t.Fatalf("pty: %v", err)
+	}
+	if _, err := p.Write([]byte("stty size; printf 'vm-%s\\n' pty; exit\n")); err != nil {
+		t.Fatalf("pty write: %v", err)
+	}
+	out, err := io.ReadAll(p)
+	p.Close()
+	if err != nil || !bytes.Contains(out, []byte("vm-pty")) || !bytes.Contains(out, []byte("24 80")) {
+		t.Fatalf("pty output %q: %v", out, err)
+	}
+
+	// A process with state in memory, started before the move.
+	pid := strings.TrimSpace(runOut(t, sbx, `sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 & echo $!`))
+	if _, err := strconv.Atoi(pid); err != nil {
+		t.Fatalf("background pid %q", pid)
+	}
+	time.Sleep(500 * time.Millisecond)
+	before, _ := strconv.Atoi(strings.TrimSpace(runOut(t, sbx, "cat /tmp/counter")))
+	if before < 1 {
+		t.Fatalf("counter before the move: %d", before)
+	}
+	oldCap := lp.capability(t, sbx.ID, "files")
+	from := rec.Route
+	target := "w2"
+	if from.WorkerID == "w2" {
+		target = "w1"
+	}
+
+	mr := lp.migrate(t, sbx.ID, target)
+	if mr.Route.WorkerID != target || mr.Route.Generation != from.Generation+1 || mr.ProcessesRestarted || !mr.FilesKept {
+		t.Fatalf("migrate answer %+v", mr)
+	}
+	// Same process, its counter continued from where it was (not from 0),
+	// files kept.
+	if got := strings.TrimSpace(runOut(t, sbx, "kill -0 "+pid+" && echo alive")); got != "alive" {
+		t.Fatalf("process %s after the move: %q", pid, got)
+	}
+	after, _ := strconv.Atoi(strings.TrimSpace(runOut(t, sbx, "cat /tmp/counter")))
+	if after < before {
+		t.Fatalf("counter went from %d to %d across the move: the state was lost", before, after)
+	}
+	if b, err := sbx.ReadFile(ctx, "/home/user/vm.txt"); err != nil || string(b) != "in the vm" {
+		t.Fatalf("file after the move: %q %v", b, err)
+	}
+	// The guest reports the new identity.
+	newCap := lp.capability(t, sbx.ID, "files")
+	r := nodeGet(t, newCap.NodeURL, newCap.Token, "/files?path=/home/user/vm.txt", nil)
+	if r.status != http.StatusOK || r.header.Get(spacev1.HeaderExecution) != mr.Route.ExecutionLabel() {
+		t.Fatalf("new execution answers %d %q (want %s)", r.status, r.header.Get(spacev1.HeaderExecution), mr.Route.ExecutionLabel())
+	}
+
+	// The old execution's capability (unexpired) is refused at both
+	// workers, before anything is forwarded.
+	for _, url := range []string{oldCap.NodeURL, newCap.NodeURL} {
+		r := nodeGet(t, url, oldCap.Token, "/files?path=/home/user/vm.txt", nil)
+		e := wantJSONError(t, "old capability at "+url, r, http.StatusMisdirectedRequest)
+		if r.header.Get(spacev1.HeaderRouteOutcome) != spacev1.OutcomeRefreshRoute || e.Reason == "" {
+			t.Fatalf("old capability at %s: %v %+v", url, r.header, e)
+		}
+	}
+}
