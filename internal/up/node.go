@@ -14,12 +14,14 @@ import (
 	"github.com/spacesbx/space/internal/sbxmanager"
 	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
+	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/substrate/microvm"
 	"github.com/spacesbx/space/internal/substrate/ns"
 	"github.com/spacesbx/space/internal/worker"
 )
 
 // RunNode is space-node: one worker (node-api + sbx-manager over the ns
-// substrate) joined to an existing control plane's etcd.
+// substrate, and microvm with --vm-kernel-dir) joined to an existing control plane's etcd.
 func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("space-node", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -29,6 +31,7 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	etcd := fs.String("etcd-endpoints", "", "comma-separated etcd endpoints of the control plane (required)")
 	binDir := fs.String("bin-dir", "", "directory of spaced-host and spaced-guest (default: next to this binary)")
 	snapDir := fs.String("snapshot-dir", "", "snapshot store shared by all workers (required for resume on another worker)")
+	vmKernel := fs.String("vm-kernel-dir", "", "microvm guest kernel dir with vmlinuz and modules/ (make vm-deps); empty: ns only")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -53,6 +56,17 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	defer sub.Close()
+	var extra []substrate.Substrate
+	if *vmKernel != "" {
+		vm, err := microvm.New(microvm.Config{StateDir: filepath.Join(*dataDir, "microvm"),
+			KernelPath: filepath.Join(*vmKernel, "vmlinuz"), ModulesDir: filepath.Join(*vmKernel, "modules"), Logger: log})
+		if err != nil {
+			fmt.Fprintf(stderr, "space-node: %v\n", err)
+			return 1
+		}
+		defer vm.Close()
+		extra = append(extra, vm)
+	}
 	snaps, err := snapshot.NewLocal(*snapDir)
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
@@ -64,7 +78,7 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			SpacedHostPath: filepath.Join(*binDir, "spaced-host"), AgentPath: filepath.Join(*binDir, "spaced-guest"),
 			EnvdVersion: guest.EnvdVersion,
 		},
-	}, worker.Deps{Substrate: sub, Registrar: registrar{st}, Bundles: st, Sandboxes: sandboxWatch{st}, Snapshots: snaps})
+	}, worker.Deps{Substrate: sub, Substrates: extra, Registrar: registrar{st}, Bundles: st, Sandboxes: sandboxWatch{st}, Snapshots: snaps})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
 		return 1
