@@ -599,6 +599,17 @@ func (m *Manager) BridgePID(sandbox string) (host, guest int, ok bool) {
 	return a.hostProc.PID, a.inst.InitPID(), true
 }
 
+// CloseIdleBridgeConns drops the pooled idle connections to a sandbox's
+// spaced-host, so that its next requests open (and verify) new ones.
+func (m *Manager) CloseIdleBridgeConns(sandbox string) {
+	m.mu.RLock()
+	a := m.active[sandbox]
+	m.mu.RUnlock()
+	if a != nil {
+		a.tr.CloseIdleConnections()
+	}
+}
+
 // Close stops every activation (records are kept) and closes the store.
 func (m *Manager) Close() error {
 	m.mu.Lock()

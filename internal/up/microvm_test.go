@@ -7,9 +7,13 @@ package up
 
 import (
 	"bytes"
+	"encoding/json"
 	"io"
+	"net"
 	"net/http"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -149,4 +153,82 @@ func TestMicroVM(t *testing.T) {
 			t.Fatalf("old capability at %s: %v %+v", url, r.header, e)
 		}
 	}
+}
+
+// TestMicroVMChannelRebound: spaced-host refuses a VM channel whose socket
+// path was re-bound by another process: the listener behind the path is
+// not QEMU's (the running bridge keeps its verified connection).
+func TestMicroVMChannelRebound(t *testing.T) {
+	lp := vmPlatform(t)
+	sbx := newVM(t, lp)
+	rec := lp.record(t, sbx.ID)
+	m := lp.worker(t, rec.Route.WorkerID).Manager()
+	_, qemuPID, ok := m.BridgePID(sbx.ID)
+	layer, ok2 := m.WritableLayer(sbx.ID)
+	if !ok || !ok2 {
+		t.Fatal("no activation for the VM")
+	}
+	dir := filepath.Dir(layer)
+	sock := filepath.Join(dir, "guest.sock")
+	if _, err := os.Stat(sock); err != nil {
+		t.Fatalf("QEMU's chardev socket: %v", err)
+	}
+	// Another process's listener at the path (this test's).
+	if err := os.Rename(sock, sock+".qemu"); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := os.Stat(sock + ".qemu"); err == nil {
+			l.Close()
+			os.Remove(sock)
+			os.Rename(sock+".qemu", sock)
+		}
+	})
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go io.Copy(io.Discard, c)
+		}
+	}()
+	want, _ := json.Marshal(rec.Route)
+	cmd := exec.Command(filepath.Join(plat.cfg.BinDir, "spaced-host"),
+		"--guest-socket", sock, "--guest-pid", strconv.Itoa(qemuPID), "--listen", filepath.Join(t.TempDir(), "h.sock"),
+		"--expected", string(want), "--channel", "vmchan", "--activation-file", filepath.Join(dir, "activation.json"),
+		"--boot-timeout", "5s")
+	out, err := cmd.CombinedOutput()
+	if err == nil || bytes.Contains(out, []byte("spaced-host ready")) {
+		t.Fatalf("spaced-host accepted a re-bound channel socket: %v\n%s", err, out)
+	}
+	if !bytes.Contains(out, []byte("check failed")) {
+		t.Fatalf("spaced-host failed without a transport check failure: %v\n%s", err, out)
+	}
+	t.Logf("new spaced-host rejected: %s", lastLine(out))
+	// The running bridge re-checks the path per manager connection: while
+	// the path names another socket it refuses new connections too.
+	m.CloseIdleBridgeConns(sbx.ID)
+	var errb bytes.Buffer
+	if code, err := sbx.Run(ctxFor(t, time.Minute), "echo refused", sdk.RunOptions{Stderr: &errb}); err == nil || !strings.Contains(err.Error(), "path-inode check failed") {
+		t.Fatalf("running bridge served with the path re-bound: code %d err %v", code, err)
+	}
+	// Path restored: served again.
+	l.Close()
+	os.Remove(sock)
+	if err := os.Rename(sock+".qemu", sock); err != nil {
+		t.Fatal(err)
+	}
+	if got := runOut(t, sbx, "echo still"); got != "still\n" {
+		t.Fatalf("after the path was restored: %q", got)
+	}
+}
+
+func lastLine(b []byte) string {
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	return lines[len(lines)-1]
 }
