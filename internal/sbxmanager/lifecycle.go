@@ -126,7 +126,9 @@ func (m *Manager) Pause(ctx context.Context, route identity.Route) error {
 	// already inside the guest get to finish (bounded) rather than fail.
 	act.paused.Store(true)
 	m.drainUnary(act, pauseDrain)
-	m.drainStarts(act, m.cfg.PauseStreamGrace)
+	if _, keepsProcesses := act.inst.(substrate.StateSaver); !keepsProcesses {
+		m.drainStarts(act, m.cfg.PauseStreamGrace)
+	}
 	if err := act.inst.Pause(ctx); err != nil {
 		act.paused.Store(false)
 		return fmt.Errorf("pause %s: %w", route.SandboxID, lifecycleErr(ctx, err))

@@ -64,7 +64,8 @@ type Config struct {
 	// streams) to finish before freezing. A command that finishes in time
 	// is not frozen mid-way, so a move that follows the pause does not cut
 	// it (the ns substrate restarts processes on a move). Longer-running
-	// commands are frozen as they are. Default 2s; negative: no wait.
+	// commands are frozen as they are. Substrates whose state snapshots
+	// keep processes (microvm) do not wait. Default 2s; negative: no wait.
 	PauseStreamGrace time.Duration
 	// UnsafeSkipIdentityChecks disables capability verification and the
 	// identity comparison, routing by the E2b-Sandbox-Id header instead.
