@@ -16,7 +16,11 @@
 // boot in delay-loop calibration; the kernel is also told the host's TSC
 // frequency, see hostTSCKHz). vCPUs = ceil(CPUMillis/1000), memory =
 // MemoryBytes (default 256 MiB, minimum 128 MiB). The exact command line is
-// built by qemuArgs.
+// built by qemuArgs. The kernel reboots by triple fault (reboot=t): a
+// panic (panic=-1) or a reboot resets the vCPU, which -no-reboot turns
+// into QEMU exiting, so Done closes. (The default reboot sequence ends, on
+// microvm, in a jump to the firmware, which boots the kernel again behind
+// QEMU's back and hangs.)
 //
 // The guest boots the kernel (Config.KernelPath) with an initramfs the
 // substrate builds itself on first use and caches under
@@ -340,7 +344,7 @@ func (s *Substrate) qemuArgs(l launch) []string {
 	if s.accel == "tcg" {
 		machine += ",pit=on,pic=on"
 	}
-	appendLine := "console=ttyS0 quiet panic=-1 space.hostname=" + l.hostname
+	appendLine := "console=ttyS0 quiet panic=-1 reboot=t pci=off space.hostname=" + l.hostname
 	if s.tscKHz > 0 {
 		appendLine += " tsc_early_khz=" + strconv.FormatUint(s.tscKHz, 10)
 	}

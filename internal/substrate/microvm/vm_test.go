@@ -442,8 +442,9 @@ func TestGuestDeathClosesDone(t *testing.T) {
 	_, _ = ch.c.Write([]byte("sh echo c > /proc/sysrq-trigger\n"))
 	select {
 	case <-inst.Done():
-	case <-time.After(60 * time.Second):
-		t.Fatal("QEMU still running after a guest panic")
+	case <-time.After(20 * time.Second):
+		r, err := ch.ask("y", 10*time.Second)
+		t.Fatalf("QEMU still running after a guest panic (then %q, %v); console:\n%s", r, err, inst.(*instance).consoleTail(3000))
 	}
 	if err := inst.Resume(ctx); err == nil {
 		t.Error("Resume after QEMU exited succeeded")
