@@ -10,7 +10,10 @@
 // checks on against a platform with them off; sandbox create latency
 // through the control plane against a raw ns substrate start; and memory
 // per idle sandbox (spaced-host + agent) against an idle minimal Go
-// process.
+// process; pause, resume and cross-worker resume on two workers; and the
+// microvm substrate (template base-vm) against ns (template base) on that
+// same platform: boot-to-ready, pause, resume, snapshot size and time,
+// cross-worker resume and whether a process survives it (microvm.go).
 //
 // The hosting binary must call ns.MaybeInit first in main: the raw
 // substrate baseline and the platforms start sandboxes by re-executing it.
@@ -44,6 +47,9 @@ type Config struct {
 	// MemSandboxes idle sandboxes are measured after MemSettle.
 	MemSandboxes int
 	MemSettle    time.Duration
+	// VM sizes the microvm section (base-vm vs base on the lifecycle
+	// platform).
+	VM VMConfig
 	// Log receives progress (default stderr); platform logs at Error only.
 	Log io.Writer
 }
@@ -55,6 +61,7 @@ func DefaultConfig() Config {
 		ReadWarmup: 50, ReadRounds: 20, ReadPerRound: 50,
 		CreateWarmup: 2, Creates: 50, RawEvery: 2,
 		MemSandboxes: 10, MemSettle: 2 * time.Second,
+		VM: VMConfig{Creates: 5, NSPerVM: 2, BootBudget: 100 * time.Second, Rounds: 5, Snapshots: 2, Moves: 3},
 	}
 }
 
@@ -65,6 +72,7 @@ func QuickConfig() Config {
 		ReadWarmup: 5, ReadRounds: 2, ReadPerRound: 10,
 		CreateWarmup: 1, Creates: 5, RawEvery: 2,
 		MemSandboxes: 2, MemSettle: 500 * time.Millisecond,
+		VM: VMConfig{Creates: 1, NSPerVM: 1, Rounds: 1, Snapshots: 1, Moves: 1},
 	}
 }
 
@@ -82,6 +90,8 @@ type Report struct {
 	SPErr     error
 	Life      LifecycleResult
 	LifeErr   error
+	VM        VMResult
+	VMErr     error
 	Took      time.Duration
 }
 
@@ -163,9 +173,11 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	// Lifecycle on a platform of two workers, alone on the machine.
 	progress("lifecycle: pause/resume x10, cross-worker resume x5 at %v MiB", lifecycleLayers)
 	if life, err := StartPlatform(ctx, cfg.BinDir, platformDir(root, "life"), 2, false, plog); err != nil {
-		rep.LifeErr = err
+		rep.LifeErr, rep.VMErr = err, err
 	} else {
 		rep.Life, rep.LifeErr = MeasureLifecycle(ctx, life, 10, 5, lifecycleLayers)
+		// The microvm section on the same platform, each figure beside ns.
+		rep.VM, rep.VMErr = MeasureVM(ctx, life, cfg.BinDir, cfg.VM, progress)
 		life.Close() // before printing: etcd logs its shutdown on stderr
 	}
 	rep.Took = time.Since(t0)
@@ -176,7 +188,7 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	}
 	fmt.Fprintln(out)
 	fmt.Fprint(out, rep.Notes())
-	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.LifeErr)
+	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.LifeErr, rep.VMErr)
 }
 
 // lifecycleLayers are the writable-layer sizes (MiB) cross-worker resume is
@@ -250,6 +262,11 @@ func (r *Report) Rows() []Row {
 	} else {
 		rows = append(rows, r.Life.Rows(lifecycleLayers)...)
 	}
+	if r.VMErr != nil {
+		fail("microvm (base-vm) vs ns (base)", r.VMErr)
+	} else {
+		rows = append(rows, r.VM.Rows()...)
+	}
 	return rows
 }
 
@@ -295,6 +312,9 @@ func (r *Report) Notes() string {
 			fmt.Fprintf(&b, "  baseline: an idle minimal Go process (internal/bench/idleproc, built like spaced-guest): RSS %.1f (anon %.1f, file %.1f) PSS %.1f\n",
 				mib(i.RSS), mib(i.RSSAnon), mib(i.RSSFile), mib(i.PSS))
 		}
+	}
+	if r.VMErr == nil {
+		b.WriteString(r.VM.Notes())
 	}
 	return b.String()
 }

@@ -223,3 +223,106 @@ func footerOf(tok string) []byte {
 	f, _ := base64.RawURLEncoding.DecodeString(tok[i+1:])
 	return f
 }
+
+func TestAccelLabel(t *testing.T) {
+	for accel, want := range map[string]string{"tcg": " (TCG, no KVM)", "kvm": " (KVM)", "": "", "hvf": " (hvf)"} {
+		if got := accelLabel(accel); got != want {
+			t.Errorf("accelLabel(%q) = %q, want %q", accel, got, want)
+		}
+	}
+}
+
+func TestAlternate(t *testing.T) {
+	xs := []int{1, 2}
+	if got := alternate(xs, 0); got[0] != 1 || got[1] != 2 {
+		t.Errorf("alternate even = %v", got)
+	}
+	if got := alternate(xs, 3); got[0] != 2 || got[1] != 1 {
+		t.Errorf("alternate odd = %v", got)
+	}
+	if xs[0] != 1 {
+		t.Error("alternate changed its input")
+	}
+}
+
+func TestBootMore(t *testing.T) {
+	for _, c := range []struct {
+		i       int
+		elapsed time.Duration
+		budget  time.Duration
+		want    bool
+	}{
+		{0, time.Hour, time.Second, true}, // the minimum is always taken
+		{minBootSamples - 1, time.Hour, time.Second, true},
+		{minBootSamples, time.Hour, time.Second, false},
+		{minBootSamples, time.Millisecond, time.Second, true},
+		{10, time.Hour, 0, true}, // no budget
+	} {
+		if got := bootMore(c.i, c.elapsed, c.budget); got != c.want {
+			t.Errorf("bootMore(%d, %v, %v) = %v, want %v", c.i, c.elapsed, c.budget, got, c.want)
+		}
+	}
+}
+
+func TestVMRows(t *testing.T) {
+	skipped := VMResult{Skipped: "no guest kernel in /x (make vm-deps)"}
+	rows := skipped.Rows()
+	if len(rows) != 1 || !strings.Contains(rows[0].Value, "skipped: no guest kernel") {
+		t.Fatalf("skipped rows %+v", rows)
+	}
+	if !strings.Contains(skipped.Notes(), "skipped") {
+		t.Errorf("skipped notes %q", skipped.Notes())
+	}
+
+	d := func(msx ...int) []time.Duration {
+		var out []time.Duration
+		for _, m := range msx {
+			out = append(out, time.Duration(m)*time.Millisecond)
+		}
+		return out
+	}
+	r := VMResult{Accel: "tcg", Workers: 2,
+		VM: SideResult{Template: vmTemplate, MemoryMB: 256, Create: d(900, 1000), Ready: d(1000, 3000, 2000), Pause: d(10), Resume: d(20),
+			Snapshot: d(800), SnapshotBytes: []int64{100 << 20}, Migrate: d(6000, 7000, 5000), MigrateBytes: []int64{100 << 20}, PIDKept: 3},
+		NS: SideResult{Template: nsTemplate, Create: d(90), Ready: d(100, 100), Pause: d(5), Resume: d(10),
+			Snapshot: d(40), SnapshotBytes: []int64{1 << 20}, Migrate: d(600, 600, 600), MigrateBytes: []int64{1 << 20}, Restarted: 3},
+	}
+	rows = r.Rows()
+	if len(rows) != 7 {
+		t.Fatalf("%d rows: %+v", len(rows), rows)
+	}
+	for _, row := range rows {
+		if !strings.HasPrefix(row.Figure, "microvm ") || !strings.HasSuffix(row.Figure, "(TCG, no KVM)") {
+			t.Errorf("row %q is not labelled as a TCG microvm figure", row.Figure)
+		}
+		if row.Baseline == "" {
+			t.Errorf("row %q has no ns baseline", row.Figure)
+		}
+	}
+	boot := rows[0]
+	if !strings.Contains(boot.Figure, "boot-to-ready p50, n=3") || boot.Value != "2000.0" || boot.Baseline != "100.0 ns, n=2" || boot.Ratio != "20.00x" {
+		t.Errorf("boot row %+v", boot)
+	}
+	size := rows[3]
+	if !strings.Contains(size.Figure, "256 MiB VM") || size.Value != "100.0" || !strings.HasPrefix(size.Baseline, "1.00 ns") || size.Ratio != "100.00x" {
+		t.Errorf("snapshot size row %+v", size)
+	}
+	if pid := rows[6]; pid.Value != "3/3" || pid.Baseline != "0/3 ns" {
+		t.Errorf("pid row %+v", pid)
+	}
+	if n := r.Notes(); !strings.Contains(n, "not representative of KVM") || !strings.Contains(n, "processes_restarted on 0/3 microvm moves, 3/3 ns") {
+		t.Errorf("notes %q", n)
+	}
+	r.Accel = "kvm"
+	if rows := r.Rows(); !strings.HasSuffix(rows[0].Figure, "(KVM)") || strings.Contains(r.Notes(), "TCG") {
+		t.Errorf("kvm rows %q", rows[0].Figure)
+	}
+}
+
+func TestVMUnavailable(t *testing.T) {
+	// A bin dir with no .cache beside it: QEMU or the kernel is missing.
+	why := vmUnavailable(filepath.Join(t.TempDir(), "bin"))
+	if !strings.Contains(why, "make vm-deps") {
+		t.Errorf("vmUnavailable = %q", why)
+	}
+}

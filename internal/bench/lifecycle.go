@@ -3,6 +3,7 @@ package bench
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -22,6 +23,12 @@ type LifecycleResult struct {
 // lifecycleCall POSTs body to the control plane and times it until the
 // answer arrives (the operation is complete when the API answers).
 func lifecycleCall(ctx context.Context, p *Platform, path, body string) (time.Duration, error) {
+	return lifecycleCallOut(ctx, p, path, body, nil)
+}
+
+// lifecycleCallOut is lifecycleCall that decodes the JSON answer into out
+// (unless out is nil); decoding is not timed.
+func lifecycleCallOut(ctx context.Context, p *Platform, path, body string, out any) (time.Duration, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.APIURL+path, strings.NewReader(body))
 	if err != nil {
 		return 0, err
@@ -38,6 +45,11 @@ func lifecycleCall(ctx context.Context, p *Platform, path, body string) (time.Du
 	d := time.Since(t)
 	if res.StatusCode >= 300 {
 		return 0, fmt.Errorf("%s: %d %s", path, res.StatusCode, bytes.TrimSpace(b))
+	}
+	if out != nil {
+		if err := json.Unmarshal(b, out); err != nil {
+			return 0, fmt.Errorf("%s: answer: %w", path, err)
+		}
 	}
 	return d, nil
 }

@@ -22,6 +22,9 @@ const benchAPIKey = "e2b_bec4bec4bec4bec4bec4bec4bec4bec4bec4bec4"
 type Platform struct {
 	*up.Platform
 	Client *sdk.Client
+	// DataDir is the platform's state; snapshots are objects in
+	// DataDir/snapshots (up's default SnapshotDir).
+	DataDir string
 }
 
 // StartPlatform starts SPACE on free ports with its state under dataDir.
@@ -41,7 +44,7 @@ func StartPlatform(ctx context.Context, binDir, dataDir string, workers int, ski
 		p.Close()
 		return nil, err
 	}
-	return &Platform{Platform: p, Client: c}, nil
+	return &Platform{Platform: p, Client: c, DataDir: dataDir}, nil
 }
 
 // BridgePID finds the spaced-host and agent pids of sandbox on any worker.
