@@ -116,16 +116,24 @@ func TestAgentKeepsFilesAndProcessesAcrossRestore(t *testing.T) {
 	defer s.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
+	t0 := time.Now()
+	_, img, err := s.ensureImage(agent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(img); err == nil {
+		t.Logf("image with the agent: %.1f MiB, built in %s", float64(fi.Size())/(1<<20), time.Since(t0).Round(time.Millisecond))
+	}
 	base := t.TempDir()
 	r1 := testRoute("b1")
-	t0 := time.Now()
+	t0 = time.Now()
 	inst, err := s.Start(ctx, substrate.Spec{Route: r1, Template: "base", Dir: filepath.Join(base, "b1"), AgentPath: agent})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer inst.Stop(context.Background())
 	a := activate(t, ctx, inst, r1)
-	t.Logf("agent activated %s after Start began (image build included)", time.Since(t0).Round(time.Millisecond))
+	t.Logf("agent booted and activated (ACK) %s after Start began", time.Since(t0).Round(time.Millisecond))
 
 	out := a.run(t, ctx, `echo $((6*7)) > ~/answer; cat ~/answer; whoami; echo $$ > /dev/null
 		nohup sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo $!`)
