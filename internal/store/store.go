@@ -19,13 +19,11 @@ import (
 	"path/filepath"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
-	"go.etcd.io/etcd/client/pkg/v3/logutil"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 
 	"github.com/spacesbx/space/internal/atomicfile"
 )
@@ -130,6 +128,7 @@ type Store struct {
 	cli       *clientv3.Client
 	etcd      *embed.Etcd
 	log       *slog.Logger
+	closing   atomic.Bool // Close began: etcd's listener-closed errors are expected
 	endpoints []string
 	closeTO   time.Duration
 	closeOnce sync.Once
@@ -146,17 +145,14 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	s := &Store{log: cfg.Logger.With("component", "store"), closeTO: cfg.CloseTimeout}
 	endpoints := cfg.Endpoints
 	if len(endpoints) == 0 {
-		e, client, err := startEmbedded(ctx, cfg)
+		e, client, err := startEmbedded(ctx, cfg, &s.closing)
 		if err != nil {
 			return nil, err
 		}
 		s.etcd = e
 		endpoints = []string{client}
 	}
-	zl, err := logutil.CreateDefaultZapLogger(zapcore.WarnLevel)
-	if err != nil {
-		zl = zap.NewNop()
-	}
+	zl := newEtcdLogger(cfg.Logger, &s.closing)
 	cli, err := clientv3.New(clientv3.Config{
 		Endpoints:   endpoints,
 		DialTimeout: cfg.DialTimeout,
@@ -196,6 +192,7 @@ func (s *Store) Ping(ctx context.Context) error {
 // Config.CloseTimeout. Registrations should be closed first.
 func (s *Store) Close() error {
 	s.closeOnce.Do(func() {
+		s.closing.Store(true)
 		if s.cli != nil {
 			_ = s.cli.Close()
 		}
@@ -226,7 +223,7 @@ type savedURLs struct {
 	Peer   string `json:"peer"`
 }
 
-func startEmbedded(ctx context.Context, cfg Config) (*embed.Etcd, string, error) {
+func startEmbedded(ctx context.Context, cfg Config, closing *atomic.Bool) (*embed.Etcd, string, error) {
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
 		return nil, "", fmt.Errorf("store: data dir: %w", err)
 	}
@@ -258,6 +255,8 @@ func startEmbedded(ctx context.Context, cfg Config) (*embed.Etcd, string, error)
 	ec.AdvertisePeerUrls = []url.URL{*pu}
 	ec.InitialCluster = ec.InitialClusterFromName(ec.Name)
 	ec.LogLevel = "warn"
+	ec.Logger = "zap"
+	ec.ZapLoggerBuilder = embed.NewZapLoggerBuilder(newEtcdLogger(cfg.Logger, closing))
 	ec.AutoCompactionMode = embed.CompactorModePeriodic
 	ec.AutoCompactionRetention = DefaultCompactionRetention
 
