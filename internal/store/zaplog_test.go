@@ -25,7 +25,7 @@ func TestEtcdLogsGoToSlog(t *testing.T) {
 	zl.Error("serving failed late", zap.Error(closed))
 	zl.Error("disk full", zap.Error(errors.New("no space left on device")))
 	out := buf.String()
-	for _, want := range []string{"component=etcd", "apply request took too long", "member=space", "serving failed ", "disk full"} {
+	for _, want := range []string{"component=etcd", "apply request took too long", "member=space", `msg="serving failed"`, "disk full"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("log lacks %q:\n%s", want, out)
 		}
