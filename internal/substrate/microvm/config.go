@@ -65,6 +65,14 @@ type Config struct {
 	// root: QEMU runs as the caller.
 	UIDFirst, UIDCount uint32
 	UIDLockDir         string
+	// ZeroFreedMemory boots guests with init_on_free=1: the guest kernel
+	// zeroes every page it frees, and QEMU's migration sends zero pages as
+	// flags, so SaveState writes less (measured with a 256 MiB busybox
+	// guest: 55 MiB instead of 93 MiB, 160 ms instead of 600 ms) at the
+	// price of host memory: zeroing touches the whole guest RAM at boot, so
+	// QEMU's resident guest RAM is MemoryBytes at once (instead of 130 MiB
+	// for the same guest). Default off (host density first).
+	ZeroFreedMemory bool
 	// StartTimeout bounds Start when the caller's context has no earlier
 	// deadline (default 30 s: image building and a restore included).
 	StartTimeout time.Duration

@@ -345,6 +345,9 @@ func (s *Substrate) qemuArgs(l launch) []string {
 		machine += ",pit=on,pic=on"
 	}
 	appendLine := "console=ttyS0 quiet panic=-1 reboot=t pci=off space.hostname=" + l.hostname
+	if s.cfg.ZeroFreedMemory {
+		appendLine += " init_on_free=1"
+	}
 	if s.tscKHz > 0 {
 		appendLine += " tsc_early_khz=" + strconv.FormatUint(s.tscKHz, 10)
 	}

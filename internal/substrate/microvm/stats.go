@@ -3,6 +3,7 @@
 package microvm
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"os"
@@ -33,10 +34,13 @@ const clkTck = 100
 //
 //   - CPU: QEMU's user+system time (/proc/<pid>/stat) over the interval,
 //     in percent of one core; CPUCount is the vCPU count;
-//   - memory: MemTotal is the guest's memory; MemUsed is QEMU's resident
-//     set (guest pages it touched plus QEMU's own, so an upper bound of
-//     what the guest uses; a guest never gives pages back without a
-//     balloon); MemCache is 0 (not visible from the host);
+//   - memory: MemTotal is the guest's memory; MemUsed is the resident part
+//     of QEMU's mapping of guest RAM (the anonymous mapping of exactly
+//     MemTotal bytes in /proc/<pid>/smaps; QEMU's whole resident set,
+//     capped at MemTotal, if it cannot be found): the guest pages ever
+//     touched, an upper bound of what the guest uses, since a guest gives
+//     no page back without a balloon; MemCache is 0 (not visible from the
+//     host);
 //   - disk: 0 and 0 (files live in guest memory, see the package doc).
 func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 	i.mu.Lock()
@@ -74,7 +78,9 @@ func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 	if d := cur.at.Sub(prev.at); d > 0 {
 		st.CPUUsedPct = 100 * float64(cur.usage-prev.usage) / float64(d)
 	}
-	if rss, err := readRSS(i.pid); err == nil {
+	if rss, err := guestRAMResident(i.pid, st.MemTotal); err == nil {
+		st.MemUsed = rss
+	} else if rss, err := readRSS(i.pid); err == nil {
 		st.MemUsed = min(rss, st.MemTotal)
 	}
 	return st, nil
@@ -119,4 +125,38 @@ func readRSS(pid int) (int64, error) {
 		return 0, err
 	}
 	return pages * int64(os.Getpagesize()), nil
+}
+
+// guestRAMResident returns the resident bytes of pid's mapping of exactly
+// size bytes (QEMU's guest RAM block).
+func guestRAMResident(pid int, size int64) (int64, error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/smaps", pid))
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	var inRAM bool
+	for sc.Scan() {
+		k, v, ok := strings.Cut(sc.Text(), ":")
+		if !ok {
+			continue
+		}
+		kb := func() int64 {
+			n, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return n << 10
+		}
+		switch k {
+		case "Size":
+			inRAM = kb() == size
+		case "Rss":
+			if inRAM {
+				return kb(), nil
+			}
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return 0, err
+	}
+	return 0, fmt.Errorf("microvm: no guest RAM mapping of %d bytes in qemu %d", size, pid)
 }

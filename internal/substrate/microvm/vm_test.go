@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -207,9 +208,13 @@ func TestVMLifecycleSaveRestore(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st.CPUCount != 1 || st.MemTotal != DefaultMemoryBytes || st.MemUsed <= 0 {
+	if st.CPUCount != 1 || st.MemTotal != DefaultMemoryBytes || st.MemUsed <= 0 || st.MemUsed > st.MemTotal {
 		t.Errorf("stats %+v", st)
 	}
+	if _, err := guestRAMResident(inst.InitPID(), st.MemTotal); err != nil {
+		t.Errorf("guest RAM mapping not found: %v", err)
+	}
+	t.Logf("stats: %.1f%% of %d CPU, guest RAM resident %d MiB of %d MiB", st.CPUUsedPct, st.CPUCount, st.MemUsed>>20, st.MemTotal>>20)
 
 	// SaveState needs a paused VM.
 	saver := inst.(substrate.StateSaver)
@@ -457,5 +462,45 @@ func TestGuestDeathClosesDone(t *testing.T) {
 	}
 	if !strings.Contains(inst.(*instance).consoleTail(8192), "sysrq") {
 		t.Errorf("console.log lacks the panic: %s", inst.(*instance).consoleTail(500))
+	}
+}
+
+// TestZeroFreedMemory: with init_on_free=1 the state of the same guest is
+// much smaller (freed pages travel as zero pages) and the guest RAM is all
+// resident on the host.
+func TestZeroFreedMemory(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.ZeroFreedMemory = true
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	inst, err := s.Start(ctx, substrate.Spec{Route: testRoute("z1"), Template: "base", Dir: filepath.Join(t.TempDir(), "z1"), AgentPath: DefaultBusyboxPath})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Stop(context.Background())
+	ch := dialChannel(t, inst)
+	if r, err := ch.ask("sh cat /proc/cmdline", 60*time.Second); err != nil || !strings.Contains(r, "init_on_free=1") {
+		t.Fatalf("cmdline %q, %v", r, err)
+	}
+	if err := inst.Pause(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Now()
+	n, err := inst.(substrate.StateSaver).SaveState(ctx, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rss, err := guestRAMResident(inst.InitPID(), DefaultMemoryBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("init_on_free=1: state %.1f MiB in %s, guest RAM resident %d MiB", float64(n)/(1<<20), time.Since(t0).Round(time.Millisecond), rss>>20)
+	if n > 75<<20 {
+		t.Errorf("state of %d bytes: zeroed free pages should keep it under 75 MiB", n)
 	}
 }
