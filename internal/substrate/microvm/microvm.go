@@ -119,6 +119,10 @@ import (
 	"github.com/spacesbx/space/internal/substrate"
 )
 
+// TemplateBase is the only template: the image described in the package
+// doc.
+const TemplateBase = "base"
+
 // Names of the entries of an activation directory.
 const (
 	SocketName = "guest.sock"
@@ -256,6 +260,9 @@ func validateSpec(spec *substrate.Spec) error {
 	}
 	if spec.Route.Substrate != identity.SubstrateMicroVM {
 		return fmt.Errorf("microvm: route names substrate %q", spec.Route.Substrate)
+	}
+	if spec.Template != TemplateBase {
+		return fmt.Errorf("microvm: unknown template %q (only %q)", spec.Template, TemplateBase)
 	}
 	if spec.Dir == "" || !filepath.IsAbs(spec.Dir) {
 		return fmt.Errorf("microvm: Dir must be an absolute path, got %q", spec.Dir)

@@ -421,6 +421,10 @@ func TestStartFailureCleansUp(t *testing.T) {
 	if _, err := s.Start(ctx, bad); err == nil {
 		t.Error("ns route accepted")
 	}
+	bad.Route.Substrate, bad.Template = identity.SubstrateMicroVM, "python"
+	if _, err := s.Start(ctx, bad); err == nil || !strings.Contains(err.Error(), "template") {
+		t.Errorf("unknown template: %v", err)
+	}
 }
 
 // TestGuestDeathClosesDone: a guest kernel panic ends QEMU (panic=-1 and
@@ -503,4 +507,30 @@ func TestZeroFreedMemory(t *testing.T) {
 	if n > 75<<20 {
 		t.Errorf("state of %d bytes: zeroed free pages should keep it under 75 MiB", n)
 	}
+}
+
+func TestLeaseUID(t *testing.T) {
+	dir := t.TempDir()
+	a, err := leaseUID(dir, 5000, 2, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := leaseUID(dir, 5000, 2, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.uid == b.uid {
+		t.Fatalf("two leases got uid %d", a.uid)
+	}
+	if _, err := leaseUID(dir, 5000, 2, 1); err == nil {
+		t.Fatal("a third lease in a range of two succeeded")
+	}
+	a.release()
+	c, err := leaseUID(dir, 5000, 2, 0)
+	if err != nil || c.uid != a.uid {
+		t.Fatalf("released uid not leased again: %v %v", c, err)
+	}
+	b.release()
+	c.release()
+	c.release() // idempotent
 }
