@@ -34,6 +34,9 @@
 // and unloads the fw_cfg driver. /bin/bash execs busybox sh (the e2b SDK runs
 // "/bin/bash -l -c"); accounts are root and user (uid 1000).
 //
+// Spec.Template is not interpreted: every VM runs this one image (the
+// control plane names it, e.g. "base-vm").
+//
 // # Files live in guest memory
 //
 // The root file system is the initramfs itself (a tmpfs-like rootfs in
@@ -118,10 +121,6 @@ import (
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
 )
-
-// TemplateBase is the only template: the image described in the package
-// doc.
-const TemplateBase = "base"
 
 // Names of the entries of an activation directory.
 const (
@@ -260,9 +259,6 @@ func validateSpec(spec *substrate.Spec) error {
 	}
 	if spec.Route.Substrate != identity.SubstrateMicroVM {
 		return fmt.Errorf("microvm: route names substrate %q", spec.Route.Substrate)
-	}
-	if spec.Template != TemplateBase {
-		return fmt.Errorf("microvm: unknown template %q (only %q)", spec.Template, TemplateBase)
 	}
 	if spec.Dir == "" || !filepath.IsAbs(spec.Dir) {
 		return fmt.Errorf("microvm: Dir must be an absolute path, got %q", spec.Dir)
