@@ -99,6 +99,20 @@
 // migration to complete and continues the guest: its processes go on
 // where they stopped. The guest keeps the identity it had; spaced-host
 // re-activates it over the channel.
+//
+// # Known limits
+//
+//   - Guest time stops while the VM is paused or saved: after Resume or a
+//     restore the guest's clock is behind by the pause (measured: 5 s
+//     pause, guest 5 s behind). The guest's RTC (/dev/rtc0) follows the
+//     host's clock throughout, so the agent can resynchronize (it does
+//     not yet).
+//   - KVM is implemented (-cpu host, /dev/kvm's group for QEMU's uid) but
+//     untested on the development hosts, which have no /dev/kvm.
+//   - Pids limits are not enforced (the guest kernel is the boundary); no
+//     disk: files count against guest memory.
+//   - A restore needs the identical image on the target (same kernel,
+//     modules, busybox and agent build); cached images are never removed.
 package microvm
 
 import (
