@@ -69,7 +69,10 @@ type processStream struct {
 	pending  []byte
 	buf      []byte
 	switched bool // cur changed or the stream ended: drop the rest of a chunk
-	err      error
+	// reattachDue: the old stream ended with "execution replaced"; Read
+	// reattaches once the client has what was queued before that end.
+	reattachDue bool
+	err         error
 }
 
 func (s *processStream) Read(p []byte) (int, error) {
@@ -78,6 +81,11 @@ func (s *processStream) Read(p []byte) (int, error) {
 			n := copy(p, s.pending)
 			s.pending = s.pending[n:]
 			return n, nil
+		}
+		if s.reattachDue {
+			s.reattachDue = false
+			s.runReattach()
+			continue
 		}
 		if s.err != nil {
 			return 0, s.err

@@ -168,9 +168,17 @@ func (s *processStream) withinTimeout() bool {
 	return s.timeout == 0 || time.Since(s.started) < s.timeout
 }
 
-// reattach tries to open the process on the current execution until a
-// stream is open (then the parser takes over), or gives up.
+// reattach schedules a reattach: Read first hands the client what is
+// already queued (output that arrived with the end of the old stream must
+// not wait for the new one), then runs it.
 func (s *processStream) reattach() {
+	s.reattachDue = true
+	s.switched = true // the rest of the old stream's chunk is dropped
+}
+
+// runReattach tries to open the process on the current execution until a
+// stream is open (then the parser takes over), or gives up.
+func (s *processStream) runReattach() {
 	s.closeCur()
 	for {
 		switch {

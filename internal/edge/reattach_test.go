@@ -427,10 +427,17 @@ func TestReattachClientCancelLeaksNothing(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	req := connect.NewRequest(&processpb.StartRequest{Process: &processpb.ProcessConfig{Cmd: "sh"}})
 	sandboxHeaders(req.Header(), "sbx1")
-	stream, err := h.processClient(codecs[0]).Start(ctx, req)
+	// A connection of its own, never pooled: a cancelled stream's
+	// connection must close (that is how the edge learns the client left),
+	// not go back to a pool the metrics requests below would then wait on.
+	tr := &http.Transport{DisableKeepAlives: true}
+	defer tr.CloseIdleConnections()
+	client := processpbconnect.NewProcessClient(&http.Client{Transport: tr}, h.srv.URL, codecs[0].opts...)
+	stream, err := client.Start(ctx, req)
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer stream.Close() // after the cancel: connect-go drains an open body on Close
 	if !stream.Receive() || stream.Msg().GetEvent().GetStart() == nil {
 		t.Fatal("no StartEvent")
 	}
@@ -442,7 +449,7 @@ func TestReattachClientCancelLeaksNothing(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	cancel()
-	stream.Close()
+	deadline = time.Now().Add(20 * time.Second)
 	for reattachCount(h, reattachCancelled) != 1 {
 		if time.Now().After(deadline) {
 			t.Fatal("reattach not abandoned after client cancel")

@@ -96,7 +96,7 @@ func TestPickDoesNotMutateInput(t *testing.T) {
 		_, _ = s.Pick(ws)
 	}
 	for i := range ws {
-		if ws[i] != cp[i] {
+		if ws[i].ID != cp[i].ID || ws[i].Load != cp[i].Load || ws[i].Capacity != cp[i].Capacity {
 			t.Fatal("input reordered")
 		}
 	}
