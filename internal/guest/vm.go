@@ -101,7 +101,14 @@ func RunVM(ctx context.Context, vc VMConfig) error {
 		return fmt.Errorf("guest: vm mode: open %s: %w", dev, err)
 	}
 	log.Info("vm mode: serving", "port", vc.Port, "device", dev)
-	return ServeVM(ctx, f, vc.Base)
+	// The clock stops while the VM is paused or saved; keep it on the RTC.
+	cctx, cancel := context.WithCancel(ctx)
+	clockDone := make(chan struct{})
+	go func() { defer close(clockDone); runClockSync(cctx, DefaultRTCPath, log) }()
+	err = ServeVM(ctx, f, vc.Base)
+	cancel()
+	<-clockDone
+	return err
 }
 
 // ServeVM serves VM mode on an open port (which it owns) until ctx ends,

@@ -104,6 +104,21 @@ func TestMicroVM(t *testing.T) {
 		t.Fatalf("pty output %q: %v", out, err)
 	}
 
+	// The guest clock stops while the VM is paused; after the resume the
+	// agent steps it back to the RTC (the host's time).
+	if r := lp.api(t, http.MethodPost, "/sandboxes/"+sbx.ID+"/pause", nil); r.status != http.StatusNoContent {
+		t.Fatalf("pause: %d %s", r.status, r.body)
+	}
+	time.Sleep(5 * time.Second)
+	if r := lp.api(t, http.MethodPost, "/v2/sandboxes/"+sbx.ID+"/connect", map[string]int{"timeout": 1800}); r.status != http.StatusOK && r.status != http.StatusCreated {
+		t.Fatalf("resume: %d %s", r.status, r.body)
+	}
+	time.Sleep(2 * time.Second) // one clock sync tick
+	guestNow, _ := strconv.ParseInt(strings.TrimSpace(runOut(t, sbx, "date +%s")), 10, 64)
+	if d := time.Now().Unix() - guestNow; d > 3 || d < -3 {
+		t.Fatalf("guest clock off by %ds after a 5s pause", d)
+	}
+
 	// A process with state in memory, started before the move.
 	pid := strings.TrimSpace(runOut(t, sbx, `sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 & echo $!`))
 	if _, err := strconv.Atoi(pid); err != nil {
