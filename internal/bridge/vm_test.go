@@ -132,7 +132,6 @@ type vmEnv struct {
 	qemu     *exec.Cmd
 	qemuSock string
 	dir      string
-	activate func(payload []byte) (identity.Route, error)
 }
 
 // startVM starts an in-process guest (vmchan.Listener serving fakeGuest)
