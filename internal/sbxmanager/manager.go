@@ -247,10 +247,17 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	if err := m.prepareInstall(ctx, req, old, hasOld); err != nil {
 		return spacev1.InstallResponse{}, err
 	}
-	// A replacement: the old execution stops being served before anything else.
+	// A replacement: the old execution stops being served before anything
+	// else. Until the new one is installed its capabilities get
+	// RefreshRoute (the edge repairs them once the control plane publishes
+	// the new route), not "installed but not active".
 	if act != nil {
 		m.mu.Lock()
 		delete(m.active, r.SandboxID)
+		if cur, ok := m.records[r.SandboxID]; ok && cur.Route == old.Route {
+			cur.Retired = true // in memory only: the new record is persisted below
+			m.records[r.SandboxID] = cur
+		}
 		m.mu.Unlock()
 		m.stopActivation(act, "replaced")
 	}

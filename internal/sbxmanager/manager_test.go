@@ -56,6 +56,8 @@ func TestMain(m *testing.M) {
 type fakeSubstrate struct {
 	mu      sync.Mutex
 	started int
+	// startGate, when set, is received from before a start completes.
+	startGate chan struct{}
 }
 
 type fakeInstance struct {
@@ -69,6 +71,12 @@ type fakeInstance struct {
 func (f *fakeSubstrate) Name() string { return identity.SubstrateNS }
 
 func (f *fakeSubstrate) Start(ctx context.Context, spec substrate.Spec) (substrate.Instance, error) {
+	f.mu.Lock()
+	gate := f.startGate
+	f.mu.Unlock()
+	if gate != nil {
+		<-gate
+	}
 	if err := os.MkdirAll(spec.Dir, 0o700); err != nil {
 		return nil, err
 	}
@@ -260,6 +268,46 @@ func TestInstallReplacementRejectsOldAndEndsStreams(t *testing.T) {
 	// An install older than what is installed is a conflict.
 	if _, err := f.m.Install(context.Background(), spacev1.InstallRequest{Route: route("sbxa", 1)}); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("older install: %v", err)
+	}
+}
+
+// While a replacement is being installed on the same worker, the old
+// execution's capabilities get RefreshRoute (the edge repairs them once the
+// new route is published), never "installed but not active".
+func TestInstallReplacementWindowIsRefreshRoute(t *testing.T) {
+	f := newFixture(t)
+	f.install(t, route("sbxa", 1))
+	sub := f.m.subs["ns"].(*fakeSubstrate)
+	gate := make(chan struct{})
+	sub.mu.Lock()
+	sub.startGate = gate
+	sub.mu.Unlock()
+	done := make(chan error, 1)
+	go func() {
+		_, err := f.m.Install(context.Background(), spacev1.InstallRequest{Route: route("sbxa", 2), Template: "base"})
+		done <- err
+	}()
+	old := f.token(t, route("sbxa", 1), capability.PurposeFiles)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		resp, body := f.get(t, "/files", old)
+		if resp.StatusCode == http.StatusMisdirectedRequest {
+			if resp.Header.Get(spacev1.HeaderRouteOutcome) != spacev1.OutcomeRefreshRoute {
+				t.Fatalf("421 without refresh-route: %v", resp.Header)
+			}
+			break
+		}
+		if resp.StatusCode != http.StatusOK || time.Now().After(deadline) {
+			t.Fatalf("old capability during the replacement: %d %s", resp.StatusCode, body)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	close(gate)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if resp, body := f.get(t, "/files", f.token(t, route("sbxa", 2), capability.PurposeFiles)); resp.StatusCode != 200 || body != "file of sbxa gen 2" {
+		t.Fatalf("new execution: %d %s", resp.StatusCode, body)
 	}
 }
 
