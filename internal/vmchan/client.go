@@ -51,6 +51,13 @@ type Client struct {
 
 	closeOnce sync.Once
 	wg        sync.WaitGroup // the reader
+
+	// hsMu orders the handshake: a HELLO attempt is written, and the
+	// wanted session id changed, only while no ACK has been accepted. An
+	// attempt written after the guest's ACK was accepted would reach the
+	// guest inside that session (its padding breaks it).
+	hsMu       sync.Mutex
+	hsAccepted bool
 }
 
 // ackResult is what the reader reports from the handshake.
@@ -103,19 +110,24 @@ func NewClient(ctx context.Context, conn net.Conn, cfg ClientConfig) (*Client, e
 		return nil, err
 	}
 	for attempt := 1; ; attempt++ {
-		var sid SessionID
-		_, _ = rand.Read(sid[:])
-		want.Store(&sid)
-		msg := append([]byte(nil), pad...)
-		msg = appendFrame(msg, FrameHello, 0, helloPayload(sid))
-		msg = appendFrame(msg, FrameActivate, 0, cfg.Activation)
-		// A write that cannot complete (nobody reads the port yet) is cut
-		// at the next resend; the padding of the next attempt covers the
-		// partial frame it may leave.
-		_ = conn.SetWriteDeadline(time.Now().Add(cfg.ResendInterval))
-		if _, err := conn.Write(msg); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
-			return fail(fmt.Errorf("%w: write HELLO: %v", ErrChannelLost, err))
+		c.hsMu.Lock()
+		if !c.hsAccepted {
+			var sid SessionID
+			_, _ = rand.Read(sid[:])
+			want.Store(&sid)
+			msg := append([]byte(nil), pad...)
+			msg = appendFrame(msg, FrameHello, 0, helloPayload(sid))
+			msg = appendFrame(msg, FrameActivate, 0, cfg.Activation)
+			// A write that cannot complete (nobody reads the port yet) is
+			// cut at the next resend; the padding of the next attempt
+			// covers the partial frame it may leave.
+			_ = conn.SetWriteDeadline(time.Now().Add(cfg.ResendInterval))
+			if _, err := conn.Write(msg); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+				c.hsMu.Unlock()
+				return fail(fmt.Errorf("%w: write HELLO: %v", ErrChannelLost, err))
+			}
 		}
+		c.hsMu.Unlock()
 		select {
 		case r := <-acks:
 			_ = conn.SetWriteDeadline(time.Time{})
@@ -147,9 +159,13 @@ func (c *Client) read(br *bufio.Reader, want *atomic.Pointer[SessionID], acks ch
 			return
 		}
 		sid, ok, body, perr := parseAck(f.Payload)
+		c.hsMu.Lock()
 		if w := want.Load(); perr != nil || w == nil || sid != *w {
+			c.hsMu.Unlock()
 			continue // stale or of an earlier attempt
 		}
+		c.hsAccepted = true // no further attempt is written
+		c.hsMu.Unlock()
 		if !ok {
 			acks <- ackResult{sid: sid, err: &ActivationError{Msg: string(body)}}
 			return
