@@ -47,7 +47,10 @@ $(VM_KERNEL_DIR)/.done:
 	    pkg=$$(apt-cache depends $(VM_KERNEL_META) | awk '/Depends: linux-image-/ {print $$2; exit}'); fi; \
 	  test -n "$$pkg" || { echo "vm-deps: cannot resolve $(VM_KERNEL_META)"; exit 1; }; \
 	  tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; chmod 755 "$$tmp"; chown _apt "$$tmp" 2>/dev/null || true; \
-	  (cd "$$tmp" && apt-get download -qq "$$pkg"); \
+	  if ! (cd "$$tmp" && apt-get download -qq "$$pkg"); then \
+	    echo "vm-deps: $$pkg not downloadable (stale package lists?): apt-get update and retry"; apt-get update -qq; \
+	    pkg=$$(apt-cache depends $(VM_KERNEL_META) | awk '/Depends: linux-image-/ {print $$2; exit}'); \
+	    (cd "$$tmp" && apt-get download -qq "$$pkg"); fi; \
 	  rm -rf "$(VM_KERNEL_DIR)"; mkdir -p "$(VM_KERNEL_DIR)"; \
 	  dpkg-deb -x "$$tmp"/$$pkg_*.deb "$(VM_KERNEL_DIR)"; \
 	  ln -sfn "$$(cd "$(VM_KERNEL_DIR)" && ls boot/vmlinuz-* | head -n1)" "$(VM_KERNEL_DIR)/vmlinuz"; \
