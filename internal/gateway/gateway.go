@@ -251,10 +251,19 @@ func (g *Gateway) Retire(why string) {
 	g.mu.Unlock()
 	g.cancel()
 	g.tr.CloseIdleConnections()
+	// The streams close their connections when they see the lease end;
+	// wait (bounded) so that, once Retire returns, no byte passes any more.
+	deadline := time.Now().Add(retireWait)
+	for g.streams.Load() > 0 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
 	if !was {
-		g.log.Info("gateway retired; streams ended", "why", why)
+		g.log.Info("gateway retired; streams ended", "why", why, "streams_left", g.streams.Load())
 	}
 }
+
+// retireWait bounds Retire's wait for the streams to close.
+const retireWait = 2 * time.Second
 
 // Close retires the gateway.
 func (g *Gateway) Close() { g.Retire("closed") }
