@@ -123,7 +123,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -134,6 +133,7 @@ import (
 
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/substrate/spawner"
 )
 
 // Names of the entries of an activation directory.
@@ -165,10 +165,9 @@ type Substrate struct {
 	imgMu sync.Mutex
 	sums  map[fileKey][32]byte
 
-	spawnMu   sync.Mutex
-	spawnCh   chan func()
-	spawnDone chan struct{}
-	closed    bool
+	// spawner starts QEMU: its parent-death signal is tied to the forking
+	// thread.
+	spawner spawner.Spawner
 }
 
 var _ substrate.Substrate = (*Substrate)(nil)
@@ -225,45 +224,10 @@ func (s *Substrate) Name() string { return identity.SubstrateMicroVM }
 // Accel reports the accelerator instances use ("kvm" or "tcg").
 func (s *Substrate) Accel() string { return s.accel }
 
-// spawn runs f on a dedicated, locked OS thread that lives until Close:
-// QEMU's parent-death signal fires when the thread that forked it exits.
-func (s *Substrate) spawn(f func()) error {
-	s.spawnMu.Lock()
-	if s.closed {
-		s.spawnMu.Unlock()
-		return errors.New("microvm: substrate closed")
-	}
-	if s.spawnCh == nil {
-		s.spawnCh, s.spawnDone = make(chan func()), make(chan struct{})
-		go func() {
-			runtime.LockOSThread() // never unlocked: the thread dies with Close
-			defer close(s.spawnDone)
-			for f := range s.spawnCh {
-				f()
-			}
-		}()
-	}
-	ch := s.spawnCh
-	s.spawnMu.Unlock()
-	done := make(chan struct{})
-	ch <- func() { defer close(done); f() }
-	<-done
-	return nil
-}
-
 // Close stops the spawner thread; running VMs are killed by their
 // parent-death signal, so Stop them first. Start fails afterwards.
 func (s *Substrate) Close() error {
-	s.spawnMu.Lock()
-	defer s.spawnMu.Unlock()
-	if s.closed {
-		return nil
-	}
-	s.closed = true
-	if s.spawnCh != nil {
-		close(s.spawnCh)
-		<-s.spawnDone
-	}
+	s.spawner.Close()
 	return nil
 }
 
@@ -503,8 +467,8 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		},
 	}
 	var startErr error
-	if err := s.spawn(func() { startErr = cmd.Start() }); err != nil {
-		return fail(err)
+	if err := s.spawner.Do(func() { startErr = cmd.Start() }); err != nil {
+		return fail(fmt.Errorf("microvm: %w", err))
 	}
 	if startErr != nil {
 		return fail(fmt.Errorf("launch qemu: %w", startErr))

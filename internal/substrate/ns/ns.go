@@ -94,7 +94,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"sync"
 	"syscall"
 	"time"
@@ -103,6 +102,7 @@ import (
 
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/substrate/spawner"
 )
 
 // Names of the entries of an activation directory.
@@ -127,10 +127,9 @@ type Substrate struct {
 	tmplMu    sync.Mutex
 	tmplReady map[string]bool
 
-	spawnMu   sync.Mutex
-	spawnCh   chan func()
-	spawnDone chan struct{}
-	closed    bool
+	// spawner starts sandbox inits: their parent-death signal is tied to
+	// the forking thread.
+	spawner spawner.Spawner
 }
 
 var _ substrate.Substrate = (*Substrate)(nil)
@@ -158,47 +157,10 @@ func New(cfg Config) (*Substrate, error) {
 // Name returns identity.SubstrateNS.
 func (s *Substrate) Name() string { return identity.SubstrateNS }
 
-// spawn runs f on a dedicated, locked OS thread that lives until Close.
-// The sandbox init's parent-death signal fires when the thread that forked
-// it exits; Go may retire ordinary threads (a goroutine that exits while
-// locked kills its thread), which would kill unrelated sandboxes.
-func (s *Substrate) spawn(f func()) error {
-	s.spawnMu.Lock()
-	if s.closed {
-		s.spawnMu.Unlock()
-		return errors.New("ns: substrate closed")
-	}
-	if s.spawnCh == nil {
-		s.spawnCh, s.spawnDone = make(chan func()), make(chan struct{})
-		go func() {
-			runtime.LockOSThread() // never unlocked: the thread dies with Close
-			defer close(s.spawnDone)
-			for f := range s.spawnCh {
-				f()
-			}
-		}()
-	}
-	ch := s.spawnCh
-	s.spawnMu.Unlock()
-	done := make(chan struct{})
-	ch <- func() { defer close(done); f() }
-	<-done
-	return nil
-}
-
 // Close stops the spawner thread. Sandboxes still running are killed (their
 // parent-death signal fires), so Stop them first. Start fails afterwards.
 func (s *Substrate) Close() error {
-	s.spawnMu.Lock()
-	defer s.spawnMu.Unlock()
-	if s.closed {
-		return nil
-	}
-	s.closed = true
-	if s.spawnCh != nil {
-		close(s.spawnCh)
-		<-s.spawnDone
-	}
+	s.spawner.Close()
 	return nil
 }
 
@@ -321,8 +283,8 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		},
 	}
 	var startErr error
-	if err := s.spawn(func() { startErr = cmd.Start() }); err != nil {
-		return fail(err)
+	if err := s.spawner.Do(func() { startErr = cmd.Start() }); err != nil {
+		return fail(fmt.Errorf("ns: %w", err))
 	}
 	if startErr != nil {
 		return fail(fmt.Errorf("launch init: %w", startErr))
