@@ -237,19 +237,11 @@ func (m *Manager) Snapshot(ctx context.Context, route identity.Route, id string)
 	if fi, err := os.Lstat(upper); err != nil || !fi.IsDir() {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: writable layer %s missing", route.SandboxID, errdefs.ErrNotFound, upper)
 	}
-	pr, pw := io.Pipe()
-	var wg sync.WaitGroup
 	var st snapshot.Stats
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		var aerr error
-		st, aerr = snapshot.Archive(ctx, upper, pw)
-		pw.CloseWithError(aerr)
-	}()
-	n, err := m.snaps.Put(ctx, id, pr)
-	pr.CloseWithError(errors.New("snapshot store stopped reading"))
-	wg.Wait()
+	n, err := m.putStream(ctx, id, func(w io.Writer) (err error) {
+		st, err = snapshot.Archive(ctx, upper, w)
+		return err
+	})
 	if err != nil {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w", route.SandboxID, lifecycleErr(ctx, err))
 	}
@@ -268,24 +260,33 @@ func (m *Manager) snapshotState(ctx context.Context, route identity.Route, act *
 	if saver == nil {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: the VM is not running on this worker, its state cannot be saved", route.SandboxID, errdefs.ErrConflict)
 	}
-	pr, pw := io.Pipe()
-	var wg sync.WaitGroup
 	var saved int64
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		var serr error
-		saved, serr = saver.SaveState(ctx, pw)
-		pw.CloseWithError(serr)
-	}()
-	n, err := m.snaps.Put(ctx, id, pr)
-	pr.CloseWithError(errors.New("snapshot store stopped reading"))
-	wg.Wait()
+	n, err := m.putStream(ctx, id, func(w io.Writer) (err error) {
+		saved, err = saver.SaveState(ctx, w)
+		return err
+	})
 	if err != nil {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w", route.SandboxID, lifecycleErr(ctx, err))
 	}
 	m.log.Info("VM state stored", "sandbox", route.SandboxID, "generation", route.Generation, "snapshot", id, "bytes", n, "saved", saved)
 	return spacev1.SnapshotResponse{SnapshotID: id, SizeBytes: n}, nil
+}
+
+// putStream stores under id what produce writes, streamed through a pipe
+// (produce runs in its own goroutine, waited for here). A producer error
+// fails the store's read; a store that stops reading fails the producer.
+func (m *Manager) putStream(ctx context.Context, id string, produce func(io.Writer) error) (int64, error) {
+	pr, pw := io.Pipe()
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		pw.CloseWithError(produce(pw))
+	}()
+	n, err := m.snaps.Put(ctx, id, pr)
+	pr.CloseWithError(errors.New("snapshot store stopped reading"))
+	wg.Wait()
+	return n, err
 }
 
 // Retire marks the execution named by route retired (durably, first),
@@ -420,7 +421,7 @@ func (m *Manager) fetchState(ctx context.Context, r identity.Route, id, dir stri
 	if err != nil {
 		return fmt.Errorf("install %s: %w", r.SandboxID, err)
 	}
-	n, err := io.Copy(f, ctxReader{ctx, rc})
+	n, err := io.Copy(f, snapshot.ContextReader(ctx, rc))
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
@@ -430,19 +431,6 @@ func (m *Manager) fetchState(ctx context.Context, r identity.Route, id, dir stri
 	}
 	m.log.Info("VM state fetched", "sandbox", r.SandboxID, "generation", r.Generation, "snapshot", id, "bytes", n)
 	return nil
-}
-
-// ctxReader stops a copy when ctx ends.
-type ctxReader struct {
-	ctx context.Context
-	r   io.Reader
-}
-
-func (c ctxReader) Read(p []byte) (int, error) {
-	if err := c.ctx.Err(); err != nil {
-		return 0, err
-	}
-	return c.r.Read(p)
 }
 
 // pausedError answers a request for a paused execution.

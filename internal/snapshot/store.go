@@ -119,7 +119,10 @@ func (l *Local) path(id string) (string, error) {
 	return filepath.Join(l.dir, id), nil
 }
 
-// ctxReader fails reads once ctx has ended.
+// ContextReader returns r failing its reads once ctx has ended, so that a
+// copy from a source that ignores ctx still stops with it.
+func ContextReader(ctx context.Context, r io.Reader) io.Reader { return ctxReader{ctx, r} }
+
 type ctxReader struct {
 	ctx context.Context
 	r   io.Reader
