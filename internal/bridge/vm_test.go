@@ -20,6 +20,7 @@ import (
 
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/vmchan"
+	"github.com/spacesbx/space/internal/vmchan/vmchantest"
 )
 
 // fakeQEMU listens at qemuSock like QEMU's chardev socket backend: it
@@ -51,83 +52,6 @@ func fakeQEMU(qemuSock, portSock string) int {
 	}
 }
 
-// vport emulates the guest's virtio-serial port: reads return io.EOF
-// while no host is connected, writes are dropped then.
-type vport struct {
-	mu     sync.Mutex
-	cur    net.Conn
-	closed bool
-}
-
-func (p *vport) conn() net.Conn {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.cur
-}
-
-func (p *vport) attach(c net.Conn) {
-	p.mu.Lock()
-	old := p.cur
-	p.cur = c
-	p.mu.Unlock()
-	if old != nil {
-		old.Close()
-	}
-}
-
-func (p *vport) Read(b []byte) (int, error) {
-	c := p.conn()
-	if c == nil {
-		return 0, io.EOF
-	}
-	n, err := c.Read(b)
-	if err != nil {
-		p.mu.Lock()
-		if p.cur == c {
-			p.cur = nil
-		}
-		closed := p.closed
-		p.mu.Unlock()
-		if closed {
-			return n, net.ErrClosed
-		}
-		return n, io.EOF
-	}
-	return n, nil
-}
-
-func (p *vport) Write(b []byte) (int, error) {
-	c := p.conn()
-	if c == nil {
-		return len(b), nil
-	}
-	if _, err := c.Write(b); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
-		return len(b), nil
-	} else if err != nil {
-		return 0, err
-	}
-	return len(b), nil
-}
-
-func (p *vport) SetWriteDeadline(t time.Time) error {
-	if c := p.conn(); c != nil {
-		return c.SetWriteDeadline(t)
-	}
-	return nil
-}
-
-func (p *vport) Close() error {
-	p.mu.Lock()
-	p.closed = true
-	c := p.cur
-	p.cur = nil
-	p.mu.Unlock()
-	if c != nil {
-		c.Close()
-	}
-	return nil
-}
-
 type vmEnv struct {
 	qemu     *exec.Cmd
 	qemuSock string
@@ -146,7 +70,7 @@ func startVM(t *testing.T, report *identity.Route, extra http.Handler) *vmEnv {
 	if err != nil {
 		t.Fatal(err)
 	}
-	port := &vport{}
+	port := &vmchantest.Port{}
 	var held identity.Route
 	var mu sync.Mutex
 	l := vmchan.NewListener(port, vmchan.ListenerConfig{Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
@@ -185,7 +109,7 @@ func startVM(t *testing.T, report *identity.Route, extra http.Handler) *vmEnv {
 			if err != nil {
 				return
 			}
-			port.attach(c)
+			port.Attach(c)
 		}
 	}()
 	e.qemu = exec.Command(os.Args[0], "-test.run=^$")

@@ -12,8 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -22,100 +20,8 @@ import (
 	processpb "github.com/spacesbx/space/api/envd/process"
 	"github.com/spacesbx/space/api/envd/process/processpbconnect"
 	"github.com/spacesbx/space/internal/vmchan"
+	"github.com/spacesbx/space/internal/vmchan/vmchantest"
 )
-
-// vport emulates a virtio-serial port inside the VM: reads return io.EOF
-// while no host is connected, writes are dropped then.
-type vport struct {
-	mu     sync.Mutex
-	cur    net.Conn
-	closed bool
-}
-
-func (p *vport) conn() net.Conn {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.cur
-}
-
-func (p *vport) attach(c net.Conn) {
-	p.mu.Lock()
-	old := p.cur
-	p.cur = c
-	p.mu.Unlock()
-	if old != nil {
-		old.Close()
-	}
-}
-
-func (p *vport) Read(b []byte) (int, error) {
-	c := p.conn()
-	if c == nil {
-		return 0, io.EOF
-	}
-	n, err := c.Read(b)
-	if err != nil {
-		p.mu.Lock()
-		if p.cur == c {
-			p.cur = nil
-		}
-		closed := p.closed
-		p.mu.Unlock()
-		if closed {
-			return n, net.ErrClosed
-		}
-		return n, io.EOF
-	}
-	return n, nil
-}
-
-func (p *vport) Write(b []byte) (int, error) {
-	c := p.conn()
-	if c == nil {
-		return len(b), nil
-	}
-	if _, err := c.Write(b); errors.Is(err, os.ErrDeadlineExceeded) {
-		return 0, err
-	}
-	return len(b), nil // dropped when the host went away
-}
-
-func (p *vport) SetWriteDeadline(t time.Time) error {
-	if c := p.conn(); c != nil {
-		return c.SetWriteDeadline(t)
-	}
-	return nil
-}
-
-func (p *vport) Close() error {
-	p.mu.Lock()
-	p.closed = true
-	c := p.cur
-	p.cur = nil
-	p.mu.Unlock()
-	if c != nil {
-		c.Close()
-	}
-	return nil
-}
-
-func socketpair(t *testing.T) (net.Conn, net.Conn) {
-	t.Helper()
-	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	conv := func(fd int) net.Conn {
-		f := os.NewFile(uintptr(fd), "sp")
-		defer f.Close()
-		c, err := net.FileConn(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c
-	}
-	return conv(fds[0]), conv(fds[1])
-}
 
 // vmHost is one host session to the VM-mode agent.
 type vmHost struct {
@@ -130,10 +36,10 @@ func (h *vmHost) close() {
 	h.c.Close()
 }
 
-func connectVM(t *testing.T, port *vport, id Identity) (*vmHost, error) {
+func connectVM(t *testing.T, port *vmchantest.Port, id Identity) (*vmHost, error) {
 	t.Helper()
-	hc, gc := socketpair(t)
-	port.attach(gc)
+	hc, gc := vmchantest.Socketpair(t)
+	port.Attach(gc)
 	act, _ := json.Marshal(map[string]any{"identity": id, "env": map[string]string{"ACT": id.Activation}})
 	c, err := vmchan.NewClient(context.Background(), hc, vmchan.ClientConfig{Activation: act,
 		ResendInterval: 50 * time.Millisecond, BootTimeout: 10 * time.Second, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
@@ -164,7 +70,7 @@ func (h *vmHost) identity(t *testing.T) Identity {
 }
 
 // startVMAgent runs ServeVM over a fake port with test accounts.
-func startVMAgent(t *testing.T) *vport {
+func startVMAgent(t *testing.T) *vmchantest.Port {
 	t.Helper()
 	requireRoot(t)
 	dir, err := os.MkdirTemp("", "guest-vm-test-")
@@ -176,7 +82,7 @@ func startVMAgent(t *testing.T) *vport {
 	passwd, group := filepath.Join(dir, "passwd"), filepath.Join(dir, "group")
 	writeFile(t, passwd, fmt.Sprintf("root:x:0:0:root:%s:/bin/sh\nuser:x:1000:1000::%s:/bin/sh\n", dir, dir))
 	writeFile(t, group, "root:x:0:\nuser:x:1000:\n")
-	port := &vport{}
+	port := &vmchantest.Port{}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {

@@ -13,120 +13,21 @@ import (
 	"net"
 	"os"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/spacesbx/space/internal/vmchan/vmchantest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 
-// socketpair returns two connected stream sockets.
-func socketpair(t testing.TB) (net.Conn, net.Conn) {
-	t.Helper()
-	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	conv := func(fd int) net.Conn {
-		f := os.NewFile(uintptr(fd), "sp")
-		defer f.Close()
-		c, err := net.FileConn(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c
-	}
-	return conv(fds[0]), conv(fds[1])
-}
-
-// port emulates a virtio-serial port in the guest: reads return io.EOF
-// while no host is connected, writes are dropped then; the host side can
-// be swapped without the guest noticing (as after a VM restore).
-type port struct {
-	mu     sync.Mutex
-	cur    net.Conn
-	closed bool
-}
-
-func (p *port) conn() net.Conn {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.cur
-}
-
-// attach connects a new host; the old connection is closed.
-func (p *port) attach(c net.Conn) {
-	p.mu.Lock()
-	old := p.cur
-	p.cur = c
-	p.mu.Unlock()
-	if old != nil {
-		old.Close()
-	}
-}
-
-func (p *port) Read(b []byte) (int, error) {
-	c := p.conn()
-	if c == nil {
-		if p.isClosed() {
-			return 0, net.ErrClosed
-		}
-		return 0, io.EOF
-	}
-	n, err := c.Read(b)
-	if err != nil && p.conn() != c {
-		return n, nil // swapped: the next read goes to the new host
-	}
-	if err != nil && !p.isClosed() {
-		return n, io.EOF
-	}
-	return n, err
-}
-
-func (p *port) Write(b []byte) (int, error) {
-	c := p.conn()
-	if c == nil {
-		return len(b), nil
-	}
-	n, err := c.Write(b)
-	if err != nil && !p.isClosed() && !errors.Is(err, os.ErrDeadlineExceeded) {
-		return len(b), nil // dropped, like virtio-serial without a host
-	}
-	return n, err
-}
-
-func (p *port) SetWriteDeadline(t time.Time) error {
-	if c := p.conn(); c != nil {
-		return c.SetWriteDeadline(t)
-	}
-	return nil
-}
-
-func (p *port) isClosed() bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.closed
-}
-
-func (p *port) Close() error {
-	p.mu.Lock()
-	p.closed = true
-	c := p.cur
-	p.cur = nil
-	p.mu.Unlock()
-	if c != nil {
-		c.Close()
-	}
-	return nil
-}
-
 // guest is a Listener on a port plus an echo/handler loop.
 type guest struct {
-	port *port
+	port *vmchantest.Port
 	l    *Listener
 	mu   sync.Mutex
 	acts [][]byte
@@ -134,7 +35,7 @@ type guest struct {
 
 func newGuest(t *testing.T, handle func(net.Conn)) *guest {
 	t.Helper()
-	g := &guest{port: &port{}}
+	g := &guest{port: &vmchantest.Port{}}
 	g.l = NewListener(g.port, ListenerConfig{Logger: quiet, PollInterval: 5 * time.Millisecond,
 		Activate: func(sid SessionID, p []byte) ([]byte, error) {
 			if bytes.HasPrefix(p, []byte("refuse")) {
@@ -171,8 +72,8 @@ func echo(c net.Conn) { io.Copy(c, c) }
 // handshake with activation act.
 func connect(t *testing.T, g *guest, act string) *Client {
 	t.Helper()
-	h, gside := socketpair(t)
-	g.port.attach(gside)
+	h, gside := vmchantest.Socketpair(t)
+	g.port.Attach(gside)
 	c, err := NewClient(context.Background(), h, ClientConfig{Activation: []byte(act), Logger: quiet,
 		ResendInterval: 50 * time.Millisecond, BootTimeout: 5 * time.Second})
 	if err != nil {
@@ -336,8 +237,8 @@ func TestDeadlines(t *testing.T) {
 
 func TestActivationRefused(t *testing.T) {
 	g := newGuest(t, echo)
-	h, gside := socketpair(t)
-	g.port.attach(gside)
+	h, gside := vmchantest.Socketpair(t)
+	g.port.Attach(gside)
 	_, err := NewClient(context.Background(), h, ClientConfig{Activation: []byte("refuse me"), Logger: quiet, ResendInterval: 50 * time.Millisecond})
 	var ae *ActivationError
 	if !errors.As(err, &ae) || ae.Msg != "refused: refuse me" {
@@ -346,7 +247,7 @@ func TestActivationRefused(t *testing.T) {
 }
 
 func TestBootTimeout(t *testing.T) {
-	h, other := socketpair(t)
+	h, other := vmchantest.Socketpair(t)
 	defer other.Close()
 	go io.Copy(io.Discard, other) // a port nobody answers on
 	start := time.Now()
@@ -359,7 +260,7 @@ func TestBootTimeout(t *testing.T) {
 // The guest's agent opens the port late: HELLOs sent before are lost, the
 // periodic resend gets through.
 func TestLateGuestIsReachedByResend(t *testing.T) {
-	h, gside := socketpair(t)
+	h, gside := vmchantest.Socketpair(t)
 	go func() {
 		// Bytes sent before the guest reads are lost.
 		gside.SetReadDeadline(time.Now().Add(150 * time.Millisecond))
@@ -368,7 +269,7 @@ func TestLateGuestIsReachedByResend(t *testing.T) {
 	}()
 	g := newGuest(t, echo)
 	time.Sleep(200 * time.Millisecond)
-	g.port.attach(gside)
+	g.port.Attach(gside)
 	c, err := NewClient(context.Background(), h, ClientConfig{Activation: []byte("{}"), Logger: quiet, ResendInterval: 50 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -380,7 +281,7 @@ func TestLateGuestIsReachedByResend(t *testing.T) {
 // Stale bytes in both directions before the session: garbage, a partial
 // frame, a fake ACK of another session.
 func TestResyncAfterGarbageAndPartialFrame(t *testing.T) {
-	h, gside := socketpair(t)
+	h, gside := vmchantest.Socketpair(t)
 	g := newGuest(t, echo)
 	// Guest -> host: garbage and an ACK of another session, written by
 	// the guest before the pause.
@@ -394,7 +295,7 @@ func TestResyncAfterGarbageAndPartialFrame(t *testing.T) {
 	// Host -> guest: a partial DATA frame of the old session in the
 	// port's buffer: the header promises 16 KiB, 10 bytes arrived.
 	h.Write(appendFrame(nil, FrameData, 1, make([]byte, MaxDataPayload))[:HeaderSize+10])
-	g.port.attach(gside)
+	g.port.Attach(gside)
 	c, err := NewClient(context.Background(), h, ClientConfig{Activation: []byte("{}"), Logger: quiet, ResendInterval: 50 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -422,8 +323,8 @@ func TestNewHelloResetsSession(t *testing.T) {
 		_, err := io.ReadAll(c)
 		readErr <- err
 	})
-	h, gside := socketpair(t)
-	g.port.attach(gside)
+	h, gside := vmchantest.Socketpair(t)
+	g.port.Attach(gside)
 	// Session 1, by hand.
 	var sid SessionID
 	sid[0] = 1
@@ -514,9 +415,9 @@ func (c *prefixConn) Read(b []byte) (int, error) {
 // host connection, in sync after the ACK.
 func handshake(t *testing.T, g *guest) (net.Conn, *bufio.Reader) {
 	t.Helper()
-	h, gside := socketpair(t)
+	h, gside := vmchantest.Socketpair(t)
 	t.Cleanup(func() { h.Close() })
-	g.port.attach(gside)
+	g.port.Attach(gside)
 	var sid SessionID
 	sid[0] = 9
 	h.Write(appendFrame(appendFrame(nil, FrameHello, 0, helloPayload(sid)), FrameActivate, 0, []byte("{}")))
@@ -591,7 +492,7 @@ func TestHostRejectsHostileGuest(t *testing.T) {
 		}(),
 	} {
 		t.Run(name, func(t *testing.T) {
-			h, gside := socketpair(t)
+			h, gside := vmchantest.Socketpair(t)
 			defer gside.Close()
 			go func() {
 				br := bufio.NewReader(gside)
@@ -682,9 +583,9 @@ func TestParseHeader(t *testing.T) {
 func BenchmarkThroughput(b *testing.B) {
 	t := &testing.T{}
 	_ = t
-	h, gside := socketpair(b)
-	p := &port{}
-	p.attach(gside)
+	h, gside := vmchantest.Socketpair(b)
+	p := &vmchantest.Port{}
+	p.Attach(gside)
 	l := NewListener(p, ListenerConfig{Logger: quiet, Activate: func(SessionID, []byte) ([]byte, error) { return nil, nil }})
 	l.Start()
 	defer l.Close()
