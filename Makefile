@@ -34,28 +34,16 @@ test/e2e/node_modules/.package-lock.json: test/e2e/package.json test/e2e/package
 	npm ci --prefix test/e2e --no-audit --no-fund --loglevel=error
 
 ## vm-deps: what the microvm substrate runs on: QEMU, a static busybox (the
-## guest's userland) and Debian's cloud kernel (vmlinuz + modules) extracted
-## into $(VM_KERNEL_DIR), never installed into /boot. Fast when done.
+## guest's userland) and the cloud kernel (vmlinuz + modules) Debian serves
+## today, extracted once per version into /var/cache/space/vm-kernel and
+## linked at $(VM_KERNEL_DIR); never installed into /boot. Fast when done.
 VM_KERNEL_DIR := $(CURDIR)/.cache/vm/kernel
 VM_KERNEL_META ?= linux-image-cloud-amd64
 vm-deps: $(VM_KERNEL_DIR)/.done
 	@dpkg -s qemu-system-x86 busybox-static >/dev/null 2>&1 || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86 busybox-static; }
 $(VM_KERNEL_DIR)/.done:
-	@set -e; pkg=$$(apt-cache depends $(VM_KERNEL_META) 2>/dev/null | awk '/Depends: linux-image-/ {print $$2; exit}'); \
-	  if [ -z "$$pkg" ]; then apt-get update -qq; \
-	    pkg=$$(apt-cache depends $(VM_KERNEL_META) | awk '/Depends: linux-image-/ {print $$2; exit}'); fi; \
-	  test -n "$$pkg" || { echo "vm-deps: cannot resolve $(VM_KERNEL_META)"; exit 1; }; \
-	  tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; chmod 755 "$$tmp"; chown _apt "$$tmp" 2>/dev/null || true; \
-	  if ! (cd "$$tmp" && apt-get download -qq "$$pkg"); then \
-	    echo "vm-deps: $$pkg not downloadable (stale package lists?): apt-get update and retry"; apt-get update -qq; \
-	    pkg=$$(apt-cache depends $(VM_KERNEL_META) | awk '/Depends: linux-image-/ {print $$2; exit}'); \
-	    (cd "$$tmp" && apt-get download -qq "$$pkg"); fi; \
-	  rm -rf "$(VM_KERNEL_DIR)"; mkdir -p "$(VM_KERNEL_DIR)"; \
-	  dpkg-deb -x "$$tmp"/$$pkg_*.deb "$(VM_KERNEL_DIR)"; \
-	  ln -sfn "$$(cd "$(VM_KERNEL_DIR)" && ls boot/vmlinuz-* | head -n1)" "$(VM_KERNEL_DIR)/vmlinuz"; \
-	  ln -sfn "$$(cd "$(VM_KERNEL_DIR)" && ls -d lib/modules/* | head -n1)" "$(VM_KERNEL_DIR)/modules"; \
-	  echo "$$pkg" > "$@"; echo "vm-deps: kernel $$pkg in $(VM_KERNEL_DIR)"
+	@scripts/vm-kernel.sh "$(VM_KERNEL_DIR)" "$(VM_KERNEL_META)"
 
 ## test: the whole suite: unit, integration (root, namespaces, etcd) and end to end (e2b SDK)
 test: build e2e-deps

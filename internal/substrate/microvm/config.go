@@ -29,6 +29,16 @@ const (
 	DefaultUIDFirst   uint32 = 2_100_000_000
 	DefaultUIDCount   uint32 = 10_000
 	DefaultUIDLockDir        = "/run/space/microvm-uids"
+	// DefaultKVMGroup is the gid /dev/kvm's ACL admits and every QEMU
+	// under KVM carries as its only supplementary group: one below the uid
+	// range, unused by any account or file.
+	DefaultKVMGroup uint32 = DefaultUIDFirst - 1
+	// DefaultProbeTimeout bounds the KVM probe boot (a real KVM boots the
+	// probe guest in well under a second; a KVM that cannot run the guest
+	// kernel hangs it). DefaultProbeTimeoutTCG bounds the TCG probe, which
+	// emulates every instruction and shares 2 cores with the tests.
+	DefaultProbeTimeout    = 3 * time.Second
+	DefaultProbeTimeoutTCG = 30 * time.Second
 )
 
 // Config configures the microvm substrate.
@@ -44,8 +54,9 @@ type Config struct {
 	// .cache/vm/kernel/vmlinuz). Required, absolute.
 	KernelPath string
 	// ModulesDir is the kernel's lib/modules/<version> directory; the
-	// virtio, virtio_ring, virtio_mmio, virtio_console and qemu_fw_cfg
-	// modules are copied from it into the image. Required, absolute.
+	// virtio_mmio, virtio_console and qemu_fw_cfg drivers and what they
+	// depend on (modules.dep, else each module's modinfo) are copied from
+	// it into the image. Required, absolute.
 	ModulesDir string
 	// BusyboxPath is a static busybox, the guest's userland (default
 	// DefaultBusyboxPath, from Debian's busybox-static).
@@ -54,9 +65,18 @@ type Config struct {
 	// here take DefaultMemoryBytes and DefaultCPUMillis. Pids is not
 	// enforced (the guest kernel is the boundary).
 	Limits substrate.Limits
-	// Accel is "kvm", "tcg" or "" (default: kvm when /dev/kvm can be
-	// opened, else tcg).
+	// Accel forces "kvm" or "tcg". Empty (the default): New boots a tiny
+	// probe guest under KVM (when /dev/kvm exists), then TCG, and uses the
+	// first that reaches its ready line; with none the substrate is
+	// unavailable (see Substrate.Unavailable).
 	Accel string
+	// ProbeTimeout and ProbeTimeoutTCG bound each probe boot (defaults
+	// DefaultProbeTimeout, DefaultProbeTimeoutTCG).
+	ProbeTimeout, ProbeTimeoutTCG time.Duration
+	// KVMGroup is the gid QEMU gets /dev/kvm through (a rw entry in the
+	// device's access ACL; the device's owner and mode are left alone).
+	// Default DefaultKVMGroup; must lie outside the uid range.
+	KVMGroup uint32
 	// UIDFirst and UIDCount are the host uid range (uid = gid) QEMU runs
 	// in when the substrate runs as root: every instance gets a uid of its
 	// own, held by an flock in UIDLockDir for its lifetime (defaults
@@ -113,6 +133,15 @@ func (c Config) withDefaults() Config {
 	if c.StartTimeout == 0 {
 		c.StartTimeout = DefaultStartTimeout
 	}
+	if c.ProbeTimeout == 0 {
+		c.ProbeTimeout = DefaultProbeTimeout
+	}
+	if c.ProbeTimeoutTCG == 0 {
+		c.ProbeTimeoutTCG = DefaultProbeTimeoutTCG
+	}
+	if c.KVMGroup == 0 {
+		c.KVMGroup = c.UIDFirst - 1
+	}
 	if c.StopTimeout == 0 {
 		c.StopTimeout = DefaultStopTimeout
 	}
@@ -142,7 +171,10 @@ func (c Config) Validate() error {
 	if uint64(c.UIDFirst)+uint64(c.UIDCount) > 1<<31 || c.UIDFirst < 1000 {
 		return fmt.Errorf("microvm: uid range %d+%d must lie within [1000, 2^31)", c.UIDFirst, c.UIDCount)
 	}
-	if c.StartTimeout < 0 || c.StopTimeout < 0 {
+	if c.KVMGroup < 1000 || (c.KVMGroup >= c.UIDFirst && uint64(c.KVMGroup) < uint64(c.UIDFirst)+uint64(c.UIDCount)) {
+		return fmt.Errorf("microvm: KVMGroup %d must be at least 1000 and outside the uid range %d+%d", c.KVMGroup, c.UIDFirst, c.UIDCount)
+	}
+	if c.StartTimeout < 0 || c.StopTimeout < 0 || c.ProbeTimeout < 0 || c.ProbeTimeoutTCG < 0 {
 		return errors.New("microvm: timeouts must not be negative")
 	}
 	return validateLimits(c.Limits)

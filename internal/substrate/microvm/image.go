@@ -11,6 +11,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -18,18 +19,7 @@ import (
 
 // imageVersion is hashed into every image name; bump it whenever the
 // image layout or the init script changes.
-const imageVersion = "space-microvm-image-v2"
-
-// guestModules are the kernel modules the init loads, in order (Debian's
-// cloud kernel builds virtio and the fw_cfg driver as modules), relative to
-// ModulesDir.
-var guestModules = []string{
-	"kernel/drivers/virtio/virtio.ko",
-	"kernel/drivers/virtio/virtio_ring.ko",
-	"kernel/drivers/virtio/virtio_mmio.ko",
-	"kernel/drivers/char/virtio_console.ko",
-	"kernel/drivers/firmware/qemu_fw_cfg.ko",
-}
+const imageVersion = "space-microvm-image-v3"
 
 // Paths inside the guest.
 const (
@@ -66,7 +56,7 @@ mount -t devpts -o nosuid,noexec,gid=5,mode=620,ptmxmode=666 devpts /dev/pts
 mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /dev/shm
 mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /tmp
 mount -t tmpfs -o nosuid,nodev,mode=755 tmpfs /run
-for m in virtio virtio_ring virtio_mmio virtio_console qemu_fw_cfg; do
+for m in $(cat /.space/modules/order); do
 	insmod /.space/modules/$m.ko || echo "space-init: insmod $m failed"
 done
 host=sandbox
@@ -129,11 +119,7 @@ type imageInputs struct {
 }
 
 func (s *Substrate) inputs(agent string) imageInputs {
-	in := imageInputs{kernel: s.cfg.KernelPath, busybox: s.cfg.BusyboxPath, agent: agent}
-	for _, m := range guestModules {
-		in.modules = append(in.modules, filepath.Join(s.cfg.ModulesDir, m))
-	}
-	return in
+	return imageInputs{kernel: s.cfg.KernelPath, busybox: s.cfg.BusyboxPath, agent: agent, modules: s.modules}
 }
 
 // fileKey identifies a file version cheaply (the hash memo's key).
@@ -326,10 +312,17 @@ func writeImage(w io.Writer, in imageInputs) error {
 	if err := add(guestAgentPath[1:], in.agent, 0o755); err != nil {
 		return err
 	}
+	// The init loads the modules in the order listed in "order" (one name
+	// a line, dependencies first), as resolveModules found it.
+	var order strings.Builder
 	for _, m := range in.modules {
 		if err := add(filepath.Join(guestModDir[1:], filepath.Base(m)), m, 0o644); err != nil {
 			return err
 		}
+		order.WriteString(strings.TrimSuffix(filepath.Base(m), ".ko") + "\n")
+	}
+	if err := c.Bytes(guestModDir[1:]+"/order", 0o644, []byte(order.String())); err != nil {
+		return err
 	}
 	if err := c.Close(); err != nil {
 		return err

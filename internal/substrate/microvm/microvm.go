@@ -131,6 +131,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/substrate/spawner"
@@ -155,12 +156,16 @@ const (
 
 // Substrate is the microvm substrate. It is safe for concurrent use.
 type Substrate struct {
-	cfg      Config
-	accel    string
-	cpu      string
-	kvmGroup int    // gid of /dev/kvm under KVM, else -1
-	tscKHz   uint64 // host TSC frequency under TCG (0: unknown)
-	asRoot   bool
+	cfg    Config
+	accel  string // "" when no accelerator works (see unavailable)
+	tscKHz uint64 // host TSC frequency (0: unknown)
+	asRoot bool
+	// probes are the accelerator probe's attempts (none when Config.Accel
+	// forced one); unavailable says why no accelerator works, or "".
+	probes      []ProbeAttempt
+	unavailable string
+
+	modules []string // guest kernel modules, absolute, in load order
 
 	imgMu sync.Mutex
 	sums  map[fileKey][32]byte
@@ -187,41 +192,115 @@ func New(cfg Config) (*Substrate, error) {
 			return nil, fmt.Errorf("microvm: %s is not a regular file", p)
 		}
 	}
-	for _, m := range guestModules {
-		if _, err := os.Stat(filepath.Join(cfg.ModulesDir, m)); err != nil {
-			return nil, fmt.Errorf("microvm: kernel module: %w", err)
-		}
+	mods, err := resolveModules(cfg.ModulesDir, guestDrivers)
+	if err != nil {
+		return nil, err
 	}
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, err
 	}
-	s := &Substrate{cfg: cfg, accel: cfg.Accel, kvmGroup: -1, asRoot: os.Geteuid() == 0, sums: map[fileKey][32]byte{}}
+	s := &Substrate{cfg: cfg, asRoot: os.Geteuid() == 0, sums: map[fileKey][32]byte{}, modules: mods, tscKHz: hostTSCKHz()}
+	if cfg.Accel != "" {
+		// Forced by the operator: no probe, but KVM access is still set up.
+		s.accel = cfg.Accel
+		if s.accel == "kvm" && s.asRoot {
+			if err := grantKVM(kvmDevice, cfg.KVMGroup, cfg.UIDLockDir); err != nil {
+				s.spawner.Close()
+				return nil, err
+			}
+		}
+		cfg.Logger.Info("microvm: accelerator forced", "accel", s.accel)
+		return s, nil
+	}
+	var cands []string
+	if _, err := os.Stat(kvmDevice); err == nil {
+		cands = append(cands, "kvm")
+	}
+	cands = append(cands, "tcg")
+	ctx, cancel := context.WithTimeout(context.Background(), cfg.ProbeTimeout+cfg.ProbeTimeoutTCG+5*time.Second)
+	defer cancel()
+	s.accel, s.probes = s.chooseAccel(ctx, cands)
+	attrs := []any{"accel", s.accel}
+	for _, p := range s.probes {
+		attrs = append(attrs, "probe_"+p.Accel, p.String())
+	}
 	if s.accel == "" {
-		s.accel = "tcg"
-		if f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0); err == nil {
-			f.Close()
-			s.accel = "kvm"
+		var why []string
+		for _, p := range s.probes {
+			why = append(why, p.String())
 		}
-	}
-	s.cpu = "max"
-	if s.accel == "tcg" {
-		s.tscKHz = hostTSCKHz()
-	}
-	if s.accel == "kvm" {
-		s.cpu = "host"
-		var st unix.Stat_t
-		if err := unix.Stat("/dev/kvm", &st); err != nil {
-			return nil, fmt.Errorf("microvm: /dev/kvm: %w", err)
-		}
-		s.kvmGroup = int(st.Gid)
+		s.unavailable = fmt.Sprintf("%v (%s)", errNoAccel, strings.Join(why, "; "))
+		cfg.Logger.Warn("microvm: no working accelerator; the substrate is unavailable", attrs...)
+	} else {
+		cfg.Logger.Info("microvm: accelerator chosen by booting a probe guest", attrs...)
 	}
 	return s, nil
 }
 
+// kvmDevice is the KVM device QEMU opens.
+const kvmDevice = "/dev/kvm"
+
+// qemuSandbox is QEMU's -sandbox option: its own seccomp filter (no exec,
+// no set*id, no scheduler or resource changes).
+const qemuSandbox = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+// machineConfig is what differs between accelerators on QEMU's command
+// line.
+type machineConfig struct {
+	machine, cpu string
+	appendExtra  string // kernel command line additions, each with a leading space
+}
+
+// machineFor returns the machine for accel. Under TCG the PIT, PIC and RTC
+// let the kernel calibrate its clocks (without the PIT a loaded TCG host
+// can stall the boot in delay-loop calibration), and the kernel is told
+// the host's TSC frequency.
+func machineFor(accel string, tscKHz uint64) machineConfig {
+	mc := machineConfig{machine: "microvm,accel=" + accel + ",rtc=on", cpu: "max"}
+	switch accel {
+	case "kvm":
+		mc.cpu = "host"
+	case "tcg":
+		mc.machine += ",pit=on,pic=on"
+		if tscKHz > 0 {
+			mc.appendExtra = " tsc_early_khz=" + strconv.FormatUint(tscKHz, 10)
+		}
+	}
+	return mc
+}
+
+// qemuCredential is what a QEMU runs as: when the substrate runs as root,
+// a leased uid of its own (uid = gid) whose only supplementary group,
+// under KVM, is Config.KVMGroup (the one /dev/kvm's ACL admits); else the
+// caller (nil credential and lease).
+func (s *Substrate) qemuCredential(accel string) (*syscall.Credential, *uidLease, error) {
+	if !s.asRoot {
+		return nil, nil, nil
+	}
+	lease, err := leaseUID(s.cfg.UIDLockDir, s.cfg.UIDFirst, s.cfg.UIDCount, uint32(time.Now().UnixNano()))
+	if err != nil {
+		return nil, nil, err
+	}
+	cred := &syscall.Credential{Uid: lease.uid, Gid: lease.uid, Groups: []uint32{}}
+	if accel == "kvm" {
+		cred.Groups = []uint32{s.cfg.KVMGroup}
+	}
+	return cred, lease, nil
+}
+
+// Unavailable says why no sandbox can start here (no accelerator booted
+// the probe guest), or "" when the substrate works.
+func (s *Substrate) Unavailable() string { return s.unavailable }
+
+// Probes returns the accelerator probe's attempts, in order (none when
+// the accelerator was forced).
+func (s *Substrate) Probes() []ProbeAttempt { return append([]ProbeAttempt(nil), s.probes...) }
+
 // Name returns identity.SubstrateMicroVM.
 func (s *Substrate) Name() string { return identity.SubstrateMicroVM }
 
-// Accel reports the accelerator instances use ("kvm" or "tcg").
+// Accel reports the accelerator instances use ("kvm" or "tcg"), or ""
+// when none works (see Unavailable).
 func (s *Substrate) Accel() string { return s.accel }
 
 // Close stops the spawner thread; running VMs are killed by their
@@ -321,24 +400,18 @@ type launch struct {
 // qemuArgs is QEMU's command line (argv[1:]) for one instance. Descriptors
 // are those of the ExtraFiles Start passes.
 func (s *Substrate) qemuArgs(l launch) []string {
-	machine := "microvm,accel=" + s.accel + ",rtc=on"
-	if s.accel == "tcg" {
-		machine += ",pit=on,pic=on"
-	}
-	appendLine := "console=ttyS0 quiet panic=-1 reboot=t pci=off space.hostname=" + l.hostname
+	mc := machineFor(s.accel, s.tscKHz)
+	appendLine := "console=ttyS0 quiet panic=-1 reboot=t pci=off space.hostname=" + l.hostname + mc.appendExtra
 	if s.cfg.ZeroFreedMemory {
 		appendLine += " init_on_free=1"
-	}
-	if s.tscKHz > 0 {
-		appendLine += " tsc_early_khz=" + strconv.FormatUint(s.tscKHz, 10)
 	}
 	if s.cfg.testMode != "" {
 		appendLine += " space.test=" + s.cfg.testMode
 	}
 	args := []string{
 		"-name", "space-" + l.hostname,
-		"-machine", machine,
-		"-cpu", s.cpu,
+		"-machine", mc.machine,
+		"-cpu", mc.cpu,
 		"-smp", strconv.Itoa(l.shape.VCPUs),
 		"-m", strconv.FormatInt(l.shape.MemoryMiB, 10) + "M",
 		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
@@ -353,7 +426,7 @@ func (s *Substrate) qemuArgs(l launch) []string {
 		"-device", "virtserialport,chardev=agent,name=" + PortName,
 		"-chardev", "socket,id=qmp,fd=" + strconv.Itoa(fdQMP),
 		"-mon", "chardev=qmp,mode=control",
-		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+		"-sandbox", qemuSandbox,
 		"-msg", "timestamp=on",
 	}
 	if l.incoming {
@@ -371,6 +444,9 @@ func procFD(n int) string { return "/proc/self/fd/" + strconv.Itoa(n) }
 func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.Instance, error) {
 	if err := validateSpec(&spec); err != nil {
 		return nil, err
+	}
+	if s.unavailable != "" {
+		return nil, fmt.Errorf("microvm: %w: %s", errdefs.ErrUnavailable, s.unavailable)
 	}
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
@@ -428,18 +504,11 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	}
 	inst.log = &cappedWriter{f: logf, left: maxLogSize}
 
-	var cred *syscall.Credential
-	if s.asRoot {
-		lease, err := leaseUID(s.cfg.UIDLockDir, s.cfg.UIDFirst, s.cfg.UIDCount, uint32(time.Now().UnixNano()))
-		if err != nil {
-			return fail(err)
-		}
-		inst.uid = lease
-		cred = &syscall.Credential{Uid: lease.uid, Gid: lease.uid, Groups: []uint32{}}
-		if s.kvmGroup >= 0 {
-			cred.Groups = []uint32{uint32(s.kvmGroup)}
-		}
+	cred, lease, err := s.qemuCredential(s.accel)
+	if err != nil {
+		return fail(err)
 	}
+	inst.uid = lease
 
 	lf, err := s.openLaunchFiles(inst, imgPath, envScript)
 	if err != nil {

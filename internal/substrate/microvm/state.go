@@ -96,8 +96,8 @@ func (s *Substrate) checkHeader(h stateHeader, imageID string, specLim substrate
 	if h.ImageID != imageID {
 		return fmt.Errorf("microvm: restore: state was saved from guest image %.16s…, this worker runs %.16s… (kernel, modules, busybox or agent differ)", h.ImageID, imageID)
 	}
-	if h.CPU != s.cpu || h.Accel != s.accel {
-		return fmt.Errorf("microvm: restore: state was saved with -cpu %s under %s, this worker runs -cpu %s under %s", h.CPU, h.Accel, s.cpu, s.accel)
+	if h.CPU != machineFor(s.accel, 0).cpu || h.Accel != s.accel {
+		return fmt.Errorf("microvm: restore: state was saved with -cpu %s under %s, this worker runs -cpu %s under %s", h.CPU, h.Accel, machineFor(s.accel, 0).cpu, s.accel)
 	}
 	if h.Shape.VCPUs < 1 || h.Shape.VCPUs > MaxVCPUs || h.Shape.MemoryMiB < MinMemoryBytes>>20 || h.Shape.MemoryMiB > 1<<20 {
 		return fmt.Errorf("microvm: restore: state header has an invalid shape %+v", h.Shape)
@@ -128,7 +128,7 @@ func (i *instance) SaveState(ctx context.Context, w io.Writer) (int64, error) {
 	}
 	hdr, err := stateHeader{
 		Version: stateVersion, ImageID: i.imageID, Shape: i.shape,
-		CPU: i.s.cpu, Accel: i.s.accel, SavedAt: time.Now().UTC(),
+		CPU: machineFor(i.s.accel, 0).cpu, Accel: i.s.accel, SavedAt: time.Now().UTC(),
 	}.marshal()
 	if err != nil {
 		return 0, err

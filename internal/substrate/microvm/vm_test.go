@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -18,6 +19,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
 )
@@ -102,8 +104,49 @@ func (ch *channel) reply(timeout time.Duration) (string, error) {
 	return strings.TrimSpace(s), err
 }
 
+// TestVMLifecycleSaveRestore runs under every accelerator that boots the
+// probe guest here (TCG everywhere, KVM too where it works).
 func TestVMLifecycleSaveRestore(t *testing.T) {
 	cfg := testConfig(t)
+	for _, accel := range testAccels(t, cfg) {
+		t.Run(accel, func(t *testing.T) {
+			cfg := cfg
+			cfg.Accel = accel
+			testVMLifecycleSaveRestore(t, cfg)
+		})
+	}
+}
+
+// testAccels lists the accelerators whose probe boots here, best first
+// (the probe is memoized per process).
+func testAccels(t *testing.T, cfg Config) []string {
+	t.Helper()
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	var out []string
+	for _, p := range s.Probes() {
+		if p.Err == nil {
+			out = append(out, p.Accel)
+		} else {
+			t.Logf("accelerator %s", p)
+		}
+	}
+	if len(out) == 0 || out[len(out)-1] != "tcg" {
+		// The probe stops at the first that boots: TCG is tried as well.
+		ctx, cancel := context.WithTimeout(context.Background(), DefaultProbeTimeoutTCG)
+		defer cancel()
+		if err := s.probe(ctx, "tcg", DefaultProbeTimeoutTCG); err != nil {
+			t.Fatalf("tcg probe: %v", err)
+		}
+		out = append(out, "tcg")
+	}
+	return out
+}
+
+func testVMLifecycleSaveRestore(t *testing.T, cfg Config) {
 	s, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -389,6 +432,7 @@ func grepLine(text, sub string) string {
 func TestStartFailureCleansUp(t *testing.T) {
 	cfg := testConfig(t)
 	cfg.KernelPath = DefaultBusyboxPath
+	cfg.Accel = "tcg" // forced: no probe, so Start itself meets the bad kernel
 	s, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -529,4 +573,48 @@ func TestLeaseUID(t *testing.T) {
 	b.release()
 	c.release()
 	c.release() // idempotent
+}
+
+// The probe boots a guest: TCG works on every host; KVM is tried where
+// /dev/kvm exists and its outcome (booted, or why not) is reported. A
+// "kernel" that is no kernel fails both, with the reason.
+func TestAccelProbe(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.Accel = "tcg" // New skips the probe; the test runs it
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	ctx := context.Background()
+	t0 := time.Now()
+	if err := s.probe(ctx, "tcg", DefaultProbeTimeoutTCG); err != nil {
+		t.Fatalf("tcg probe: %v", err)
+	}
+	t.Logf("tcg probe booted in %s", time.Since(t0).Round(time.Millisecond))
+	if _, err := os.Stat(kvmDevice); err == nil {
+		t0 = time.Now()
+		err := s.probe(ctx, "kvm", DefaultProbeTimeout)
+		t.Logf("kvm probe after %s: %v (nil: this host's KVM boots the guest kernel)", time.Since(t0).Round(time.Millisecond), err)
+	} else {
+		t.Logf("no %s: kvm not probed", kvmDevice)
+	}
+
+	bad := cfg
+	bad.KernelPath = DefaultBusyboxPath
+	bad.Accel = ""
+	bad.ProbeTimeout, bad.ProbeTimeoutTCG = 2*time.Second, 5*time.Second
+	sb, err := New(bad)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Close()
+	if sb.Accel() != "" || sb.Unavailable() == "" {
+		t.Fatalf("a non-kernel probed as usable: accel %q", sb.Accel())
+	}
+	t.Logf("unavailable: %s", sb.Unavailable())
+	_, err = sb.Start(ctx, substrate.Spec{Route: testRoute("a1"), Dir: t.TempDir(), AgentPath: DefaultBusyboxPath})
+	if !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "no working accelerator") {
+		t.Fatalf("Start on an unavailable substrate: %v", err)
+	}
 }
