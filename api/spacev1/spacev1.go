@@ -78,6 +78,14 @@ type Worker struct {
 	// Substrates the worker runs (identity.SubstrateNS, ...); empty means
 	// ns only (workers that predate the field).
 	Substrates []string `json:"substrates,omitempty"`
+	// Unavailable names the substrates this worker has but cannot run,
+	// with the reason (e.g. "microvm": "no working accelerator (kvm: ...;
+	// tcg: ...)"); they are not in Substrates.
+	Unavailable map[string]string `json:"unavailable,omitempty"`
+	// Accelerators names the accelerator each substrate in Substrates that
+	// has one runs on ("microvm": "kvm" or "tcg"), as found by booting a
+	// probe guest at start-up.
+	Accelerators map[string]string `json:"accelerators,omitempty"`
 }
 
 // Serves reports whether w runs sandboxes of substrate.

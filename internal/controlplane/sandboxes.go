@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"strings"
 	"time"
 	"unicode/utf8"
 
@@ -141,12 +142,18 @@ func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]space
 		return nil, fmt.Errorf("%w: worker registry: %v", ErrUnavailable, err)
 	}
 	var ws []spacev1.Worker
+	var why []string
 	for _, w := range all {
 		if substrate == "" || w.Serves(substrate) {
 			ws = append(ws, w)
+		} else if r := w.Unavailable[substrate]; r != "" {
+			why = append(why, w.ID+": "+r)
 		}
 	}
 	if len(all) > 0 && len(ws) == 0 {
+		if len(why) > 0 {
+			return nil, fmt.Errorf("%w: no registered worker runs the %s substrate (%s)", ErrUnavailable, substrate, strings.Join(why, "; "))
+		}
 		return nil, fmt.Errorf("%w: no registered worker runs the %s substrate", ErrUnavailable, substrate)
 	}
 	entries, err := s.st.ListSandboxes(ctx)

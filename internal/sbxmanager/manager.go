@@ -127,6 +127,10 @@ type Manager struct {
 	// installing serializes lifecycle operations per sandbox.
 	installing map[string]*sync.Mutex
 	closed     bool
+
+	// testHookAdmitted, when set (tests only), runs after a guest request
+	// has been admitted and before it is forwarded.
+	testHookAdmitted func()
 }
 
 // activation is one running activation with its bridge.
@@ -551,11 +555,19 @@ func (m *Manager) Teardown(ctx context.Context, route identity.Route) error {
 	}
 	act := m.active[route.SandboxID]
 	delete(m.active, route.SandboxID)
+	// Together with the activation: until the record is deleted below its
+	// capabilities get RefreshRoute, not "installed but not active".
+	gone := rec
+	gone.Retired = true // in memory only; the record is deleted below
+	m.records[route.SandboxID] = gone
 	m.mu.Unlock()
 	if act != nil {
 		m.stopActivation(act, "teardown")
 	}
 	if err := m.store.delete(route.SandboxID); err != nil {
+		m.mu.Lock()
+		m.records[route.SandboxID] = rec // as persisted
+		m.mu.Unlock()
 		return fmt.Errorf("teardown %s: delete record: %w", route.SandboxID, err)
 	}
 	m.mu.Lock()
@@ -570,11 +582,38 @@ func (m *Manager) Teardown(ctx context.Context, route identity.Route) error {
 // Substrates names the substrates this manager runs, sorted.
 func (m *Manager) Substrates() []string {
 	out := make([]string, 0, len(m.subs))
-	for name := range m.subs {
+	for name, sub := range m.subs {
+		if a, ok := sub.(substrate.Availability); ok && a.Unavailable() != "" {
+			continue
+		}
 		out = append(out, name)
 	}
 	sort.Strings(out)
 	return out
+}
+
+// SubstrateStatus reports, for the substrates that cannot start
+// instances here, why (substrate name -> reason), and the accelerators of
+// the others that have one (substrate name -> accelerator).
+func (m *Manager) SubstrateStatus() (unavailable, accel map[string]string) {
+	for name, sub := range m.subs {
+		a, ok := sub.(substrate.Availability)
+		if !ok {
+			continue
+		}
+		if why := a.Unavailable(); why != "" {
+			if unavailable == nil {
+				unavailable = map[string]string{}
+			}
+			unavailable[name] = why
+		} else if acc := a.Accel(); acc != "" {
+			if accel == nil {
+				accel = map[string]string{}
+			}
+			accel[name] = acc
+		}
+	}
+	return unavailable, accel
 }
 
 // Records returns a copy of the installed runtime records.

@@ -88,6 +88,19 @@ type Substrate interface {
 	Start(ctx context.Context, spec Spec) (Instance, error)
 }
 
+// Availability is implemented by substrates whose usability depends on
+// the host and was found when they were made (the microvm substrate boots
+// a probe guest under each accelerator). It is optional: callers check for
+// it by type assertion; a substrate without it is always available.
+type Availability interface {
+	// Unavailable says why no instance can start here, or "" when they
+	// can.
+	Unavailable() string
+	// Accel names the accelerator instances run on ("kvm", "tcg"), or ""
+	// when none works.
+	Accel() string
+}
+
 // Stats is one sample of an instance's resource usage.
 type Stats struct {
 	// Timestamp is when the sample was taken.

@@ -32,10 +32,25 @@ func vmPlatform(t *testing.T) *lcPlat {
 		t.Skip("microvm: qemu-system-x86_64 not installed (make vm-deps installs it)")
 	}
 	lp := startPlatform(t, 2)
-	if lp.VMAccel() == "" {
-		t.Skip("microvm: substrate unavailable (no guest kernel in .cache/vm/kernel: run make vm-deps)")
+	if lp.vm == nil {
+		t.Skip("microvm: no substrate (no guest kernel in .cache/vm/kernel: run make vm-deps)")
 	}
-	t.Logf("microvm accelerator: %s", lp.VMAccel())
+	if why := lp.vm.Unavailable(); why != "" {
+		// TCG works wherever QEMU does: a probe that boots nothing is a
+		// failure, not a reason to skip.
+		t.Fatalf("microvm: %s", why)
+	}
+	t.Logf("microvm accelerator: %s (probe: %v)", lp.VMAccel(), lp.vm.Probes())
+	// Operators see each worker's accelerator.
+	var ws []spacev1.Worker
+	if r := lp.api(t, http.MethodGet, "/space/v1/workers", nil); r.status != http.StatusOK || json.Unmarshal(r.body, &ws) != nil {
+		t.Fatalf("workers: %d %s", r.status, r.body)
+	}
+	for _, w := range ws {
+		if w.Accelerators[identity.SubstrateMicroVM] != lp.VMAccel() || !w.Serves(identity.SubstrateMicroVM) {
+			t.Fatalf("worker %s reports accelerators %v, substrates %v; want microvm on %s", w.ID, w.Accelerators, w.Substrates, lp.VMAccel())
+		}
+	}
 	return lp
 }
 

@@ -32,6 +32,7 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	binDir := fs.String("bin-dir", "", "directory of spaced-host and spaced-guest (default: next to this binary)")
 	snapDir := fs.String("snapshot-dir", "", "snapshot store shared by all workers (required for resume on another worker)")
 	vmKernel := fs.String("vm-kernel-dir", "", "microvm guest kernel dir with vmlinuz and modules/ (make vm-deps); empty: ns only")
+	vmAccel := fs.String("vm-accel", "", "force the microvm accelerator, kvm or tcg (default: probe kvm, then tcg)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -59,7 +60,7 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	var extra []substrate.Substrate
 	if *vmKernel != "" {
 		vm, err := microvm.New(microvm.Config{StateDir: filepath.Join(*dataDir, "microvm"),
-			KernelPath: filepath.Join(*vmKernel, "vmlinuz"), ModulesDir: filepath.Join(*vmKernel, "modules"), Logger: log})
+			KernelPath: filepath.Join(*vmKernel, "vmlinuz"), ModulesDir: filepath.Join(*vmKernel, "modules"), Accel: *vmAccel, Logger: log})
 		if err != nil {
 			fmt.Fprintf(stderr, "space-node: %v\n", err)
 			return 1

@@ -22,6 +22,7 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	fs.StringVar(&cfg.APIKey, "api-key", getenv("SPACE_API_KEY"), "bootstrap API key e2b_<40 hex> (default $SPACE_API_KEY, else generated)")
 	fs.StringVar(&cfg.BinDir, "bin-dir", "", "directory of spaced-host and spaced-guest (default: next to this binary)")
 	fs.StringVar(&cfg.VMKernelDir, "vm-kernel-dir", "", "microvm guest kernel dir with vmlinuz and modules/ (default: .cache/vm/kernel of the checkout the binaries were built in; none: ns only)")
+	fs.StringVar(&cfg.VMAccel, "vm-accel", "", "force the microvm accelerator, kvm or tcg (default: boot a probe guest under kvm, then tcg, and use the first that works)")
 	fs.StringVar(&cfg.Domain, "domain", "localhost", "public sandbox domain for <port>-<id>.<domain>")
 	etcd := fs.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
 	level := fs.String("log-level", "info", "debug, info, warn or error")

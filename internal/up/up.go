@@ -59,6 +59,11 @@ type Config struct {
 	// or without QEMU, workers run the ns substrate only and creating a
 	// base-vm sandbox is unavailable (503).
 	VMKernelDir string
+	// VMAccel forces the microvm accelerator ("kvm" or "tcg"); empty (the
+	// default): each start boots a probe guest under KVM, then TCG, and
+	// uses the first that works (none: base-vm creates get 503 with the
+	// reason).
+	VMAccel string
 	// DefaultLimits apply to sandboxes (zero: substrate defaults).
 	DefaultLimits spacev1.Limits
 	// UnsafeSkipIdentityChecks is the baseline of the on/off benchmark only.
@@ -215,10 +220,17 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	var extra []substrate.Substrate
 	if cfg.VMKernelDir != "" {
 		p.vm, err = microvm.New(microvm.Config{StateDir: filepath.Join(cfg.DataDir, "microvm"),
-			KernelPath: filepath.Join(cfg.VMKernelDir, "vmlinuz"), ModulesDir: filepath.Join(cfg.VMKernelDir, "modules"), Logger: log})
-		if err != nil {
+			KernelPath: filepath.Join(cfg.VMKernelDir, "vmlinuz"), ModulesDir: filepath.Join(cfg.VMKernelDir, "modules"),
+			Accel: cfg.VMAccel, Logger: log})
+		switch {
+		case err != nil:
 			log.Warn("microvm substrate unavailable; workers run ns only", "err", err)
-		} else {
+		case p.vm.Unavailable() != "":
+			// Workers keep it so they report the reason; they do not
+			// advertise it.
+			extra = append(extra, p.vm)
+			log.Warn("microvm substrate unavailable; base-vm creates get 503", "reason", p.vm.Unavailable())
+		default:
 			extra = append(extra, p.vm)
 			log.Info("microvm substrate ready", "accel", p.vm.Accel())
 		}

@@ -228,9 +228,10 @@ func (w *Worker) Run(ctx context.Context) error {
 	case <-ctx.Done():
 		return nil
 	}
+	unavailable, accels := w.mgr.SubstrateStatus()
 	reg, err := w.deps.Registrar.RegisterWorker(ctx, spacev1.Worker{
 		ID: w.cfg.ID, NodeURL: w.URL(), State: "ready", Capacity: w.cfg.Capacity, Since: time.Now().UTC(),
-		Substrates: w.mgr.Substrates(),
+		Substrates: w.mgr.Substrates(), Unavailable: unavailable, Accelerators: accels,
 	}, w.cfg.LeaseTTL)
 	if err != nil {
 		return fmt.Errorf("worker %s: register: %w", w.cfg.ID, err)
