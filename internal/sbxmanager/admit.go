@@ -19,6 +19,10 @@ type Admission struct {
 	Claims   capability.Claims
 	// Err is the verification error behind a Deny, if any.
 	Err error
+	// act is the running activation read together with the record the
+	// identity was compared with (one read of both): a request admitted
+	// for an execution is forwarded only to that execution's activation.
+	act *activation
 }
 
 // Admit runs the receiver checks on a capability for purpose, in order:
@@ -39,14 +43,18 @@ func (m *Manager) admit(token string, verify func() (capability.Claims, error)) 
 	if err != nil {
 		return Admission{Decision: identity.Decision{Outcome: identity.Deny, Reason: err.Error()}, Err: err}
 	}
+	// The record and the activation are read under one lock: an install,
+	// retire or teardown changes both at once, so an admitted request
+	// cannot find its execution gone (or a newer one) afterwards.
 	m.mu.RLock()
 	rec, ok := m.records[c.SandboxID]
+	act := m.active[c.SandboxID]
 	m.mu.RUnlock()
 	var installed *identity.Record
 	if ok {
 		installed = &rec.Record
 	}
-	return Admission{Decision: identity.Compare(c.Route, installed, ""), Claims: c}
+	return Admission{Decision: identity.Compare(c.Route, installed, ""), Claims: c, act: act}
 }
 
 // ServeHTTP serves the guest API paths (/files, /process.Process/...,
@@ -63,22 +71,34 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var sandbox string
+	var act *activation
 	if m.cfg.UnsafeSkipIdentityChecks {
 		sandbox = r.Header.Get("E2b-Sandbox-Id")
+		m.mu.RLock()
+		act = m.active[sandbox]
+		m.mu.RUnlock()
 	} else {
 		ad := m.Admit(r.Header.Get(spacev1.HeaderCapability), purpose)
 		if !m.judge(w, ad, purpose, r.URL.Path) {
 			return
 		}
-		sandbox = ad.Claims.SandboxID
+		sandbox, act = ad.Claims.SandboxID, ad.act
+		if act != nil && act.route != ad.Claims.Route {
+			// Cannot happen while record and activation change together;
+			// never forward to another execution than the admitted one.
+			writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")
+			return
+		}
 	}
-	m.mu.RLock()
-	act := m.active[sandbox]
-	m.mu.RUnlock()
+	if m.testHookAdmitted != nil {
+		m.testHookAdmitted()
+	}
 	if act == nil {
+		// The record is live but nothing runs it: the worker restarted.
 		writeError(w, fmt.Errorf("%w: execution of %s is installed but not active on this worker", errdefs.ErrUnavailable, sandbox))
 		return
 	}
+	// Replaced, retired or torn down since admission: the lease has ended.
 	ctx, release, ok := act.leaseContext(r.Context())
 	if !ok {
 		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")

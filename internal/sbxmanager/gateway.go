@@ -36,6 +36,7 @@ import (
 	"github.com/spacesbx/space/internal/gateway"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/procid"
+	"github.com/spacesbx/space/internal/procwait"
 	"github.com/spacesbx/space/internal/substrate"
 )
 
@@ -101,7 +102,7 @@ func (m *Manager) startGateway(ctx context.Context, inst substrate.Instance, dir
 		return nil, fmt.Errorf("start netgtw: %w", err)
 	}
 	g := &gatewayProc{cmd: cmd, sock: sock, done: make(chan struct{}), ctl: stdin, out: bufio.NewReader(stdout)}
-	go func() { cmd.Wait(); close(g.done) }()
+	go func() { procwait.Wait(cmd); close(g.done) }()
 	fail := func(err error) (*gatewayProc, error) {
 		cmd.Process.Kill()
 		stdin.Close()
@@ -263,9 +264,11 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 	if !m.judge(w, ad, capability.PurposeServicePort, fmt.Sprintf("port %d/%s %s", port, proto, r.URL.Path)) {
 		return
 	}
-	m.mu.RLock()
-	act := m.active[ad.Claims.SandboxID]
-	m.mu.RUnlock()
+	act := ad.act // read with the record it was admitted against
+	if act != nil && act.route != ad.Claims.Route {
+		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")
+		return
+	}
 	if act == nil || act.gw == nil {
 		writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
 		return

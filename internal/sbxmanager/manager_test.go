@@ -387,3 +387,38 @@ func TestAuditLogNamesJTINotToken(t *testing.T) {
 		t.Fatal("audit log contains the token")
 	}
 }
+
+// A request admitted just before its execution is replaced, retired or
+// torn down on this worker (the change lands between admission and the
+// lookup of the running activation) gets RefreshRoute, never 503
+// "installed but not active", and never reaches the new execution.
+func TestAdmittedThenReplacedIsRefreshRoute(t *testing.T) {
+	cases := []struct {
+		name   string
+		change func(t *testing.T, f *fixture)
+	}{
+		{"replaced", func(t *testing.T, f *fixture) { f.install(t, route("sbxa", 2)) }},
+		{"retired", func(t *testing.T, f *fixture) {
+			if err := f.m.Retire(context.Background(), route("sbxa", 1)); err != nil {
+				t.Error(err)
+			}
+		}},
+		{"torn down", func(t *testing.T, f *fixture) {
+			if err := f.m.Teardown(context.Background(), route("sbxa", 1)); err != nil {
+				t.Error(err)
+			}
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			f.install(t, route("sbxa", 1))
+			var once sync.Once
+			f.m.testHookAdmitted = func() { once.Do(func() { tc.change(t, f) }) }
+			resp, body := f.get(t, "/files", f.token(t, route("sbxa", 1), capability.PurposeFiles))
+			if resp.StatusCode != http.StatusMisdirectedRequest || resp.Header.Get(spacev1.HeaderRouteOutcome) != spacev1.OutcomeRefreshRoute {
+				t.Fatalf("request admitted before the change: %d %q %s", resp.StatusCode, resp.Header.Get(spacev1.HeaderRouteOutcome), body)
+			}
+		})
+	}
+}
