@@ -37,6 +37,7 @@ import (
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/procid"
+	"github.com/spacesbx/space/internal/procwait"
 	"github.com/spacesbx/space/internal/substrate"
 )
 
@@ -409,7 +410,7 @@ func (m *Manager) startBridge(ctx context.Context, inst substrate.Instance, dir 
 		return nil, fmt.Errorf("spaced-host identity: %w", err)
 	}
 	hostDone := make(chan struct{})
-	go func() { cmd.Wait(); hh.Close(); close(hostDone) }()
+	go func() { procwait.Wait(cmd); hh.Close(); close(hostDone) }()
 	ready := make(chan error, 1)
 	go func() {
 		line, err := bufio.NewReader(stdout).ReadString('\n')

@@ -101,6 +101,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/procwait"
 	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/substrate/spawner"
 )
@@ -396,7 +397,7 @@ func (i *instance) Done() <-chan struct{} { return i.done }
 
 func (i *instance) wait() {
 	defer i.wg.Done()
-	_ = i.cmd.Wait()
+	_ = procwait.Wait(i.cmd) // no thread held per sandbox
 	close(i.done)
 }
 
