@@ -36,6 +36,7 @@ import (
 	"github.com/spacesbx/space/internal/gateway"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/procid"
+	"github.com/spacesbx/space/internal/procwait"
 	"github.com/spacesbx/space/internal/substrate"
 )
 
@@ -101,7 +102,7 @@ func (m *Manager) startGateway(ctx context.Context, inst substrate.Instance, dir
 		return nil, fmt.Errorf("start netgtw: %w", err)
 	}
 	g := &gatewayProc{cmd: cmd, sock: sock, done: make(chan struct{}), ctl: stdin, out: bufio.NewReader(stdout)}
-	go func() { cmd.Wait(); close(g.done) }()
+	go func() { procwait.Wait(cmd); close(g.done) }()
 	fail := func(err error) (*gatewayProc, error) {
 		cmd.Process.Kill()
 		stdin.Close()
