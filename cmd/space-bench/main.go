@@ -20,6 +20,7 @@ func main() {
 	ns.MaybeInit()
 
 	quick := flag.Bool("quick", false, "a smoke run with small sample sizes")
+	only := flag.String("only", "", `"create": measure only sandbox creates (latency, throughput, per-phase breakdown)`)
 	binDir := flag.String("bin-dir", os.Getenv("SPACE_BIN_DIR"), "directory of spaced-host and spaced-guest (default $SPACE_BIN_DIR)")
 	flag.Parse()
 	if os.Geteuid() != 0 {
@@ -31,6 +32,7 @@ func main() {
 		cfg = bench.QuickConfig()
 	}
 	cfg.BinDir = *binDir
+	cfg.Only = *only
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := bench.Run(ctx, cfg, os.Stdout)
 	stop()

@@ -24,11 +24,15 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"runtime"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/spacesbx/space/internal/controlplane"
+	"github.com/spacesbx/space/internal/sbxmanager"
 )
 
 // Config sizes a run.
@@ -44,6 +48,12 @@ type Config struct {
 	// Creates through the control plane; a raw substrate start follows
 	// every RawEvery-th create.
 	CreateWarmup, Creates, RawEvery int
+	// CreateClients concurrent clients create CreatesPerClient sandboxes
+	// each (throughput), against raw ns starts at the same concurrency.
+	CreateClients, CreatesPerClient int
+	// Only, when "create", measures only sandbox creates (sequential and
+	// concurrent) with their per-phase breakdown.
+	Only string
 	// MemSandboxes idle sandboxes are measured after MemSettle.
 	MemSandboxes int
 	MemSettle    time.Duration
@@ -59,7 +69,7 @@ func DefaultConfig() Config {
 	return Config{
 		CapRounds: 15, CapColdPerRound: 300, CapCachedPerRound: 50000,
 		ReadWarmup: 50, ReadRounds: 20, ReadPerRound: 50,
-		CreateWarmup: 2, Creates: 50, RawEvery: 2,
+		CreateWarmup: 2, Creates: 50, RawEvery: 2, CreateClients: 8, CreatesPerClient: 10,
 		MemSandboxes: 10, MemSettle: 2 * time.Second,
 		VM: VMConfig{Creates: 5, NSPerVM: 2, BootBudget: 100 * time.Second, Rounds: 5, Snapshots: 2, Moves: 3},
 	}
@@ -70,7 +80,7 @@ func QuickConfig() Config {
 	return Config{
 		CapRounds: 3, CapColdPerRound: 50, CapCachedPerRound: 5000,
 		ReadWarmup: 5, ReadRounds: 2, ReadPerRound: 10,
-		CreateWarmup: 1, Creates: 5, RawEvery: 2,
+		CreateWarmup: 1, Creates: 5, RawEvery: 2, CreateClients: 8, CreatesPerClient: 2,
 		MemSandboxes: 2, MemSettle: 500 * time.Millisecond,
 		VM: VMConfig{Creates: 1, NSPerVM: 1, Rounds: 1, Snapshots: 1, Moves: 1},
 	}
@@ -109,6 +119,13 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 		fmt.Fprintf(cfg.Log, "[%5.1fs] %s\n", time.Since(t0).Seconds(), fmt.Sprintf(format, a...))
 	}
 	var rep Report
+	// The creates' per-phase timings come from the platform's own debug
+	// records (control plane and worker); everything else at Error only.
+	phases := NewPhaseCollector(discardLogger(cfg.Log).Handler(), slog.LevelError, map[string]string{
+		controlplane.CreateTimingMsg: "api", sbxmanager.InstallTimingMsg: "worker"})
+	if cfg.Only == "create" {
+		return runCreateOnly(ctx, cfg, out, phases, progress, t0)
+	}
 
 	// 1. Capability verification first, while no platform competes for CPU.
 	progress("capability verify: %d rounds x %d cold, %d cached", cfg.CapRounds, cfg.CapColdPerRound, cfg.CapCachedPerRound)
@@ -126,7 +143,9 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	var on, off *Platform
 	var onErr, offErr error
 	var wg sync.WaitGroup
-	wg.Go(func() { on, onErr = StartPlatform(ctx, cfg.BinDir, platformDir(root, "on"), 1, false, plog) })
+	wg.Go(func() {
+		on, onErr = StartPlatform(ctx, cfg.BinDir, platformDir(root, "on"), 1, false, slog.New(phases))
+	})
 	wg.Go(func() { off, offErr = StartPlatform(ctx, cfg.BinDir, platformDir(root, "off"), 1, true, plog) })
 	wg.Wait()
 	closeOff := func() {
@@ -150,16 +169,7 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 		rep.Read, rep.ReadErr = MeasureRead(ctx, on, off, cfg.ReadWarmup, cfg.ReadRounds, cfg.ReadPerRound)
 		closeOff()
 
-		progress("create: %d creates through the control plane, raw substrate start every %d", cfg.Creates, cfg.RawEvery)
-		raw, err := NewRawSubstrate(platformDir(root, "raw"), cfg.BinDir, plog)
-		if err != nil {
-			progress("raw substrate baseline unavailable: %v", err)
-			raw = nil
-		}
-		rep.Create, rep.CreateErr = MeasureCreate(ctx, on, raw, cfg.CreateWarmup, cfg.Creates, cfg.RawEvery)
-		if raw != nil {
-			raw.Close()
-		}
+		rep.Create, rep.CreateErr = measureCreates(ctx, cfg, on, root, phases, progress)
 
 		progress("memory: %d idle sandboxes", cfg.MemSandboxes)
 		rep.Mem, rep.MemErr = MeasureMemory(ctx, on, cfg.MemSandboxes, cfg.MemSettle)
@@ -189,6 +199,64 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	fmt.Fprintln(out)
 	fmt.Fprint(out, rep.Notes())
 	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.LifeErr, rep.VMErr)
+}
+
+// measureCreates runs the sequential creates (latency, beside raw ns
+// starts) and then the concurrent ones (throughput), each with its
+// per-phase breakdown.
+func measureCreates(ctx context.Context, cfg Config, on *Platform, root string, phases *PhaseCollector, progress func(string, ...any)) (CreateResult, error) {
+	progress("create: %d creates through the control plane, raw substrate start every %d", cfg.Creates, cfg.RawEvery)
+	raw, err := NewRawSubstrate(platformDir(root, "raw"), cfg.BinDir, discardLogger(cfg.Log))
+	if err != nil {
+		progress("raw substrate baseline unavailable: %v", err)
+		raw = nil
+	}
+	defer func() {
+		if raw != nil {
+			raw.Close()
+		}
+	}()
+	phases.Collect(true)
+	res, err := MeasureCreate(ctx, on, raw, cfg.CreateWarmup, cfg.Creates, cfg.RawEvery)
+	res.Phases = phases.Phases()
+	if err != nil {
+		return res, err
+	}
+	if cfg.CreateClients > 0 && cfg.CreatesPerClient > 0 {
+		progress("create throughput: %d clients x %d creates, then raw ns starts at the same concurrency", cfg.CreateClients, cfg.CreatesPerClient)
+		phases.Collect(true)
+		res.Conc, res.ConcErr = MeasureCreateConcurrent(ctx, on, raw, cfg.CreateClients, cfg.CreatesPerClient)
+		res.Conc.Phases = phases.Phases()
+	}
+	phases.Collect(false)
+	return res, nil
+}
+
+// runCreateOnly is Run for Config.Only == "create".
+func runCreateOnly(ctx context.Context, cfg Config, out io.Writer, phases *PhaseCollector, progress func(string, ...any), t0 time.Time) error {
+	root, err := os.MkdirTemp("", "space-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(root)
+	var rep Report
+	progress("starting a platform")
+	on, err := StartPlatform(ctx, cfg.BinDir, platformDir(root, "on"), 1, false, slog.New(phases))
+	if err != nil {
+		return err
+	}
+	rep.Create, rep.CreateErr = measureCreates(ctx, cfg, on, root, phases, progress)
+	on.Close()
+	rep.Took = time.Since(t0)
+	progress("done")
+	fmt.Fprintln(out)
+	rows := rep.createRows()
+	if err := WriteTable(out, rows); err != nil {
+		return err
+	}
+	fmt.Fprintln(out)
+	fmt.Fprint(out, rep.createNotes())
+	return errors.Join(rep.CreateErr, rep.Create.ConcErr)
 }
 
 // lifecycleLayers are the writable-layer sizes (MiB) cross-worker resume is
@@ -223,20 +291,7 @@ func (r *Report) Rows() []Row {
 		)
 	}
 
-	if r.CreateErr != nil {
-		fail("sandbox create", r.CreateErr)
-	} else {
-		c, raw := ms(r.Create.Create), ms(r.Create.RawStart)
-		b50, b99 := "-", "-"
-		if len(raw) > 0 {
-			b50 = fmt.Sprintf("%.1f raw ns start", Median(raw))
-			b99 = fmt.Sprintf("%.1f raw ns start", Percentile(raw, 99))
-		}
-		rows = append(rows,
-			Row{fmt.Sprintf("sandbox create p50, n=%d (ms)", len(c)), fmt.Sprintf("%.1f", Median(c)), b50, ratio(Median(c), Median(raw)), "<= 100 ms", atMost(Median(c), 100)},
-			Row{fmt.Sprintf("sandbox create p99, n=%d (ms)", len(c)), fmt.Sprintf("%.1f", Percentile(c, 99)), b99, ratio(Percentile(c, 99), Percentile(raw, 99)), "", NotJudged},
-		)
-	}
+	rows = append(rows, r.createRows()...)
 
 	if r.MemErr != nil {
 		fail("memory per sandbox", r.MemErr)
@@ -293,13 +348,7 @@ func (r *Report) Notes() string {
 			"  off = platform with UnsafeSkipIdentityChecks (no verify, no identity comparison, no audit record).\n",
 			len(r.Read.On), len(rr), Median(rr), Percentile(rr, 0), Percentile(rr, 100))
 	}
-	if r.CreateErr == nil && len(r.Create.Create) > 0 {
-		c := ms(r.Create.Create)
-		fmt.Fprintf(&b, "create: sdk CreateSandbox (POST /sandboxes) wall time, each killed right after (untimed); min %.1f max %.1f ms.\n"+
-			"  baseline: ns substrate Start alone (namespaces, overlay, cgroups, agent listening) n=%d, interleaved with the creates;\n"+
-			"  the difference is control plane + etcd + sbx-manager record (bbolt fsync) + spaced-host bridge start and verification.\n",
-			slicesMin(c), slicesMax(c), len(r.Create.RawStart))
-	}
+	b.WriteString(r.createNotes())
 	if r.MemErr == nil && len(r.Mem.Sum) > 0 {
 		h, g := medianMem(r.Mem.Host), medianMem(r.Mem.Guest)
 		fmt.Fprintf(&b, "memory: each sandbox used once (4 KiB write+read, `echo`), then idle; medians in MiB:\n"+
@@ -321,3 +370,64 @@ func (r *Report) Notes() string {
 
 func slicesMin(xs []float64) float64 { return Percentile(xs, 0) }
 func slicesMax(xs []float64) float64 { return Percentile(xs, 100) }
+
+// createRows are the sandbox create figures.
+func (r *Report) createRows() []Row {
+	if r.CreateErr != nil {
+		return []Row{{Figure: "sandbox create", Value: "error: " + errString(r.CreateErr)}}
+	}
+	c, raw := ms(r.Create.Create), ms(r.Create.RawStart)
+	b50, b99 := "-", "-"
+	if len(raw) > 0 {
+		b50 = fmt.Sprintf("%.1f raw ns start", Median(raw))
+		b99 = fmt.Sprintf("%.1f raw ns start", Percentile(raw, 99))
+	}
+	rows := []Row{
+		{fmt.Sprintf("sandbox create p50, n=%d (ms)", len(c)), fmt.Sprintf("%.1f", Median(c)), b50, ratio(Median(c), Median(raw)), "<= 25 ms", atMost(Median(c), 25)},
+		{fmt.Sprintf("sandbox create p99, n=%d (ms)", len(c)), fmt.Sprintf("%.1f", Percentile(c, 99)), b99, ratio(Percentile(c, 99), Percentile(raw, 99)), "", NotJudged},
+	}
+	cc := r.Create.Conc
+	fig := fmt.Sprintf("create throughput, %d clients, n=%d (creates/s)", cc.Clients, cc.Clients*max(1, cc.Creates/max(1, cc.Clients)))
+	switch {
+	case r.Create.ConcErr != nil:
+		rows = append(rows, Row{Figure: "create throughput", Value: "error: " + errString(r.Create.ConcErr)})
+	case cc.Clients > 0:
+		base := "-"
+		if cc.RawStarts > 0 {
+			base = fmt.Sprintf("%.1f raw ns starts/s", cc.RawPerSecond())
+		}
+		rows = append(rows,
+			Row{fig, fmt.Sprintf("%.1f", cc.PerSecond()), base, ratio(cc.PerSecond(), cc.RawPerSecond()), ">= 40/s", atLeast(cc.PerSecond(), 40)},
+			Row{fmt.Sprintf("create p50 under %d clients (ms)", cc.Clients), fmt.Sprintf("%.1f", Median(ms(cc.Latency))), fmt.Sprintf("%.1f sequential", Median(c)),
+				ratio(Median(ms(cc.Latency)), Median(c)), "", NotJudged},
+		)
+	}
+	return rows
+}
+
+// createPhaseOrder lists the create phases in the order they happen.
+var createPhaseOrder = []string{"api.place", "api.record", "api.install", "worker.total", "worker.substrate", "worker.bridge", "worker.gateway", "worker.persist", "api.commit"}
+
+// createNotes explains the create figures and gives the per-phase medians.
+func (r *Report) createNotes() string {
+	if r.CreateErr != nil || len(r.Create.Create) == 0 {
+		return ""
+	}
+	var b strings.Builder
+	c := ms(r.Create.Create)
+	fmt.Fprintf(&b, "create: sdk CreateSandbox (POST /sandboxes) wall time, each killed right after (untimed); min %.1f max %.1f ms.\n"+
+		"  baseline: ns substrate Start alone (namespaces, overlay, cgroups, agent listening) n=%d, interleaved with the creates;\n"+
+		"  the difference is control plane + etcd + sbx-manager record (bbolt fsync) + spaced-host bridge start and verification.\n",
+		slicesMin(c), slicesMax(c), len(r.Create.RawStart))
+	if len(r.Create.Phases) > 0 {
+		fmt.Fprintf(&b, "  phases, sequential (median ms; api.* in space-api, worker.* inside api.install): %s\n", formatPhases(r.Create.Phases, createPhaseOrder))
+	}
+	if cc := r.Create.Conc; cc.Clients > 0 && r.Create.ConcErr == nil {
+		fmt.Fprintf(&b, "  throughput: %d clients created %d sandboxes in %.2fs (kept until the end, then killed untimed); baseline: %d raw ns starts, %d at once, in %.2fs.\n",
+			cc.Clients, cc.Creates, cc.Wall.Seconds(), cc.RawStarts, cc.Clients, cc.RawWall.Seconds())
+		if len(cc.Phases) > 0 {
+			fmt.Fprintf(&b, "  phases, %d clients (median ms): %s\n", cc.Clients, formatPhases(cc.Phases, createPhaseOrder))
+		}
+	}
+	return b.String()
+}

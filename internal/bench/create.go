@@ -9,6 +9,8 @@ import (
 	"log/slog"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/spacesbx/space/internal/guest"
@@ -23,6 +25,43 @@ import (
 type CreateResult struct {
 	Create   []time.Duration
 	RawStart []time.Duration
+	// Phases are the control plane's and the worker's per-phase timings
+	// of the sequential creates (PhaseCollector), by phase name.
+	Phases map[string][]time.Duration
+	// Conc is the throughput run with concurrent clients.
+	Conc ConcurrentCreateResult
+	// ConcErr is why the throughput run failed, if it did.
+	ConcErr error
+}
+
+// ConcurrentCreateResult is create throughput with Clients concurrent
+// clients against raw ns starts at the same concurrency.
+type ConcurrentCreateResult struct {
+	Clients, Creates int
+	// Wall is from the first create sent to the last answered.
+	Wall time.Duration
+	// Latency of each create under that load.
+	Latency []time.Duration
+	// RawStarts raw ns starts took RawWall with Clients at once.
+	RawStarts int
+	RawWall   time.Duration
+	Phases    map[string][]time.Duration
+}
+
+// PerSecond is the create rate.
+func (c ConcurrentCreateResult) PerSecond() float64 {
+	if c.Wall <= 0 {
+		return 0
+	}
+	return float64(c.Creates) / c.Wall.Seconds()
+}
+
+// RawPerSecond is the raw ns start rate.
+func (c ConcurrentCreateResult) RawPerSecond() float64 {
+	if c.RawWall <= 0 {
+		return 0
+	}
+	return float64(c.RawStarts) / c.RawWall.Seconds()
 }
 
 // RawSubstrate starts bare ns sandboxes running the agent: no control
@@ -31,7 +70,7 @@ type RawSubstrate struct {
 	sub   *ns.Substrate
 	dir   string
 	agent string
-	n     int
+	n     atomic.Int64
 }
 
 // NewRawSubstrate returns a substrate with its state under dir. Its
@@ -56,7 +95,25 @@ func randID(n int) string {
 // StartStop starts one sandbox (template base), returns how long Start took
 // and stops it.
 func (r *RawSubstrate) StartStop(ctx context.Context) (time.Duration, error) {
-	r.n++
+	d, inst, err := r.start(ctx)
+	if err != nil {
+		return 0, err
+	}
+	return d, stopRaw(ctx, inst)
+}
+
+func stopRaw(ctx context.Context, inst substrate.Instance) error {
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := inst.Stop(sctx); err != nil {
+		return fmt.Errorf("stop: %w", err)
+	}
+	return nil
+}
+
+// start starts one sandbox (template base) and returns how long Start took.
+func (r *RawSubstrate) start(ctx context.Context) (time.Duration, substrate.Instance, error) {
+	n := r.n.Add(1)
 	route := identity.Route{
 		SandboxID: "rb" + randID(8), Generation: 1, ExecutionID: randID(12), WorkerID: "bench",
 		Substrate: identity.SubstrateNS, ActivationID: randID(8),
@@ -67,19 +124,99 @@ func (r *RawSubstrate) StartStop(ctx context.Context) (time.Duration, error) {
 	}, DefaultUser: "user"})
 	t0 := time.Now()
 	inst, err := r.sub.Start(ctx, substrate.Spec{
-		Route: route, Template: "base", Dir: filepath.Join(r.dir, fmt.Sprintf("a%d", r.n)), AgentPath: r.agent,
+		Route: route, Template: "base", Dir: filepath.Join(r.dir, fmt.Sprintf("a%d", n)), AgentPath: r.agent,
 		AgentEnv: []string{"SPACE_GUEST_CONFIG=" + string(gcfg)},
 	})
 	d := time.Since(t0)
 	if err != nil {
-		return 0, err
+		return 0, nil, err
 	}
-	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	defer cancel()
-	if err := inst.Stop(sctx); err != nil {
-		return 0, fmt.Errorf("stop: %w", err)
+	return d, inst, nil
+}
+
+// MeasureCreateConcurrent measures create throughput: clients goroutines
+// create perClient sandboxes each through the control plane, as fast as
+// they are answered (all are killed afterwards, untimed); then, as the
+// baseline, the same number of raw ns starts with clients at once (all
+// stopped afterwards, untimed).
+func MeasureCreateConcurrent(ctx context.Context, p *Platform, raw *RawSubstrate, clients, perClient int) (ConcurrentCreateResult, error) {
+	res := ConcurrentCreateResult{Clients: clients}
+	var (
+		mu   sync.Mutex
+		sbxs []*sdk.Sandbox
+		errs []error
+		wg   sync.WaitGroup
+	)
+	defer func() {
+		kctx := context.WithoutCancel(ctx)
+		var kwg sync.WaitGroup
+		sem := make(chan struct{}, 4)
+		for _, s := range sbxs {
+			kwg.Go(func() { sem <- struct{}{}; s.Kill(kctx); <-sem })
+		}
+		kwg.Wait()
+	}()
+	t0 := time.Now()
+	for range clients {
+		wg.Go(func() {
+			for range perClient {
+				c0 := time.Now()
+				sbx, err := p.Client.CreateSandbox(ctx, sdk.CreateOptions{Timeout: 5 * time.Minute})
+				d := time.Since(c0)
+				mu.Lock()
+				if err != nil {
+					errs = append(errs, err)
+				} else {
+					sbxs = append(sbxs, sbx)
+					res.Latency = append(res.Latency, d)
+				}
+				mu.Unlock()
+				if err != nil {
+					return
+				}
+			}
+		})
 	}
-	return d, nil
+	wg.Wait()
+	res.Wall = time.Since(t0)
+	res.Creates = len(sbxs)
+	if len(errs) > 0 {
+		return res, fmt.Errorf("create (%d of %d failed): %w", len(errs), clients*perClient, errs[0])
+	}
+	if raw == nil {
+		return res, nil
+	}
+	var insts []substrate.Instance
+	t0 = time.Now()
+	for range clients {
+		wg.Go(func() {
+			for range perClient {
+				_, inst, err := raw.start(ctx)
+				mu.Lock()
+				if err != nil {
+					errs = append(errs, err)
+				} else {
+					insts = append(insts, inst)
+				}
+				mu.Unlock()
+				if err != nil {
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	res.RawWall = time.Since(t0)
+	res.RawStarts = len(insts)
+	for _, inst := range insts {
+		if err := stopRaw(ctx, inst); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) > 0 {
+		return res, fmt.Errorf("raw substrate start: %w", errs[0])
+	}
+	return res, nil
 }
 
 // MeasureCreate creates n sandboxes through the control plane's REST API

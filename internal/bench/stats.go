@@ -76,6 +76,14 @@ func atMost(value, target float64) Verdict {
 	return Misses
 }
 
+// atLeast judges value >= target.
+func atLeast(value, target float64) Verdict {
+	if value >= target {
+		return Meets
+	}
+	return Misses
+}
+
 func ratio(a, b float64) string {
 	if b == 0 {
 		return "-"

@@ -175,6 +175,12 @@ func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]space
 	return ws, nil
 }
 
+// CreateTimingMsg is the message of the debug record a create logs with
+// its phases as durations: place (workers and their load read, pick),
+// record (the creating record written), install (the worker's answer),
+// commit (the running record written). make bench aggregates them.
+const CreateTimingMsg = "create timing"
+
 // createSandbox places, records and installs a new sandbox. It runs to
 // completion even if ctx is cancelled (the client went away), so the
 // record never stays half-made.
@@ -199,6 +205,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		lastErr error
 	)
 	for attempt := 0; attempt < installAttempts; attempt++ {
+		t0 := time.Now()
 		ws, err := s.workersWithLoad(ctx, p.Spec.Substrate)
 		if err != nil {
 			lastErr = err
@@ -215,6 +222,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		rec.Generation++
 		rec.Route = s.newRoute(rec.ID, rec.Generation, w.ID, p.Spec.Substrate)
 		rec.NodeURL = w.NodeURL
+		tPlace := time.Now()
 		if attempt == 0 {
 			rev, err = s.st.CreateSandbox(ctx, rec)
 		} else {
@@ -225,6 +233,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 			break
 		}
 		log := s.log.With("sandbox", rec.ID, "generation", rec.Route.Generation, "worker", w.ID)
+		tRecord := time.Now()
 		resp, err := s.install(ctx, w.NodeURL, spacev1.InstallRequest{
 			Route: rec.Route, Template: rec.TemplateID, EnvVars: rec.EnvVars,
 			Limits: limitsOf(rec), RestoreSnapshot: p.RestoreSnapshot,
@@ -237,6 +246,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 			}
 			continue
 		}
+		tInstall := time.Now()
 		started := s.now().UTC()
 		rec.State = store.StateRunning
 		rec.StartedAt = started
@@ -254,6 +264,8 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 			}
 			return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s was removed while starting", ErrConflict, rec.ID)
 		}
+		log.Debug(CreateTimingMsg, "place", tPlace.Sub(t0), "record", tRecord.Sub(tPlace),
+			"install", tInstall.Sub(tRecord), "commit", time.Since(tInstall))
 		log.Info("sandbox created", "template", rec.TemplateID, "end_at", rec.EndAt)
 		return rec, nil
 	}

@@ -219,6 +219,7 @@ func (m *Manager) lockSandbox(id string) func() {
 // N+1 of a sandbox makes the manager reject execution N at once and ends
 // N's streams.
 func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spacev1.InstallResponse, error) {
+	tStart := time.Now()
 	r := req.Route
 	if err := r.Validate(); err != nil {
 		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: %v", errdefs.ErrInvalid, err)
@@ -286,15 +287,20 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 
 	sctx, cancel := context.WithTimeout(ctx, m.cfg.StartTimeout)
 	defer cancel()
-	newAct, err := m.activate(sctx, rec)
+	var tm installTiming
+	newAct, err := m.activate(sctx, rec, &tm)
 	if err != nil {
 		log.Error("activation failed", "err", err)
 		return spacev1.InstallResponse{}, fmt.Errorf("install %s: %w", r.SandboxID, err)
 	}
+	t0 := time.Now()
 	if err := m.store.put(rec); err != nil {
 		m.stopActivation(newAct, "persist failed")
 		return spacev1.InstallResponse{}, fmt.Errorf("install %s: persist record: %w", r.SandboxID, err)
 	}
+	tm.persist = time.Since(t0)
+	log.Debug(InstallTimingMsg, "substrate", tm.substrate, "bridge", tm.bridge, "gateway", tm.gateway, "persist", tm.persist,
+		"total", time.Since(tStart))
 	m.mu.Lock()
 	m.records[r.SandboxID] = rec
 	m.active[r.SandboxID] = newAct
@@ -329,7 +335,17 @@ type guestConfig struct {
 	DefaultUser string            `json:"default_user"`
 }
 
-func (m *Manager) activate(ctx context.Context, rec record) (*activation, error) {
+// InstallTimingMsg is the message of the debug record an install logs
+// with its phases (substrate start, bridge start and verification, gateway
+// start, record persisted) as durations; make bench aggregates them.
+const InstallTimingMsg = "install timing"
+
+// installTiming is how long each phase of an install took.
+type installTiming struct {
+	substrate, bridge, gateway, persist time.Duration
+}
+
+func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (*activation, error) {
 	r := rec.Route
 	gcfg, _ := json.Marshal(guestConfig{Identity: r, Env: rec.EnvVars, DefaultUser: "user"})
 	spec := substrate.Spec{
@@ -347,11 +363,15 @@ func (m *Manager) activate(ctx context.Context, rec record) (*activation, error)
 	} else if err := os.WriteFile(filepath.Join(rec.Dir, activationFile), gcfg, 0o600); err != nil {
 		return nil, fmt.Errorf("start sandbox: activation: %w", err)
 	}
+	t0 := time.Now()
 	inst, err := m.subs[r.Substrate].Start(ctx, spec)
 	if err != nil {
 		return nil, fmt.Errorf("start sandbox: %w", err)
 	}
+	tm.substrate = time.Since(t0)
+	t0 = time.Now()
 	act, err := m.startBridge(ctx, inst, rec.Dir, vm)
+	tm.bridge = time.Since(t0)
 	if err != nil {
 		stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		inst.Stop(stopCtx)
@@ -363,10 +383,12 @@ func (m *Manager) activate(ctx context.Context, rec record) (*activation, error)
 		// from; service ports are not served for it (never the host's).
 		return act, nil
 	}
+	t0 = time.Now()
 	if act.gw, err = m.startGateway(ctx, inst, rec.Dir); err != nil {
 		m.stopActivation(act, "gateway failed")
 		return nil, err
 	}
+	tm.gateway = time.Since(t0)
 	return act, nil
 }
 
