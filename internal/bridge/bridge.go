@@ -41,6 +41,7 @@ package bridge
 import (
 	"bufio"
 	"context"
+	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -499,8 +500,13 @@ func (b *Bridge) openChannel() error {
 	}
 	bctx, cancel := context.WithTimeout(context.Background(), b.cfg.BootTimeout)
 	defer cancel()
+	act, err := withEntropy(b.cfg.Activation)
+	if err != nil {
+		c.Close()
+		return fmt.Errorf("bridge: activation: %w", err)
+	}
 	vm, err := vmchan.NewClient(bctx, c, vmchan.ClientConfig{
-		Activation: b.cfg.Activation, BootTimeout: b.cfg.BootTimeout, Logger: b.cfg.Logger,
+		Activation: act, BootTimeout: b.cfg.BootTimeout, Logger: b.cfg.Logger,
 	})
 	if err != nil {
 		return fmt.Errorf("bridge: vm channel: %w", err)
@@ -714,4 +720,26 @@ func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) 
 		return errors.New("guest closed the connection")
 	}
 	return nil
+}
+
+// withEntropy returns the activation payload (a JSON object) with fresh
+// random bytes from the host under "entropy". A guest restored from a
+// snapshot, or cloned from a template's, resumes with the random state the
+// snapshot holds, so two clones would draw the same numbers; the guest
+// mixes these bytes into its kernel's pool and reseeds before it ACKs.
+func withEntropy(payload []byte) ([]byte, error) {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(payload, &m); err != nil {
+		return nil, err
+	}
+	e := make([]byte, 64)
+	if _, err := rand.Read(e); err != nil {
+		return nil, err
+	}
+	raw, err := json.Marshal(e)
+	if err != nil {
+		return nil, err
+	}
+	m["entropy"] = raw
+	return json.Marshal(m)
 }

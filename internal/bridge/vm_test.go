@@ -2,6 +2,7 @@ package bridge
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -292,5 +293,41 @@ func TestVMChannelDropFailsStreamsAndStops(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("Serve did not stop")
+	}
+}
+
+// Every activation carries 64 fresh random bytes beside the payload's
+// fields; a payload that is not a JSON object is refused.
+func TestActivationEntropy(t *testing.T) {
+	in := []byte(`{"identity":{"sandbox":"s"},"env":{"A":"1"}}`)
+	a, err := withEntropy(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := withEntropy(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ma, mb struct {
+		Identity map[string]string `json:"identity"`
+		Env      map[string]string `json:"env"`
+		Entropy  []byte            `json:"entropy"`
+	}
+	if err := json.Unmarshal(a, &ma); err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &mb); err != nil {
+		t.Fatal(err)
+	}
+	if ma.Identity["sandbox"] != "s" || ma.Env["A"] != "1" || len(ma.Entropy) != 64 {
+		t.Fatalf("payload %s", a)
+	}
+	if bytes.Equal(ma.Entropy, mb.Entropy) {
+		t.Fatal("two activations carry the same entropy")
+	}
+	for _, bad := range []string{``, `[]`, `"x"`, `{`} {
+		if _, err := withEntropy([]byte(bad)); err == nil {
+			t.Errorf("payload %q accepted", bad)
+		}
 	}
 }

@@ -2,6 +2,7 @@ package guest
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/spacesbx/space/internal/vmchan"
 )
@@ -105,7 +107,30 @@ func RunVM(ctx context.Context, vc VMConfig) error {
 	cctx, cancel := context.WithCancel(ctx)
 	clockDone := make(chan struct{})
 	go func() { defer close(clockDone); runClockSync(cctx, DefaultRTCPath, log) }()
-	err = ServeVM(ctx, f, vc.Base)
+	err = serveVM(ctx, f, vc.Base, func(id Identity, entropy []byte) error {
+		// A restored or cloned VM resumes the snapshot's random state and
+		// clock: reseed from the host's bytes, step the clock to the RTC
+		// now rather than at the next tick.
+		if len(entropy) > 0 {
+			if err := reseedKernelRNG(entropy); err != nil {
+				return err
+			}
+		}
+		// A clone of a template booted with the template's hostname.
+		if h := vmHostname(id.Sandbox); h != "" {
+			if err := syscall.Sethostname([]byte(h)); err != nil {
+				log.Warn("vm mode: sethostname", "err", err)
+			} else {
+				_ = os.WriteFile("/etc/hostname", []byte(h+"\n"), 0o644)
+			}
+		}
+		if d, err := syncClock(DefaultRTCPath, time.Now, setSystemClock); err != nil {
+			log.Warn("vm mode: clock sync at activation", "err", err)
+		} else if d != 0 {
+			log.Info("vm mode: clock stepped to the RTC at activation", "by", d)
+		}
+		return nil
+	})
 	cancel()
 	<-clockDone
 	return err
@@ -114,10 +139,17 @@ func RunVM(ctx context.Context, vc VMConfig) error {
 // ServeVM serves VM mode on an open port (which it owns) until ctx ends,
 // then closes the server and the port.
 func ServeVM(ctx context.Context, port io.ReadWriteCloser, base Config) error {
+	return serveVM(ctx, port, base, nil)
+}
+
+// serveVM is ServeVM with a hook run on every activation, before the
+// agent takes the new identity, with the activation's host entropy; an
+// error refuses the activation.
+func serveVM(ctx context.Context, port io.ReadWriteCloser, base Config, onActivate func(id Identity, entropy []byte) error) error {
 	if base.DetachedOutputBytes == 0 {
 		base.DetachedOutputBytes = DefaultDetachedOutputBytes
 	}
-	a := &vmAgent{base: base, log: base.withDefaults().Logger}
+	a := &vmAgent{base: base, log: base.withDefaults().Logger, onActivate: onActivate}
 	a.l = vmchan.NewListener(port, vmchan.ListenerConfig{Activate: a.activate, Logger: a.log})
 	a.l.Start()
 	<-ctx.Done()
@@ -136,9 +168,10 @@ func ServeVM(ctx context.Context, port io.ReadWriteCloser, base Config) error {
 
 // vmAgent holds the server of VM mode, created by the first activation.
 type vmAgent struct {
-	base Config
-	log  *slog.Logger
-	l    *vmchan.Listener
+	base       Config
+	log        *slog.Logger
+	l          *vmchan.Listener
+	onActivate func(id Identity, entropy []byte) error
 
 	mu       sync.Mutex
 	srv      *Server
@@ -153,6 +186,17 @@ func (a *vmAgent) activate(sid vmchan.SessionID, payload []byte) ([]byte, error)
 	cfg := a.base
 	if err := json.Unmarshal(payload, &cfg); err != nil {
 		return nil, fmt.Errorf("activation: %w", err)
+	}
+	if a.onActivate != nil {
+		var extra struct {
+			Entropy []byte `json:"entropy"`
+		}
+		if err := json.Unmarshal(payload, &extra); err != nil {
+			return nil, fmt.Errorf("activation: %w", err)
+		}
+		if err := a.onActivate(cfg.Identity, extra.Entropy); err != nil {
+			return nil, fmt.Errorf("activation: %w", err)
+		}
 	}
 	cfg.Logger, cfg.UserCgroupProcs = a.base.Logger, nil // the VM is the limit
 	if err := cfg.Validate(); err != nil {
@@ -182,4 +226,52 @@ func (a *vmAgent) activate(sid vmchan.SessionID, payload []byte) ([]byte, error)
 		return nil, err
 	}
 	return json.Marshal(a.srv.Identity())
+}
+
+// Linux random ioctls (include/uapi/linux/random.h).
+const (
+	ioctlRNDADDENTROPY  = 0x40085203 // _IOW('R', 0x03, int[2])
+	ioctlRNDRESEEDCRNG  = 0x5207     // _IO('R', 0x07)
+	maxActivationRandom = 512
+)
+
+// reseedKernelRNG mixes b into the kernel's entropy pool, credited, and
+// makes the CRNG reseed from it at once, so what the guest draws after an
+// activation differs from every other clone of the same snapshot.
+func reseedKernelRNG(b []byte) error {
+	if len(b) > maxActivationRandom {
+		b = b[:maxActivationRandom]
+	}
+	f, err := os.OpenFile("/dev/random", os.O_WRONLY|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("reseed: %w", err)
+	}
+	defer f.Close()
+	// struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+	info := make([]byte, 8+len(b))
+	binary.NativeEndian.PutUint32(info[0:], uint32(8*len(b)))
+	binary.NativeEndian.PutUint32(info[4:], uint32(len(b)))
+	copy(info[8:], b)
+	if _, _, errno := syscall.Syscall(syscall.SYS_IOCTL, f.Fd(), ioctlRNDADDENTROPY, uintptr(unsafe.Pointer(&info[0]))); errno != 0 {
+		return fmt.Errorf("reseed: RNDADDENTROPY: %w", errno)
+	}
+	if _, _, errno := syscall.Syscall(syscall.SYS_IOCTL, f.Fd(), ioctlRNDRESEEDCRNG, 0); errno != 0 {
+		return fmt.Errorf("reseed: RNDRESEEDCRNG: %w", errno)
+	}
+	return nil
+}
+
+// vmHostname is the hostname for a sandbox id: lower case letters, digits
+// and dashes, at most 63 characters ("" when none remain).
+func vmHostname(id string) string {
+	var b strings.Builder
+	for _, c := range strings.ToLower(id) {
+		if (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' {
+			b.WriteRune(c)
+		}
+		if b.Len() == 63 {
+			break
+		}
+	}
+	return b.String()
 }

@@ -14,11 +14,12 @@ import (
 func Run(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("space up", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	var cfg Config
+	cfg := Config{VMPrewarm: true}
 	fs.StringVar(&cfg.APIAddr, "api-addr", "127.0.0.1:3000", "control plane listen address")
 	fs.StringVar(&cfg.EdgeAddr, "edge-addr", "127.0.0.1:3001", "edge (sandbox traffic) listen address")
 	fs.StringVar(&cfg.DataDir, "data-dir", ".data", "state directory (etcd, keys, workers)")
 	fs.IntVar(&cfg.Workers, "workers", 1, "number of workers")
+	fs.IntVar(&cfg.Capacity, "capacity", 100, "sandboxes per worker the scheduler may place (each idle ns sandbox holds about 13 host tasks against kernel.pid_max; a warning says when the host cannot hold them)")
 	fs.StringVar(&cfg.APIKey, "api-key", getenv("SPACE_API_KEY"), "bootstrap API key e2b_<40 hex> (default $SPACE_API_KEY, else generated)")
 	fs.StringVar(&cfg.BinDir, "bin-dir", "", "directory of spaced-host and spaced-guest (default: next to this binary)")
 	fs.StringVar(&cfg.VMKernelDir, "vm-kernel-dir", "", "microvm guest kernel dir with vmlinuz and modules/ (default: .cache/vm/kernel of the checkout the binaries were built in; none: ns only)")

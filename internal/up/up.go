@@ -44,6 +44,10 @@ type Config struct {
 	SnapshotDir string
 	// Workers is the number of workers. Default 1.
 	Workers int
+	// Capacity is how many sandboxes the scheduler places on each worker
+	// (worker.Config.Capacity). Default 100. Start logs a warning when
+	// the host's task limits (kernel.pid_max) cannot hold that many.
+	Capacity int
 	// APIKey is the bootstrap API key (e2b_<40 hex>); generated if empty.
 	APIKey string
 	// EtcdEndpoints selects an external etcd instead of the embedded one.
@@ -64,6 +68,13 @@ type Config struct {
 	// uses the first that works (none: base-vm creates get 503 with the
 	// reason).
 	VMAccel string
+	// VMPrewarm builds the base-vm template snapshot at start (in the
+	// background), so the first microVM create is a clone too; `space up`
+	// sets it. Off: the first create builds it.
+	VMPrewarm bool
+	// VMNoTemplates boots every microVM cold (no template snapshots); the
+	// benchmark's baseline.
+	VMNoTemplates bool
 	// DefaultLimits apply to sandboxes (zero: substrate defaults).
 	DefaultLimits spacev1.Limits
 	// UnsafeSkipIdentityChecks is the baseline of the on/off benchmark only.
@@ -87,6 +98,12 @@ func (c *Config) Validate() error {
 	}
 	if c.Workers > 64 {
 		return fmt.Errorf("up: at most 64 workers")
+	}
+	if c.Capacity < 0 {
+		return fmt.Errorf("up: capacity %d: want a positive number of sandboxes per worker", c.Capacity)
+	}
+	if c.Capacity == 0 {
+		c.Capacity = 100
 	}
 	if c.BinDir == "" {
 		exe, err := os.Executable()
@@ -219,9 +236,13 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	}
 	var extra []substrate.Substrate
 	if cfg.VMKernelDir != "" {
+		prewarm := ""
+		if cfg.VMPrewarm {
+			prewarm = filepath.Join(cfg.BinDir, "spaced-guest")
+		}
 		p.vm, err = microvm.New(microvm.Config{StateDir: filepath.Join(cfg.DataDir, "microvm"),
 			KernelPath: filepath.Join(cfg.VMKernelDir, "vmlinuz"), ModulesDir: filepath.Join(cfg.VMKernelDir, "modules"),
-			Accel: cfg.VMAccel, Logger: log})
+			Accel: cfg.VMAccel, NoTemplates: cfg.VMNoTemplates, PrewarmAgent: prewarm, Logger: log})
 		switch {
 		case err != nil:
 			log.Warn("microvm substrate unavailable; workers run ns only", "err", err)
@@ -235,10 +256,13 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 			log.Info("microvm substrate ready", "accel", p.vm.Accel())
 		}
 	}
+	if short := worker.PidBudget(cfg.Workers * cfg.Capacity); short != "" {
+		log.Warn("host task limits below capacity: sandboxes past them fail to start", "workers", cfg.Workers, "capacity", cfg.Capacity, "limits", short)
+	}
 	for i := range cfg.Workers {
 		id := fmt.Sprintf("w%d", i+1)
 		w, err := worker.New(worker.Config{
-			ID: id, StateDir: filepath.Join(cfg.DataDir, "workers", id), Logger: log,
+			ID: id, StateDir: filepath.Join(cfg.DataDir, "workers", id), Capacity: cfg.Capacity, Logger: log,
 			Manager: sbxmanager.Config{
 				SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),
 				EnvdVersion: guest.EnvdVersion, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,

@@ -4,6 +4,7 @@ package microvm
 
 import (
 	"context"
+	"crypto/rand"
 	"encoding/json"
 	"io"
 	"log/slog"
@@ -40,7 +41,10 @@ func activate(t *testing.T, ctx context.Context, inst substrate.Instance, r iden
 	if err != nil {
 		t.Fatal(err)
 	}
-	act, _ := json.Marshal(map[string]any{"identity": r})
+	// As spaced-host sends it: fresh host entropy with every activation.
+	entropy := make([]byte, 64)
+	rand.Read(entropy)
+	act, _ := json.Marshal(map[string]any{"identity": r, "entropy": entropy})
 	c, err := vmchan.NewClient(ctx, conn, vmchan.ClientConfig{
 		Activation: act, BootTimeout: 90 * time.Second, ResendInterval: 500 * time.Millisecond,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
@@ -101,14 +105,8 @@ func (s *agentSession) run(t *testing.T, ctx context.Context, cmd string) string
 // are still there after SaveState and a restore in another activation.
 func TestAgentKeepsFilesAndProcessesAcrossRestore(t *testing.T) {
 	cfg := testConfig(t)
-	cfg.testMode = ""
-	agent := filepath.Join(t.TempDir(), "spaced-guest")
-	build := exec.Command("go", "build", "-trimpath", "-o", agent, "./cmd/spaced-guest")
-	build.Dir = repoRoot(t)
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build spaced-guest: %v\n%s", err, out)
-	}
+	cfg.testMode, cfg.NoTemplates = "", false
+	agent := buildAgent(t)
 	s, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -179,4 +177,17 @@ func TestAgentKeepsFilesAndProcessesAcrossRestore(t *testing.T) {
 	if err := inst2.Stop(ctx); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// buildAgent builds spaced-guest (static) into a temporary directory.
+func buildAgent(t *testing.T) string {
+	t.Helper()
+	agent := filepath.Join(t.TempDir(), "spaced-guest")
+	build := exec.Command("go", "build", "-trimpath", "-o", agent, "./cmd/spaced-guest")
+	build.Dir = repoRoot(t)
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build spaced-guest: %v\n%s", err, out)
+	}
+	return agent
 }

@@ -99,6 +99,15 @@ type Config struct {
 	// StopTimeout bounds the graceful part of Stop (QMP quit) before
 	// SIGKILL (default 5 s).
 	StopTimeout time.Duration
+	// PrewarmAgent, when set (the agent binary sandboxes will run), makes
+	// New start building the template for the default limits in the
+	// background, so the first create is a clone too. Default: templates
+	// are built by the first Start that needs one.
+	PrewarmAgent string
+	// NoTemplates turns template snapshots off: every sandbox boots cold
+	// (default: clones of a per-image, per-shape template; see
+	// template.go).
+	NoTemplates bool
 	// Logger receives lifecycle logs (default slog.Default()).
 	Logger *slog.Logger
 

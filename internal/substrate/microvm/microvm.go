@@ -144,15 +144,20 @@ const (
 	maxLogSize = 4 << 20
 )
 
-// Descriptor numbers in QEMU (ExtraFiles order).
+// Descriptor numbers in QEMU (ExtraFiles order); the migration stream
+// and a RAM file, when passed, follow from fdNext on.
 const (
-	fdAgent   = 3
-	fdQMP     = 4
-	fdKernel  = 5
-	fdInitrd  = 6
-	fdEnv     = 7
-	fdIncomig = 8
+	fdAgent  = 3
+	fdQMP    = 4
+	fdKernel = 5
+	fdInitrd = 6
+	fdEnv    = 7
+	fdNext   = 8
 )
+
+// ramID is the guest RAM's memory backend id: microvm's default RAM id,
+// so RAM blocks carry the same name whether RAM is anonymous or a file.
+const ramID = "microvm.ram"
 
 // Substrate is the microvm substrate. It is safe for concurrent use.
 type Substrate struct {
@@ -166,6 +171,12 @@ type Substrate struct {
 	unavailable string
 
 	modules []string // guest kernel modules, absolute, in load order
+
+	tmplMu    sync.Mutex
+	templates map[string]*templateSlot
+	tmplWG    sync.WaitGroup
+	closing   chan struct{}
+	closed    bool
 
 	imgMu sync.Mutex
 	sums  map[fileKey][32]byte
@@ -199,7 +210,8 @@ func New(cfg Config) (*Substrate, error) {
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, err
 	}
-	s := &Substrate{cfg: cfg, asRoot: os.Geteuid() == 0, sums: map[fileKey][32]byte{}, modules: mods, tscKHz: hostTSCKHz()}
+	s := &Substrate{cfg: cfg, asRoot: os.Geteuid() == 0, sums: map[fileKey][32]byte{}, modules: mods, tscKHz: hostTSCKHz(),
+		templates: map[string]*templateSlot{}, closing: make(chan struct{})}
 	if cfg.Accel != "" {
 		// Forced by the operator: no probe, but KVM access is still set up.
 		s.accel = cfg.Accel
@@ -210,6 +222,7 @@ func New(cfg Config) (*Substrate, error) {
 			}
 		}
 		cfg.Logger.Info("microvm: accelerator forced", "accel", s.accel)
+		s.prewarm()
 		return s, nil
 	}
 	var cands []string
@@ -233,8 +246,37 @@ func New(cfg Config) (*Substrate, error) {
 		cfg.Logger.Warn("microvm: no working accelerator; the substrate is unavailable", attrs...)
 	} else {
 		cfg.Logger.Info("microvm: accelerator chosen by booting a probe guest", attrs...)
+		s.prewarm()
 	}
 	return s, nil
+}
+
+// prewarm starts building the default shape's template when
+// Config.PrewarmAgent is set (a failure is logged by templateFor).
+func (s *Substrate) prewarm() {
+	if s.cfg.PrewarmAgent == "" || s.cfg.NoTemplates {
+		return
+	}
+	imgID, imgPath, err := s.ensureImage(s.cfg.PrewarmAgent)
+	if err != nil {
+		s.cfg.Logger.Warn("microvm: prewarm: guest image", "err", err)
+		return
+	}
+	shape := shapeOf(s.cfg.Limits)
+	s.tmplWG.Add(1)
+	go func() { // owned: Close waits for it
+		defer s.tmplWG.Done()
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go func() {
+			select {
+			case <-s.closing:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+		s.templateFor(ctx, imgID, imgPath, shape, s.cfg.PrewarmAgent)
+	}()
 }
 
 // kvmDevice is the KVM device QEMU opens.
@@ -306,6 +348,7 @@ func (s *Substrate) Accel() string { return s.accel }
 // Close stops the spawner thread; running VMs are killed by their
 // parent-death signal, so Stop them first. Start fails afterwards.
 func (s *Substrate) Close() error {
+	s.closeTemplates()
 	s.spawner.Close()
 	return nil
 }
@@ -395,6 +438,18 @@ type launch struct {
 	shape    machineShape
 	hostname string
 	incoming bool
+	// ram, when set, backs guest RAM with this file (QEMU's fd ramFD) as a
+	// memory-backend-file with the machine's default RAM id, so states
+	// migrate between file-backed and anonymous instances: shared (a
+	// template boot writes its RAM into the file) or private (a clone maps
+	// the template's RAM copy-on-write).
+	ram       *os.File
+	ramShared bool
+	// ignoreShared sets migration's x-ignore-shared before an incoming
+	// stream is read: the state carries no pages of the file-backed RAM (a
+	// clone's load).
+	ignoreShared      bool
+	ramFD, incomingFD int
 }
 
 // qemuArgs is QEMU's command line (argv[1:]) for one instance. Descriptors
@@ -408,9 +463,13 @@ func (s *Substrate) qemuArgs(l launch) []string {
 	if s.cfg.testMode != "" {
 		appendLine += " space.test=" + s.cfg.testMode
 	}
+	machine := mc.machine
+	if l.ram != nil {
+		machine += ",memory-backend=" + ramID
+	}
 	args := []string{
 		"-name", "space-" + l.hostname,
-		"-machine", mc.machine,
+		"-machine", machine,
 		"-cpu", mc.cpu,
 		"-smp", strconv.Itoa(l.shape.VCPUs),
 		"-m", strconv.FormatInt(l.shape.MemoryMiB, 10) + "M",
@@ -429,8 +488,21 @@ func (s *Substrate) qemuArgs(l launch) []string {
 		"-sandbox", qemuSandbox,
 		"-msg", "timestamp=on",
 	}
-	if l.incoming {
-		args = append(args, "-incoming", "fd:"+strconv.Itoa(fdIncomig))
+	if l.ram != nil {
+		share := "off"
+		if l.ramShared {
+			share = "on"
+		}
+		args = append(args, "-object", fmt.Sprintf("memory-backend-file,id=%s,size=%dM,mem-path=%s,share=%s",
+			ramID, l.shape.MemoryMiB, procFD(l.ramFD), share))
+	}
+	switch {
+	case l.incoming && l.ignoreShared:
+		// x-ignore-shared must be set before the stream is read: the
+		// migration starts over QMP (startIncoming).
+		args = append(args, "-incoming", "defer")
+	case l.incoming:
+		args = append(args, "-incoming", "fd:"+strconv.Itoa(l.incomingFD))
 	}
 	return args
 }
@@ -442,6 +514,16 @@ func procFD(n int) string { return "/proc/self/fd/" + strconv.Itoa(n) }
 // saved state is loaded and the guest continues). The guest's readiness is
 // for the caller to check over the channel.
 func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.Instance, error) {
+	inst, err := s.start(ctx, spec, nil)
+	if err != nil {
+		return nil, err
+	}
+	return inst, nil
+}
+
+// start is Start; templateRAM, when set, boots a template: guest RAM is
+// that file, shared, and no template is used.
+func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM *os.File) (*instance, error) {
 	if err := validateSpec(&spec); err != nil {
 		return nil, err
 	}
@@ -461,7 +543,9 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	lim := mergeLimits(spec.Limits, s.cfg.Limits)
 	l := launch{shape: shapeOf(lim), hostname: hostnameFor(spec.Route.SandboxID)}
 	var state *os.File
-	if spec.RestoreState != "" {
+	var clonedFrom *vmTemplate
+	switch {
+	case spec.RestoreState != "":
 		f, hdr, err := openState(spec.RestoreState)
 		if err != nil {
 			return nil, err
@@ -472,6 +556,19 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		}
 		state, l.shape, l.incoming = f, hdr.Shape, true
 		lim.MemoryBytes, lim.CPUMillis = hdr.Shape.MemoryMiB<<20, int64(hdr.Shape.VCPUs)*1000
+	case templateRAM != nil:
+		l.ram, l.ramShared = templateRAM, true
+	case !s.cfg.NoTemplates:
+		// A clone of this image's and shape's template, when one can be
+		// had; otherwise a cold boot.
+		if t := s.templateFor(ctx, imgID, imgPath, l.shape, spec.AgentPath); t != nil {
+			f, err := t.openState()
+			if err != nil {
+				return nil, err
+			}
+			defer f.Close()
+			state, l.incoming, l.ram, l.ignoreShared, clonedFrom = f, true, t.ram, true, t
+		}
 	}
 	envScript, _ := agentEnvScript(spec.AgentEnv) // validated above
 
@@ -482,7 +579,7 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		s: s, route: spec.Route, dir: spec.Dir, socket: filepath.Join(spec.Dir, SocketName),
 		imageID: imgID, shape: l.shape, lim: lim, done: make(chan struct{}),
 	}
-	fail := func(err error) (substrate.Instance, error) {
+	fail := func(err error) (*instance, error) {
 		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		if serr := inst.Stop(sctx); serr != nil {
@@ -517,7 +614,12 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	defer lf.closeAll()
 	extra := []*os.File{lf.listener, lf.qmpChild, lf.kernel, lf.initrd, lf.env}
 	if state != nil {
+		l.incomingFD = fdAgent + len(extra)
 		extra = append(extra, state)
+	}
+	if l.ram != nil {
+		l.ramFD = fdAgent + len(extra)
+		extra = append(extra, l.ram)
 	}
 	cmd := &exec.Cmd{
 		Path:       s.cfg.QEMUPath,
@@ -556,9 +658,22 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		return fail(err)
 	}
 	inst.qmp = q
+	if l.incoming && l.ignoreShared {
+		if err := inst.startIncoming(ctx, l.incomingFD); err != nil {
+			return fail(err)
+		}
+	}
 	if l.incoming {
 		if err := inst.finishIncoming(ctx); err != nil {
 			return fail(err)
+		}
+	}
+	if l.incoming && l.ignoreShared {
+		// The clone's own saves carry all of its RAM (it is private).
+		if _, err := q.execute(ctx, "migrate-set-capabilities", map[string]any{
+			"capabilities": []map[string]any{{"capability": "x-ignore-shared", "state": false}},
+		}, nil); err != nil {
+			return fail(fmt.Errorf("clone: %w", err))
 		}
 	}
 	st, err := q.status(ctx)
@@ -569,7 +684,7 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		return fail(fmt.Errorf("vm is %q after start", st))
 	}
 	s.cfg.Logger.Debug("microvm: started", "route", spec.Route.String(), "pid", inst.pid,
-		"accel", s.accel, "restored", l.incoming, "took", time.Since(t0))
+		"accel", s.accel, "restored", spec.RestoreState != "", "cloned", clonedFrom != nil, "took", time.Since(t0))
 	return inst, nil
 }
 

@@ -196,6 +196,21 @@ func (i *instance) SaveState(ctx context.Context, w io.Writer) (int64, error) {
 	return finish(nil)
 }
 
+// startIncoming starts loading a template's state (QEMU was started with
+// -incoming defer) from QEMU's descriptor fd, with x-ignore-shared: the
+// stream has no RAM pages, the RAM file holds them.
+func (i *instance) startIncoming(ctx context.Context, fd int) error {
+	if _, err := i.qmp.execute(ctx, "migrate-set-capabilities", map[string]any{
+		"capabilities": []map[string]any{{"capability": "x-ignore-shared", "state": true}},
+	}, nil); err != nil {
+		return fmt.Errorf("clone: %w", err)
+	}
+	if _, err := i.qmp.execute(ctx, "migrate-incoming", map[string]any{"uri": fmt.Sprintf("fd:%d", fd)}, nil); err != nil {
+		return fmt.Errorf("clone: %w", err)
+	}
+	return nil
+}
+
 // finishIncoming waits until QEMU has loaded the state given with
 // -incoming, then continues the guest.
 func (i *instance) finishIncoming(ctx context.Context) error {
