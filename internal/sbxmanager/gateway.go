@@ -1,6 +1,7 @@
 package sbxmanager
 
-// Service ports: one netgtw per activation (DESIGN.md section 9).
+// Service ports: one netgtw per activation (DESIGN.md section 9), started
+// on the activation's first service-port request.
 //
 // node-api hands service-port requests (E2b-Sandbox-Port set by the edge to
 // a port other than the guest agent's) to the manager like any other guest
@@ -10,6 +11,20 @@ package sbxmanager
 // connection; netgtw then checks them a second time against the trusted
 // activation state this file handed it, and dials the port inside the
 // sandbox's network namespace.
+//
+// Lazily: most sandboxes never serve a port, and an idle netgtw is a
+// process and several threads per sandbox (every one counts against the
+// host's kernel.pid_max). At activation the manager records the trusted
+// state netgtw will be given (the route, the sandbox init's pid and start
+// time and its network namespace's inode, read right after the substrate
+// started the instance); the first admitted service-port request starts
+// netgtw with exactly that state, and netgtw runs the same start-time
+// checks against it (init start time and namespace inode, so a pid reused
+// since activation is refused). SetGatewayActivation before that start
+// updates the recorded route under the gateway's own rules (same epoch:
+// the new activation; another execution: retired, nothing is served).
+// Stopping the activation ends the streams and netgtw exactly as before,
+// and a netgtw whose start races the stop is stopped by it.
 
 import (
 	"bufio"
@@ -54,6 +69,88 @@ type gatewayProc struct {
 	out   *bufio.Reader
 }
 
+// gatewayState is an ns activation's service-port gateway: the trusted
+// state recorded at activation and, once started, the netgtw process.
+type gatewayState struct {
+	dir string
+	// initPID, initStart and netnsIno are recorded at activation.
+	initPID   int
+	initStart uint64
+	netnsIno  uint64
+
+	mu sync.Mutex
+	// route is the trusted activation state netgtw starts with (and that
+	// SetGatewayActivation updates until it runs).
+	route   identity.Route
+	retired bool // a route of another execution arrived before the start
+	stopped bool // the activation is stopping: never start netgtw again
+	proc    *gatewayProc
+}
+
+// errGatewayRetired: the activation's gateway was retired before it ever
+// started (it would answer RefreshRoute to everything).
+var errGatewayRetired = errors.New("service-port gateway retired")
+
+// recordGateway records the trusted state a later netgtw start of inst
+// gets: the route, and the init's start time and network namespace read
+// now, right after the substrate started it.
+func recordGateway(inst substrate.Instance, dir string) (*gatewayState, error) {
+	_, ino, start, err := gateway.NetnsIdentity(inst.InitPID())
+	if err != nil {
+		return nil, fmt.Errorf("netgtw: record sandbox netns: %w", err)
+	}
+	return &gatewayState{dir: dir, initPID: inst.InitPID(), initStart: start, netnsIno: ino, route: inst.Route()}, nil
+}
+
+// gateway returns act's netgtw, starting it on first use. (nil, nil): no
+// netgtw is installed.
+func (m *Manager) gateway(act *activation) (*gatewayProc, error) {
+	gs := act.gwState
+	if gs == nil {
+		return nil, nil
+	}
+	gs.mu.Lock()
+	defer gs.mu.Unlock()
+	switch {
+	case gs.proc != nil:
+		return gs.proc, nil
+	case gs.stopped:
+		return nil, fmt.Errorf("%w: activation stopping", errdefs.ErrUnavailable)
+	case gs.retired:
+		return nil, errGatewayRetired
+	}
+	// Bounded by the activation: stopping it aborts a start in progress.
+	ctx, cancel := context.WithTimeout(act.ctx, m.cfg.StartTimeout)
+	defer cancel()
+	t0 := time.Now()
+	g, err := m.startGateway(ctx, gs)
+	if err != nil {
+		m.log.Warn("netgtw start failed", "sandbox", gs.route.SandboxID, "err", err)
+		return nil, err
+	}
+	if g != nil {
+		m.log.Debug("netgtw started on first service-port request", "sandbox", gs.route.SandboxID, "took", time.Since(t0))
+	}
+	gs.proc = g
+	return g, nil
+}
+
+// stopGateway marks act's gateway stopped (no later start) and stops a
+// running netgtw: its streams end at once.
+func (act *activation) stopGateway() {
+	gs := act.gwState
+	if gs == nil {
+		return
+	}
+	gs.mu.Lock()
+	gs.stopped = true
+	g := gs.proc
+	gs.mu.Unlock()
+	if g != nil {
+		g.stop()
+	}
+}
+
 // netgtwPath is Config.NetgtwPath or netgtw next to spaced-host.
 func (m *Manager) netgtwPath() string {
 	if m.cfg.NetgtwPath != "" {
@@ -62,20 +159,17 @@ func (m *Manager) netgtwPath() string {
 	return filepath.Join(filepath.Dir(m.cfg.SpacedHostPath), "netgtw")
 }
 
-// startGateway launches netgtw for inst. It returns (nil, nil) when no
-// netgtw binary is installed: the sandbox then has no service ports (every
-// service-port request is answered 503).
-func (m *Manager) startGateway(ctx context.Context, inst substrate.Instance, dir string) (*gatewayProc, error) {
+// startGateway launches netgtw with the state recorded in gs (gs.mu
+// held). It returns (nil, nil) when no netgtw binary is installed: the
+// sandbox then has no service ports (every service-port request is
+// answered 503).
+func (m *Manager) startGateway(ctx context.Context, gs *gatewayState) (*gatewayProc, error) {
 	bin := m.netgtwPath()
 	if _, err := os.Stat(bin); err != nil {
 		m.log.Warn("netgtw not installed; service ports unavailable", "path", bin)
 		return nil, nil
 	}
-	r := inst.Route()
-	_, ino, start, err := gateway.NetnsIdentity(inst.InitPID())
-	if err != nil {
-		return nil, fmt.Errorf("netgtw: record sandbox netns: %w", err)
-	}
+	r, dir, ino, start := gs.route, gs.dir, gs.netnsIno, gs.initStart
 	sock := filepath.Join(dir, "gw.sock")
 	want, _ := json.Marshal(r)
 	logf, err := os.OpenFile(filepath.Join(dir, "netgtw.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
@@ -84,11 +178,11 @@ func (m *Manager) startGateway(ctx context.Context, inst substrate.Instance, dir
 	}
 	defer logf.Close()
 	cmd := exec.Command(bin, "--listen", sock, "--bundle", filepath.Join(m.cfg.StateDir, "bundle.json"),
-		"--route", string(want), "--init-pid", strconv.Itoa(inst.InitPID()),
+		"--route", string(want), "--init-pid", strconv.Itoa(gs.initPID),
 		"--init-start", strconv.FormatUint(start, 10), "--netns-ino", strconv.FormatUint(ino, 10),
 		"--manager-pid", strconv.Itoa(os.Getpid()))
 	cmd.Stderr = logf
-	cmd.Env = []string{"GOMAXPROCS=2", "GOGC=50"}
+	cmd.Env = []string{"GOMAXPROCS=1", "GOGC=50"}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
@@ -212,25 +306,54 @@ func (g *gatewayProc) stop() {
 // identity for new opens; a route of another execution makes it end every
 // stream and serve nothing more. It is the hook for re-activations that
 // keep the instance (and the tests drive it directly).
+//
+// Before netgtw has started, the same rules apply to the state it will
+// start with: a route of another sandbox is refused, one of the same
+// epoch becomes the trusted route, one of another execution retires the
+// gateway (it will never start; its requests get RefreshRoute).
 func (m *Manager) SetGatewayActivation(sandbox string, r identity.Route) (string, error) {
 	m.mu.RLock()
 	act := m.active[sandbox]
 	m.mu.RUnlock()
-	if act == nil || act.gw == nil {
+	if act == nil || act.gwState == nil {
 		return "", fmt.Errorf("%w: no service-port gateway for %s", errdefs.ErrNotFound, sandbox)
 	}
-	return act.gw.control(gateway.Control{Op: gateway.OpActivation, Route: &r})
+	gs := act.gwState
+	gs.mu.Lock()
+	if g := gs.proc; g != nil {
+		gs.mu.Unlock()
+		return g.control(gateway.Control{Op: gateway.OpActivation, Route: &r})
+	}
+	defer gs.mu.Unlock()
+	if err := r.Validate(); err != nil {
+		return "", fmt.Errorf("netgtw: gateway: %w", err)
+	}
+	if r.SandboxID != gs.route.SandboxID {
+		return "", fmt.Errorf("netgtw: gateway: route names sandbox %s, this gateway serves %s", r.SandboxID, gs.route.SandboxID)
+	}
+	if gs.retired || r.Epoch() != gs.route.Epoch() {
+		gs.retired = true
+		return "ok retired", nil
+	}
+	gs.route = r
+	return "ok", nil
 }
 
-// GatewayPID returns the pid of sandbox's netgtw (tests, measurements).
+// GatewayPID returns the pid of sandbox's netgtw (tests, measurements);
+// false until its first service-port request has started it.
 func (m *Manager) GatewayPID(sandbox string) (int, bool) {
 	m.mu.RLock()
-	defer m.mu.RUnlock()
 	a := m.active[sandbox]
-	if a == nil || a.gw == nil {
+	m.mu.RUnlock()
+	if a == nil || a.gwState == nil {
 		return 0, false
 	}
-	return a.gw.proc.PID, true
+	a.gwState.mu.Lock()
+	defer a.gwState.mu.Unlock()
+	if a.gwState.proc == nil {
+		return 0, false
+	}
+	return a.gwState.proc.proc.PID, true
 }
 
 // isServicePort reports whether r addresses a service port (the edge sets
@@ -269,7 +392,7 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")
 		return
 	}
-	if act == nil || act.gw == nil {
+	if act == nil || act.gwState == nil {
 		writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
 		return
 	}
@@ -283,9 +406,21 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
+	gw, err := m.gateway(act) // the first request starts it
+	switch {
+	case errors.Is(err, errGatewayRetired):
+		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "service-port gateway retired")
+		return
+	case err != nil:
+		writeError(w, fmt.Errorf("%w: service-port gateway: %v", errdefs.ErrUnavailable, err))
+		return
+	case gw == nil:
+		writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
+		return
+	}
 	if proto == gateway.ProtocolHTTP {
 		_ = http.NewResponseController(w).EnableFullDuplex()
 		defer r.Body.Close() // see ServeHTTP: full duplex needs it (golang/go#68560)
 	}
-	act.gw.proxy.ServeHTTP(w, r.WithContext(ctx))
+	gw.proxy.ServeHTTP(w, r.WithContext(ctx))
 }

@@ -151,8 +151,9 @@ type activation struct {
 	hostDone chan struct{}
 	// paused is set while the sandbox is frozen (lifecycle.go).
 	paused atomic.Bool
-	// gw is the activation's service-port gateway (nil: none installed).
-	gw *gatewayProc
+	// gwState is the activation's service-port gateway, started on the
+	// first service-port request (nil: none, e.g. a microVM).
+	gwState *gatewayState
 	// gate is held shared by every unary request in flight; Pause takes it
 	// exclusively (bounded) after refusing new requests, so a freeze does
 	// not strand a request inside the guest.
@@ -384,7 +385,8 @@ func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (
 		return act, nil
 	}
 	t0 = time.Now()
-	if act.gw, err = m.startGateway(ctx, inst, rec.Dir); err != nil {
+	// netgtw itself starts on the first service-port request (gateway.go).
+	if act.gwState, err = recordGateway(inst, rec.Dir); err != nil {
 		m.stopActivation(act, "gateway failed")
 		return nil, err
 	}
@@ -540,9 +542,7 @@ func (n noRetryTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 // sandbox. The caller has already removed it from the active map.
 func (m *Manager) stopActivation(a *activation, why string) {
 	a.cancel()
-	if a.gw != nil {
-		a.gw.stop()
-	}
+	a.stopGateway()
 	a.tr.CloseIdleConnections()
 	a.host.Process.Signal(syscall.SIGTERM)
 	select {
