@@ -10,14 +10,25 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime"
 	"runtime/debug"
 	"strings"
 	"syscall"
 )
 
 // spareThreads is how many OS threads the agent creates at startup and
-// keeps (see PrestartThreads).
-const spareThreads = 8
+// keeps (see PrestartThreads). In a VM the agent's threads are the guest
+// kernel's; in an ns sandbox every thread counts against the host's
+// kernel.pid_max (thousands of sandboxes per host), and the agent's own
+// cgroup (agent.<sandbox>, a pids reserve the user's processes cannot
+// fill) already keeps a fork bomb from starving it, so there it keeps a
+// small reserve and runs one P (nsGOMAXPROCS): an idle agent then holds a
+// handful of threads instead of a dozen.
+const (
+	spareThreads   = 8
+	nsSpareThreads = 2
+	nsGOMAXPROCS   = 1
+)
 
 // MainOptions is what cmd/spaced-guest takes from its environment.
 type MainOptions struct {
@@ -48,7 +59,12 @@ func Main(o MainOptions) int {
 		fmt.Fprintf(o.Stderr, "spaced-guest: "+format+"\n", a...)
 		return 1
 	}
-	PrestartThreads(spareThreads)
+	if o.VMPort == "" {
+		runtime.GOMAXPROCS(nsGOMAXPROCS) // here, not via GOMAXPROCS: user processes inherit the env
+		PrestartThreads(nsSpareThreads)
+	} else {
+		PrestartThreads(spareThreads)
+	}
 	debug.SetGCPercent(50) // here, not via GOGC: user processes inherit the env
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
