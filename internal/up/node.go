@@ -32,6 +32,7 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	binDir := fs.String("bin-dir", "", "directory of spaced-host and spaced-guest (default: next to this binary)")
 	snapDir := fs.String("snapshot-dir", "", "snapshot store shared by all workers (required for resume on another worker)")
 	vmKernel := fs.String("vm-kernel-dir", "", "microvm guest kernel dir with vmlinuz and modules/ (make vm-deps); empty: ns only")
+	capacity := fs.Int("capacity", 100, "sandboxes the scheduler may place on this worker (each idle ns sandbox holds about 13 host tasks against kernel.pid_max; a warning says when the host cannot hold them)")
 	vmAccel := fs.String("vm-accel", "", "force the microvm accelerator, kvm or tcg (default: probe kvm, then tcg)")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -44,7 +45,14 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		exe, _ := os.Executable()
 		*binDir = filepath.Dir(exe)
 	}
+	if *capacity <= 0 {
+		fmt.Fprintln(stderr, "space-node: --capacity must be positive")
+		return 2
+	}
 	log := slog.New(slog.NewTextHandler(stderr, nil))
+	if short := worker.PidBudget(*capacity); short != "" {
+		log.Warn("host task limits below capacity: sandboxes past them fail to start", "capacity", *capacity, "limits", short)
+	}
 	st, err := store.Open(ctx, store.Config{Endpoints: strings.Split(*etcd, ","), Logger: log})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
@@ -74,7 +82,7 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	w, err := worker.New(worker.Config{
-		ID: *id, Addr: *addr, StateDir: filepath.Join(*dataDir, "worker"), Logger: log,
+		ID: *id, Addr: *addr, StateDir: filepath.Join(*dataDir, "worker"), Capacity: *capacity, Logger: log,
 		Manager: sbxmanager.Config{
 			SpacedHostPath: filepath.Join(*binDir, "spaced-host"), AgentPath: filepath.Join(*binDir, "spaced-guest"),
 			EnvdVersion: guest.EnvdVersion,
