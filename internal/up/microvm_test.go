@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/sdk"
@@ -182,6 +183,40 @@ func TestMicroVM(t *testing.T) {
 		if r.header.Get(spacev1.HeaderRouteOutcome) != spacev1.OutcomeRefreshRoute || e.Reason == "" {
 			t.Fatalf("old capability at %s: %v %+v", url, r.header, e)
 		}
+	}
+
+	// Fork: each fork is a clone of the source's own snapshot, so it
+	// keeps the running process (same pid, counter going on) and the
+	// files, but takes its own identity: hostname and random numbers
+	// differ from the other fork's.
+	fr := lp.api(t, http.MethodPost, "/sandboxes/"+sbx.ID+"/fork", map[string]int{"count": 2, "timeout": 600})
+	var forks []e2bapi.SandboxForkResult
+	if fr.status != http.StatusCreated || json.Unmarshal(fr.body, &forks) != nil || len(forks) != 2 {
+		t.Fatalf("fork: %d %s", fr.status, fr.body)
+	}
+	var rnd []string
+	for _, f := range forks {
+		if f.Sandbox == nil {
+			t.Fatalf("fork failed: %+v", f.Error)
+		}
+		fs := lp.client(t).Attach(f.Sandbox.SandboxID, f.Sandbox.EnvdAccessToken)
+		out := strings.Fields(runOut(t, fs, "kill -0 "+pid+" && echo alive; cat /tmp/counter /home/user/vm.txt; echo; hostname; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'"))
+		if len(out) != 7 || out[0] != "alive" || out[2] != "in" || out[6] == "" {
+			t.Fatalf("fork %s: %q", f.Sandbox.SandboxID, out)
+		}
+		if n, _ := strconv.Atoi(out[1]); n < after {
+			t.Fatalf("fork %s: counter %d, source had %d", f.Sandbox.SandboxID, n, after)
+		}
+		if out[5] != f.Sandbox.SandboxID {
+			t.Errorf("fork %s has hostname %q", f.Sandbox.SandboxID, out[5])
+		}
+		rnd = append(rnd, out[6])
+	}
+	if rnd[0] == rnd[1] {
+		t.Errorf("two forks drew the same random bytes %s", rnd[0])
+	}
+	if got := strings.TrimSpace(runOut(t, sbx, "kill -0 "+pid+" && echo alive")); got != "alive" {
+		t.Fatalf("source after the fork: %q", got)
 	}
 }
 
