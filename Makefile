@@ -10,7 +10,7 @@ STATICCHECK_VERSION ?= v0.8.2
 
 CMDS := space space-api space-edge space-node spaced-host netgtw
 
-.PHONY: all build run test bench check fuzz e2e-deps deps vm-deps clean churn
+.PHONY: all build run test bench density check fuzz e2e-deps deps vm-deps clean churn
 
 all: build
 
@@ -52,6 +52,14 @@ test: build e2e-deps
 ## bench: benchmarks, each figure beside its baseline from the same run
 bench: build
 	SPACE_BIN_DIR=$(BIN) $(GO) run ./cmd/space-bench
+
+## density: how many idle ns sandboxes one host holds (DENSITY, default 2500;
+## takes minutes): tasks, processes and PSS per sandbox, exec p50 at that
+## density beside low density; stops early, saying why, before the host runs
+## out of pids (kernel.pid_max)
+DENSITY ?= 2500
+density: build
+	SPACE_BIN_DIR=$(BIN) $(GO) run ./cmd/space-density -sandboxes $(DENSITY)
 
 ## churn: 10 minutes of random pause/resume/migrate of 20 sandboxes on 3 workers under client load
 churn: build
