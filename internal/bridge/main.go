@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/procid"
 )
 
 // ReadyLine is written to stdout once the bridge has verified the guest and
@@ -32,8 +33,15 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	channel := fs.String("channel", ChannelUnix, "how the guest is reached: unix (one connection per manager connection) or vmchan (one multiplexed connection to a VMM's chardev socket)")
 	activationFile := fs.String("activation-file", "", "vmchan: file holding the ACTIVATE payload (JSON of the guest config)")
 	bootTimeout := fs.Duration("boot-timeout", 60*time.Second, "vmchan: how long to wait for the guest to answer the handshake")
+	guestExeHash := fs.String("guest-exe-hash", "", "sbx-manager's statement of the SHA-256 of the agent's executable (procid.ExeHash): used only if the guest's executable is exactly that file, unchanged; otherwise it is hashed here")
 	if err := fs.Parse(args); err != nil {
 		return 2
+	}
+	if *guestExeHash != "" {
+		if err := procid.PrimeExeHash(*guestExeHash); err != nil {
+			fmt.Fprintf(stderr, "spaced-host: --guest-exe-hash: %v\n", err)
+			return 2
+		}
 	}
 	log := slog.New(slog.NewJSONHandler(stderr, nil)).With("component", "spaced-host")
 	var want identity.Route

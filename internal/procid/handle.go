@@ -2,11 +2,8 @@ package procid
 
 import (
 	"bytes"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"strconv"
@@ -101,24 +98,24 @@ func Open(pid int) (*Handle, error) {
 
 // hashExe hashes the executable of pid through /proc/<pid>/exe, making sure
 // the file hashed is the one p names and that it did not change meanwhile.
+// A file whose device, inode, size, mtime and ctime equal those of a file
+// hashed before (or primed, see PrimeExeHash) has that hash: the same
+// rule by which Check re-hashes only when size, mtime or ctime changed.
 func hashExe(pid int, p Process, meta exeMeta) (string, error) {
+	key := exeKey{dev: p.ExeDev, ino: p.ExeIno, meta: meta}
+	if sum, ok := exeHashes.get(key); ok {
+		return sum, nil
+	}
 	f, err := os.Open(fmt.Sprintf("/proc/%d/exe", pid))
 	if err != nil {
 		return "", fmt.Errorf("procid: open exe of %d: %w", pid, err)
 	}
 	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		return "", fmt.Errorf("procid: hash exe of %d: %w", pid, err)
+	sum, err := hashOpen(f, key)
+	if err != nil {
+		return "", fmt.Errorf("procid: exe of %d: %w", pid, err)
 	}
-	var s unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &s); err != nil {
-		return "", fmt.Errorf("procid: stat exe of %d: %w", pid, err)
-	}
-	if uint64(s.Dev) != p.ExeDev || s.Ino != p.ExeIno || s.Size != meta.size || s.Mtim != meta.mtime || s.Ctim != meta.ctime {
-		return "", fmt.Errorf("procid: %w: executable of %d changed while hashing", ErrMismatch, pid)
-	}
-	return hex.EncodeToString(h.Sum(nil)), nil
+	return sum, nil
 }
 
 // Process returns the recorded identity.

@@ -407,6 +407,14 @@ func (m *Manager) startBridge(ctx context.Context, inst substrate.Instance, dir 
 	defer logf.Close()
 	args := []string{"--guest-socket", inst.GuestSocket(), "--guest-pid", strconv.Itoa(inst.InitPID()),
 		"--listen", sock, "--expected", string(want), "--manager-pid", strconv.Itoa(os.Getpid())}
+	if !vm {
+		// The agent's executable was hashed here before (once per binary):
+		// spaced-host records the agent without reading it again, unless
+		// the agent's executable is not exactly that file, unchanged.
+		if stmt, err := procid.ExeHash(m.cfg.AgentPath); err == nil {
+			args = append(args, "--guest-exe-hash", stmt)
+		}
+	}
 	if vm {
 		// One verified connection to QEMU's chardev socket, multiplexed;
 		// the guest is (re)activated with the activation file first.
