@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -30,7 +31,25 @@ type record struct {
 }
 
 // recordStore persists runtime records in bbolt.
-type recordStore struct{ db *bolt.DB }
+//
+// Puts are group-committed: a put that finds no commit running commits at
+// once (no delay); the puts that arrive while a commit runs are written
+// together in the next transaction, one fsync for all of them. Every put
+// returns only after the transaction holding it has committed (bbolt
+// fsyncs on commit), so an acknowledged record is durable as before; under
+// concurrent installs the fsyncs no longer queue one behind the other.
+type recordStore struct {
+	db *bolt.DB
+
+	mu         sync.Mutex
+	pending    []pendingPut
+	committing bool
+}
+
+type pendingPut struct {
+	key, val []byte
+	done     chan error
+}
 
 func openRecords(path string) (*recordStore, error) {
 	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: 5 * time.Second})
@@ -52,9 +71,55 @@ func (s *recordStore) put(r record) error {
 	if err != nil {
 		return err
 	}
-	return s.db.Update(func(tx *bolt.Tx) error {
-		return tx.Bucket(bucketRecords).Put([]byte(r.Route.SandboxID), b)
+	p := pendingPut{key: []byte(r.Route.SandboxID), val: b, done: make(chan error, 1)}
+	s.mu.Lock()
+	s.pending = append(s.pending, p)
+	lead := !s.committing
+	s.committing = true
+	s.mu.Unlock()
+	if lead {
+		// Commit what is pending now (this put included); what arrives
+		// meanwhile goes in the next transactions, committed without
+		// holding up this put.
+		s.commitBatch(s.takePending())
+		if next := s.takePending(); len(next) > 0 {
+			go func() {
+				s.commitBatch(next)
+				for b := s.takePending(); len(b) > 0; b = s.takePending() {
+					s.commitBatch(b)
+				}
+			}()
+		}
+	}
+	return <-p.done
+}
+
+// takePending returns the pending puts; when there are none, the next put
+// leads a commit itself.
+func (s *recordStore) takePending() []pendingPut {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b := s.pending
+	s.pending = nil
+	if len(b) == 0 {
+		s.committing = false
+	}
+	return b
+}
+
+func (s *recordStore) commitBatch(batch []pendingPut) {
+	err := s.db.Update(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketRecords)
+		for _, p := range batch {
+			if err := b.Put(p.key, p.val); err != nil {
+				return err
+			}
+		}
+		return nil
 	})
+	for _, p := range batch {
+		p.done <- err
+	}
 }
 
 func (s *recordStore) delete(sandbox string) error {
