@@ -1,6 +1,7 @@
 package bridge
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"flag"
@@ -34,8 +35,24 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	activationFile := fs.String("activation-file", "", "vmchan: file holding the ACTIVATE payload (JSON of the guest config)")
 	bootTimeout := fs.Duration("boot-timeout", 60*time.Second, "vmchan: how long to wait for the guest to answer the handshake")
 	guestExeHash := fs.String("guest-exe-hash", "", "sbx-manager's statement of the SHA-256 of the agent's executable (procid.ExeHash): used only if the guest's executable is exactly that file, unchanged; otherwise it is hashed here")
+	argsFromStdin := fs.Bool("args-from-stdin", false, "read the other arguments from the first line of stdin (a JSON array of strings): sbx-manager launches spaced-host before the sandbox it bridges has started")
 	if err := fs.Parse(args); err != nil {
 		return 2
+	}
+	if *argsFromStdin {
+		line, err := bufio.NewReader(os.Stdin).ReadBytes('\n')
+		if err != nil {
+			fmt.Fprintf(stderr, "spaced-host: --args-from-stdin: %v\n", err)
+			return 2
+		}
+		var more []string
+		if err := json.Unmarshal(line, &more); err != nil {
+			fmt.Fprintf(stderr, "spaced-host: --args-from-stdin: %v\n", err)
+			return 2
+		}
+		if err := fs.Parse(more); err != nil {
+			return 2
+		}
 	}
 	if *guestExeHash != "" {
 		if err := procid.PrimeExeHash(*guestExeHash); err != nil {

@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"maps"
 	"net"
@@ -364,14 +365,21 @@ func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (
 	} else if err := os.WriteFile(filepath.Join(rec.Dir, activationFile), gcfg, 0o600); err != nil {
 		return nil, fmt.Errorf("start sandbox: activation: %w", err)
 	}
+	// spaced-host is launched (and recorded) first: its exec and runtime
+	// start overlap the sandbox's start; it waits for its arguments.
+	bp, err := m.launchBridge(rec.Dir)
+	if err != nil {
+		return nil, err
+	}
 	t0 := time.Now()
 	inst, err := m.subs[r.Substrate].Start(ctx, spec)
 	if err != nil {
+		bp.kill()
 		return nil, fmt.Errorf("start sandbox: %w", err)
 	}
 	tm.substrate = time.Since(t0)
 	t0 = time.Now()
-	act, err := m.startBridge(ctx, inst, rec.Dir, vm)
+	act, err := m.startBridge(ctx, bp, inst, rec.Dir, vm)
 	tm.bridge = time.Since(t0)
 	if err != nil {
 		stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -394,17 +402,80 @@ func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (
 	return act, nil
 }
 
-// startBridge launches spaced-host for inst and waits until it has
-// verified the guest and listens.
-func (m *Manager) startBridge(ctx context.Context, inst substrate.Instance, dir string, vm bool) (*activation, error) {
-	r := inst.Route()
-	sock := filepath.Join(dir, "host.sock")
-	want, _ := json.Marshal(r)
-	logf, err := os.OpenFile(filepath.Join(dir, "spaced-host.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+// bridgeProc is a spaced-host launched ahead of its sandbox: recorded
+// at launch, it waits for its arguments on stdin (--args-from-stdin).
+type bridgeProc struct {
+	cmd      *exec.Cmd
+	hh       *procid.Handle
+	stdin    io.WriteCloser
+	ready    chan error
+	hostDone chan struct{}
+}
+
+// launchBridge starts spaced-host for the activation in dir and records
+// it; startBridge hands it its sandbox.
+func (m *Manager) launchBridge(dir string) (*bridgeProc, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("bridge: %w", err)
+	}
+	logPath := filepath.Join(dir, "spaced-host.log")
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("bridge log: %w", err)
 	}
 	defer logf.Close()
+	cmd := exec.Command(m.cfg.SpacedHostPath, "--args-from-stdin")
+	cmd.Stderr = logf
+	cmd.Env = []string{"GOMAXPROCS=1", "GOGC=50"}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, fmt.Errorf("bridge: %w", err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		stdin.Close()
+		return nil, fmt.Errorf("bridge: %w", err)
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start spaced-host: %w", err)
+	}
+	// Record the bridge before anything can reap it, so its pid cannot have
+	// been reused: pid, start time, executable (device+inode, SHA-256) and
+	// a pidfd that keeps naming this very process.
+	hh, err := procid.Open(cmd.Process.Pid)
+	if err != nil {
+		cmd.Process.Kill()
+		stdin.Close()
+		procwait.Wait(cmd)
+		return nil, fmt.Errorf("spaced-host identity: %w", err)
+	}
+	bp := &bridgeProc{cmd: cmd, hh: hh, stdin: stdin, ready: make(chan error, 1), hostDone: make(chan struct{})}
+	go func() { procwait.Wait(cmd); hh.Close(); close(bp.hostDone) }()
+	go func() {
+		line, err := bufio.NewReader(stdout).ReadString('\n')
+		if err != nil || line != "spaced-host ready\n" {
+			bp.ready <- fmt.Errorf("spaced-host did not become ready (see %s): %v", logPath, err)
+			return
+		}
+		bp.ready <- nil
+	}()
+	return bp, nil
+}
+
+// kill stops a launched spaced-host and waits until it is reaped.
+func (bp *bridgeProc) kill() {
+	bp.cmd.Process.Kill()
+	bp.stdin.Close()
+	<-bp.hostDone
+}
+
+// startBridge hands inst to the spaced-host bp and waits until it has
+// verified the guest and listens.
+func (m *Manager) startBridge(ctx context.Context, bp *bridgeProc, inst substrate.Instance, dir string, vm bool) (*activation, error) {
+	r := inst.Route()
+	sock := filepath.Join(dir, "host.sock")
+	want, _ := json.Marshal(r)
 	args := []string{"--guest-socket", inst.GuestSocket(), "--guest-pid", strconv.Itoa(inst.InitPID()),
 		"--listen", sock, "--expected", string(want), "--manager-pid", strconv.Itoa(os.Getpid())}
 	if !vm {
@@ -421,50 +492,25 @@ func (m *Manager) startBridge(ctx context.Context, inst substrate.Instance, dir 
 		args = append(args, "--channel", "vmchan", "--activation-file", filepath.Join(dir, activationFile),
 			"--boot-timeout", m.cfg.StartTimeout.String())
 	}
-	cmd := exec.Command(m.cfg.SpacedHostPath, args...)
-	cmd.Stderr = logf
-	cmd.Env = []string{"GOMAXPROCS=1", "GOGC=50"}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, fmt.Errorf("bridge: %w", err)
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start spaced-host: %w", err)
-	}
-	// Record the bridge before anything can reap it, so its pid cannot have
-	// been reused: pid, start time, executable (device+inode, SHA-256) and
-	// a pidfd that keeps naming this very process.
-	hh, err := procid.Open(cmd.Process.Pid)
-	if err != nil {
-		cmd.Process.Kill()
-		cmd.Wait()
-		return nil, fmt.Errorf("spaced-host identity: %w", err)
-	}
-	hostDone := make(chan struct{})
-	go func() { procwait.Wait(cmd); hh.Close(); close(hostDone) }()
-	ready := make(chan error, 1)
-	go func() {
-		line, err := bufio.NewReader(stdout).ReadString('\n')
-		if err != nil || line != "spaced-host ready\n" {
-			ready <- fmt.Errorf("spaced-host did not become ready (see %s): %v", filepath.Join(dir, "spaced-host.log"), err)
-			return
-		}
-		ready <- nil
-	}()
 	fail := func(err error) (*activation, error) {
-		cmd.Process.Kill()
-		<-hostDone
+		bp.kill()
 		return nil, err
 	}
+	line, _ := json.Marshal(args)
+	_, err := bp.stdin.Write(append(line, '\n'))
+	bp.stdin.Close()
+	if err != nil {
+		return fail(fmt.Errorf("spaced-host arguments: %w", err))
+	}
 	select {
-	case err := <-ready:
+	case err := <-bp.ready:
 		if err != nil {
 			return fail(err)
 		}
 	case <-ctx.Done():
 		return fail(fmt.Errorf("spaced-host: %w", ctx.Err()))
 	}
+	cmd, hh, hostDone := bp.cmd, bp.hh, bp.hostDone
 	if err := hh.Check(); err != nil {
 		return fail(fmt.Errorf("spaced-host identity: %w", err))
 	}

@@ -58,6 +58,8 @@ type fakeSubstrate struct {
 	started int
 	// startGate, when set, is received from before a start completes.
 	startGate chan struct{}
+	// startErr, when set, fails every start.
+	startErr error
 }
 
 type fakeInstance struct {
@@ -72,10 +74,13 @@ func (f *fakeSubstrate) Name() string { return identity.SubstrateNS }
 
 func (f *fakeSubstrate) Start(ctx context.Context, spec substrate.Spec) (substrate.Instance, error) {
 	f.mu.Lock()
-	gate := f.startGate
+	gate, startErr := f.startGate, f.startErr
 	f.mu.Unlock()
 	if gate != nil {
 		<-gate
+	}
+	if startErr != nil {
+		return nil, startErr
 	}
 	if err := os.MkdirAll(spec.Dir, 0o700); err != nil {
 		return nil, err
@@ -420,5 +425,53 @@ func TestAdmittedThenReplacedIsRefreshRoute(t *testing.T) {
 				t.Fatalf("request admitted before the change: %d %q %s", resp.StatusCode, resp.Header.Get(spacev1.HeaderRouteOutcome), body)
 			}
 		})
+	}
+}
+
+// children lists the pids of this process's children.
+func children(t *testing.T) map[string]bool {
+	t.Helper()
+	out := map[string]bool{}
+	tasks, _ := filepath.Glob("/proc/self/task/*/children")
+	for _, f := range tasks {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue // a thread that exited meanwhile
+		}
+		for _, pid := range strings.Fields(string(b)) {
+			out[pid] = true
+		}
+	}
+	return out
+}
+
+// spaced-host is launched before the sandbox starts; when the start fails
+// it is killed and reaped, and nothing is installed.
+func TestBridgeLaunchedAheadIsReapedWhenStartFails(t *testing.T) {
+	f := newFixture(t)
+	sub := f.m.subs["ns"].(*fakeSubstrate)
+	sub.mu.Lock()
+	sub.startErr = errors.New("no room")
+	sub.mu.Unlock()
+	before := children(t)
+	if _, err := f.m.Install(context.Background(), spacev1.InstallRequest{Route: route("sbxa", 1), Template: "base"}); err == nil || !strings.Contains(err.Error(), "no room") {
+		t.Fatalf("install with a failing start: %v", err)
+	}
+	for pid := range children(t) {
+		if !before[pid] {
+			exe, _ := os.Readlink("/proc/" + pid + "/exe")
+			t.Errorf("child %s (%s) left behind by a failed install", pid, exe)
+		}
+	}
+	if _, ok := f.m.Installed("sbxa"); ok || f.m.Active() != 0 {
+		t.Fatal("a failed install left a record or an activation")
+	}
+	// The next start works and is bridged as usual.
+	sub.mu.Lock()
+	sub.startErr = nil
+	sub.mu.Unlock()
+	f.install(t, route("sbxa", 1))
+	if resp, body := f.get(t, "/files", f.token(t, route("sbxa", 1), capability.PurposeFiles)); resp.StatusCode != 200 || body != "file of sbxa gen 1" {
+		t.Fatalf("%d %s", resp.StatusCode, body)
 	}
 }
