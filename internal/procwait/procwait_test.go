@@ -84,3 +84,42 @@ func TestWaitHoldsNoThread(t *testing.T) {
 	}
 	t.Logf("threads before %d, while waiting for %d children %d", before, n, during)
 }
+
+func fds(t *testing.T) int {
+	t.Helper()
+	e, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(e)
+}
+
+// TestWaitHoldsNoDescriptor: waiting costs no file descriptor per child
+// (beyond the pidfd the os package keeps for each started process).
+func TestWaitHoldsNoDescriptor(t *testing.T) {
+	const n = 32
+	var cmds []*exec.Cmd
+	for range n {
+		cmd := exec.Command("sleep", "30")
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		cmds = append(cmds, cmd)
+	}
+	before := fds(t)
+	done := make(chan error, n)
+	for _, c := range cmds {
+		go func() { done <- Wait(c) }()
+	}
+	time.Sleep(300 * time.Millisecond)
+	during := fds(t)
+	for _, c := range cmds {
+		c.Process.Kill()
+	}
+	for range n {
+		<-done
+	}
+	if during-before > 4 {
+		t.Fatalf("%d descriptors while waiting for %d children (%d before)", during, n, before)
+	}
+}
