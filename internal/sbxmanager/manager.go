@@ -454,6 +454,9 @@ func (m *Manager) launchBridge(dir string) (*bridgeProc, error) {
 	go func() { procwait.Wait(cmd); hh.Close(); close(bp.hostDone) }()
 	go func() {
 		line, err := bufio.NewReader(stdout).ReadString('\n')
+		// spaced-host writes nothing after its ready line: one
+		// descriptor less per sandbox held here (RLIMIT_NOFILE).
+		stdout.Close()
 		if err != nil || line != "spaced-host ready\n" {
 			bp.ready <- fmt.Errorf("spaced-host did not become ready (see %s): %v", logPath, err)
 			return
