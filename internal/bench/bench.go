@@ -33,6 +33,7 @@ import (
 
 	"github.com/spacesbx/space/internal/controlplane"
 	"github.com/spacesbx/space/internal/sbxmanager"
+	"github.com/spacesbx/space/internal/up"
 )
 
 // Config sizes a run.
@@ -60,6 +61,9 @@ type Config struct {
 	// VM sizes the microvm section (base-vm vs base on the lifecycle
 	// platform).
 	VM VMConfig
+	// VMIdle idle base-vm sandboxes are held on a one-worker platform for
+	// their host memory (0: not measured).
+	VMIdle int
 	// Log receives progress (default stderr); platform logs at Error only.
 	Log io.Writer
 }
@@ -71,7 +75,8 @@ func DefaultConfig() Config {
 		ReadWarmup: 50, ReadRounds: 20, ReadPerRound: 50,
 		CreateWarmup: 2, Creates: 50, RawEvery: 2, CreateClients: 8, CreatesPerClient: 10,
 		MemSandboxes: 10, MemSettle: 2 * time.Second,
-		VM: VMConfig{Creates: 5, NSPerVM: 2, BootBudget: 100 * time.Second, Rounds: 5, Snapshots: 2, Moves: 3},
+		VM:     VMConfig{Creates: 5, NSPerVM: 2, BootBudget: 100 * time.Second, Rounds: 5, Snapshots: 2, Moves: 3},
+		VMIdle: 50,
 	}
 }
 
@@ -82,7 +87,8 @@ func QuickConfig() Config {
 		ReadWarmup: 5, ReadRounds: 2, ReadPerRound: 10,
 		CreateWarmup: 1, Creates: 5, RawEvery: 2, CreateClients: 8, CreatesPerClient: 2,
 		MemSandboxes: 2, MemSettle: 500 * time.Millisecond,
-		VM: VMConfig{Creates: 1, NSPerVM: 1, Rounds: 1, Snapshots: 1, Moves: 1},
+		VM:     VMConfig{Creates: 1, NSPerVM: 1, Rounds: 1, Snapshots: 1, Moves: 1},
+		VMIdle: 2,
 	}
 }
 
@@ -102,6 +108,8 @@ type Report struct {
 	LifeErr   error
 	VM        VMResult
 	VMErr     error
+	VMIdle    IdleVMResult
+	VMIdleErr error
 	Took      time.Duration
 }
 
@@ -123,8 +131,11 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	// records (control plane and worker); everything else at Error only.
 	phases := NewPhaseCollector(discardLogger(cfg.Log).Handler(), slog.LevelError, map[string]string{
 		controlplane.CreateTimingMsg: "api", sbxmanager.InstallTimingMsg: "worker"})
-	if cfg.Only == "create" {
+	switch cfg.Only {
+	case "create":
 		return runCreateOnly(ctx, cfg, out, phases, progress, t0)
+	case "vm":
+		return runVMOnly(ctx, cfg, out, progress, t0)
 	}
 
 	// 1. Capability verification first, while no platform competes for CPU.
@@ -180,16 +191,7 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	closeOff()
 	closeOn()
 
-	// Lifecycle on a platform of two workers, alone on the machine.
-	progress("lifecycle: pause/resume x10, cross-worker resume x5 at %v MiB", lifecycleLayers)
-	if life, err := StartPlatform(ctx, cfg.BinDir, platformDir(root, "life"), 2, false, plog); err != nil {
-		rep.LifeErr, rep.VMErr = err, err
-	} else {
-		rep.Life, rep.LifeErr = MeasureLifecycle(ctx, life, 10, 5, lifecycleLayers)
-		// The microvm section on the same platform, each figure beside ns.
-		rep.VM, rep.VMErr = MeasureVM(ctx, life, cfg.BinDir, cfg.VM, progress)
-		life.Close() // before printing: etcd logs its shutdown on stderr
-	}
+	measureLifeAndVM(ctx, cfg, root, plog, progress, &rep, true)
 	rep.Took = time.Since(t0)
 	progress("done")
 	fmt.Fprintln(out)
@@ -198,7 +200,84 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	}
 	fmt.Fprintln(out)
 	fmt.Fprint(out, rep.Notes())
-	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.LifeErr, rep.VMErr)
+	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr)
+}
+
+// measureLifeAndVM runs, each on platforms of its own, alone on the
+// machine: the lifecycle section (when lifecycle is set) and the microvm
+// section on a platform of two workers, the cold-boot baseline on a
+// platform without template snapshots, and the idle-VM memory on one
+// worker.
+func measureLifeAndVM(ctx context.Context, cfg Config, root string, plog *slog.Logger, progress func(string, ...any), rep *Report, lifecycle bool) {
+	if lifecycle {
+		progress("lifecycle: pause/resume x10, cross-worker resume x5 at %v MiB", lifecycleLayers)
+	}
+	if life, err := StartPlatformConfig(ctx, up.Config{DataDir: platformDir(root, "life"), Workers: 2, BinDir: cfg.BinDir, Logger: plog, VMPrewarm: true}); err != nil {
+		rep.LifeErr, rep.VMErr = err, err
+	} else {
+		if lifecycle {
+			rep.Life, rep.LifeErr = MeasureLifecycle(ctx, life, 10, 5, lifecycleLayers)
+		}
+		// The microvm section on the same platform, each figure beside ns;
+		// cold boots on a platform without template snapshots.
+		vc := cfg.VM
+		cold, err := StartPlatformConfig(ctx, up.Config{DataDir: platformDir(root, "cold"), Workers: 1, BinDir: cfg.BinDir, Logger: plog, VMNoTemplates: true})
+		if err != nil {
+			rep.VMErr = fmt.Errorf("cold-boot platform: %w", err)
+		} else {
+			vc.Cold = cold
+			rep.VM, rep.VMErr = MeasureVM(ctx, life, cfg.BinDir, vc, progress)
+			cold.Close()
+		}
+		life.Close() // before printing: etcd logs its shutdown on stderr
+	}
+	if cfg.VMIdle > 0 && rep.VMErr == nil && rep.VM.Skipped == "" {
+		progress("microvm: %d idle base-vm sandboxes on one worker", cfg.VMIdle)
+		if p, err := StartPlatformConfig(ctx, up.Config{DataDir: platformDir(root, "vmidle"), Workers: 1, BinDir: cfg.BinDir, Logger: plog,
+			VMPrewarm: true, Capacity: cfg.VMIdle + 10}); err != nil {
+			rep.VMIdleErr = err
+		} else {
+			rep.VMIdle, rep.VMIdleErr = MeasureIdleVMs(ctx, p, cfg.VMIdle, progress)
+			p.Close()
+		}
+	}
+}
+
+// runVMOnly is Run for Config.Only == "vm": the microvm section and the
+// idle-VM memory, nothing else.
+func runVMOnly(ctx context.Context, cfg Config, out io.Writer, progress func(string, ...any), t0 time.Time) error {
+	root, err := os.MkdirTemp("", "space-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(root)
+	var rep Report
+	measureLifeAndVM(ctx, cfg, root, discardLogger(cfg.Log), progress, &rep, false)
+	rep.Took = time.Since(t0)
+	progress("done")
+	var rows []Row
+	if rep.VMErr != nil {
+		rows = append(rows, Row{Figure: "microvm (base-vm) vs ns (base)", Value: "error: " + errString(rep.VMErr)})
+	} else {
+		rows = append(rows, rep.VM.Rows()...)
+	}
+	if rep.VMIdleErr != nil {
+		rows = append(rows, Row{Figure: "microvm idle base-vm memory", Value: "error: " + errString(rep.VMIdleErr)})
+	} else if rep.VMIdle.N > 0 {
+		rows = append(rows, rep.VMIdle.Rows()...)
+	}
+	fmt.Fprintln(out)
+	if err := WriteTable(out, rows); err != nil {
+		return err
+	}
+	fmt.Fprintln(out)
+	if rep.VMErr == nil {
+		fmt.Fprint(out, rep.VM.Notes())
+	}
+	if rep.VMIdleErr == nil && rep.VMIdle.N > 0 {
+		fmt.Fprint(out, rep.VMIdle.Notes())
+	}
+	return errors.Join(rep.VMErr, rep.VMIdleErr)
 }
 
 // measureCreates runs the sequential creates (latency, beside raw ns
@@ -322,6 +401,11 @@ func (r *Report) Rows() []Row {
 	} else {
 		rows = append(rows, r.VM.Rows()...)
 	}
+	if r.VMIdleErr != nil {
+		fail("microvm idle base-vm memory", r.VMIdleErr)
+	} else if r.VMIdle.N > 0 {
+		rows = append(rows, r.VMIdle.Rows()...)
+	}
 	return rows
 }
 
@@ -364,6 +448,9 @@ func (r *Report) Notes() string {
 	}
 	if r.VMErr == nil {
 		b.WriteString(r.VM.Notes())
+	}
+	if r.VMIdleErr == nil && r.VMIdle.N > 0 {
+		b.WriteString(r.VMIdle.Notes())
 	}
 	return b.String()
 }

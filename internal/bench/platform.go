@@ -29,10 +29,17 @@ type Platform struct {
 
 // StartPlatform starts SPACE on free ports with its state under dataDir.
 func StartPlatform(ctx context.Context, binDir, dataDir string, workers int, skipIdentity bool, log *slog.Logger) (*Platform, error) {
-	p, err := up.Start(ctx, up.Config{
-		APIAddr: "127.0.0.1:0", EdgeAddr: "127.0.0.1:0", DataDir: dataDir, Workers: workers,
-		APIKey: benchAPIKey, BinDir: binDir, UnsafeSkipIdentityChecks: skipIdentity, Logger: log,
+	return StartPlatformConfig(ctx, up.Config{
+		DataDir: dataDir, Workers: workers, BinDir: binDir, UnsafeSkipIdentityChecks: skipIdentity, Logger: log,
 	})
+}
+
+// StartPlatformConfig starts SPACE as cfg says, on free ports and with the
+// benchmark's API key.
+func StartPlatformConfig(ctx context.Context, cfg up.Config) (*Platform, error) {
+	cfg.APIAddr, cfg.EdgeAddr, cfg.APIKey = "127.0.0.1:0", "127.0.0.1:0", benchAPIKey
+	dataDir := cfg.DataDir
+	p, err := up.Start(ctx, cfg)
 	if err != nil {
 		return nil, err
 	}

@@ -104,6 +104,9 @@ type Config struct {
 	// background, so the first create is a clone too. Default: templates
 	// are built by the first Start that needs one.
 	PrewarmAgent string
+	// TCGCacheMiB bounds TCG's translated-code cache per VM (QEMU's
+	// tb-size; 0: QEMU's default). Only under TCG.
+	TCGCacheMiB int
 	// NoTemplates turns template snapshots off: every sandbox boots cold
 	// (default: clones of a per-image, per-shape template; see
 	// template.go).

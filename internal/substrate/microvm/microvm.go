@@ -7,8 +7,8 @@
 //
 // # The machine
 //
-// qemu-system-x86_64 -M microvm (KVM when /dev/kvm can be opened, TCG
-// otherwise: -cpu host or -cpu max), -nodefaults -no-user-config, no NIC,
+// qemu-system-x86_64 -M microvm (the accelerator whose probe guest boots
+// first, KVM then TCG, see probe.go: -cpu host or -cpu max), -nodefaults -no-user-config, no NIC,
 // no disk, no host device: the only devices are the ISA serial console (to
 // Spec.Dir/console.log), a virtio-serial port named PortName (the agent's
 // channel) and, under TCG, the PIT, PIC and RTC the kernel needs to
@@ -71,7 +71,7 @@
 // set*id, no scheduler/affinity changes). When the substrate runs as root,
 // QEMU is started directly as an unprivileged uid of its own (uid = gid,
 // one per running instance from [UIDFirst, UIDFirst+UIDCount), leased by
-// an flock; no supplementary groups except /dev/kvm's group under KVM), so
+// an flock; no supplementary groups except Config.KVMGroup under KVM), so
 // two QEMUs can neither signal nor ptrace each other and none can read
 // another's activation directory. QEMU's -runas is not used: QEMU 7.2
 // installs its seccomp filter before it drops privileges, so -runas with
@@ -107,8 +107,10 @@
 //     pause, guest 5 s behind). The guest's RTC (/dev/rtc0) follows the
 //     host's clock throughout, so the agent can resynchronize (it does
 //     not yet).
-//   - KVM is implemented (-cpu host, /dev/kvm's group for QEMU's uid) but
-//     untested on the development hosts, which have no /dev/kvm.
+//   - KVM (-cpu host) boots only where a probe guest boots: a paravirtual
+//     KVM (kvm_pvm) that runs only PVM-built guest kernels fails the probe
+//     and TCG is used. QEMU reaches /dev/kvm through a POSIX ACL entry for
+//     Config.KVMGroup, its only supplementary group (kvmacl.go).
 //   - Pids limits are not enforced (the guest kernel is the boundary); no
 //     disk: files count against guest memory.
 //   - A restore needs the identical image on the target (same kernel,
@@ -298,7 +300,7 @@ type machineConfig struct {
 // can stall the boot in delay-loop calibration), and the kernel is told
 // the host's TSC frequency.
 func machineFor(accel string, tscKHz uint64) machineConfig {
-	mc := machineConfig{machine: "microvm,accel=" + accel + ",rtc=on", cpu: "max"}
+	mc := machineConfig{machine: "microvm,rtc=on", cpu: "max"}
 	switch accel {
 	case "kvm":
 		mc.cpu = "host"
@@ -309,6 +311,14 @@ func machineFor(accel string, tscKHz uint64) machineConfig {
 		}
 	}
 	return mc
+}
+
+// accelArg is QEMU's -accel option for instances.
+func (s *Substrate) accelArg() string {
+	if s.accel == "tcg" && s.cfg.TCGCacheMiB > 0 {
+		return "tcg,tb-size=" + strconv.Itoa(s.cfg.TCGCacheMiB)
+	}
+	return s.accel
 }
 
 // qemuCredential is what a QEMU runs as: when the substrate runs as root,
@@ -470,15 +480,13 @@ func (s *Substrate) qemuArgs(l launch) []string {
 	args := []string{
 		"-name", "space-" + l.hostname,
 		"-machine", machine,
+		"-accel", s.accelArg(),
 		"-cpu", mc.cpu,
 		"-smp", strconv.Itoa(l.shape.VCPUs),
 		"-m", strconv.FormatInt(l.shape.MemoryMiB, 10) + "M",
 		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
 		"-chardev", "stdio,id=con,signal=off",
 		"-serial", "chardev:con",
-		"-kernel", procFD(fdKernel),
-		"-initrd", procFD(fdInitrd),
-		"-append", appendLine,
 		"-fw_cfg", "name=" + envFwCfg + ",file=" + procFD(fdEnv),
 		"-device", "virtio-serial-device,max_ports=2",
 		"-chardev", "socket,id=agent,fd=" + strconv.Itoa(fdAgent) + ",server=on,wait=off",
@@ -495,6 +503,12 @@ func (s *Substrate) qemuArgs(l launch) []string {
 		}
 		args = append(args, "-object", fmt.Sprintf("memory-backend-file,id=%s,size=%dM,mem-path=%s,share=%s",
 			ramID, l.shape.MemoryMiB, procFD(l.ramFD), share))
+	}
+	if !l.incoming {
+		// An incoming VM continues a booted kernel: QEMU would only hold
+		// the bzImage (13.5 MiB for Debian's cloud kernel) in its memory
+		// for the firmware, per VM, for nothing.
+		args = append(args, "-kernel", procFD(fdKernel), "-initrd", procFD(fdInitrd), "-append", appendLine)
 	}
 	switch {
 	case l.incoming && l.ignoreShared:

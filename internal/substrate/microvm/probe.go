@@ -141,7 +141,7 @@ func (s *Substrate) probe(ctx context.Context, accel string, timeout time.Durati
 	cmd := &exec.Cmd{
 		Path: s.cfg.QEMUPath,
 		Args: []string{"qemu-system-x86_64",
-			"-machine", mc.machine, "-cpu", mc.cpu, "-smp", "1", "-m", "128M",
+			"-machine", mc.machine, "-accel", accel, "-cpu", mc.cpu, "-smp", "1", "-m", "128M",
 			"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
 			"-chardev", "stdio,id=con,signal=off", "-serial", "chardev:con",
 			"-kernel", procFD(3), "-initrd", procFD(4),
