@@ -8,7 +8,7 @@ export GOFLAGS := -buildvcs=false
 GOTESTFLAGS ?= -race -count=1 -timeout 25m
 STATICCHECK_VERSION ?= v0.8.2
 
-CMDS := space space-api space-edge space-node spaced-host netgtw
+CMDS := space space-api space-edge space-node spaced-host netgtw space-nsinit
 
 .PHONY: all build run test bench density check fuzz e2e-deps deps vm-deps clean churn
 

@@ -59,7 +59,7 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	defer st.Close()
-	sub, err := ns.New(ns.Config{StateDir: filepath.Join(*dataDir, "ns"), Logger: log})
+	sub, err := ns.New(ns.Config{StateDir: filepath.Join(*dataDir, "ns"), InitPath: NSInitPath(*binDir), Logger: log})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
 		return 1

@@ -44,6 +44,13 @@ type Config struct {
 	// StartTimeout bounds Start when the caller's context has no earlier
 	// deadline (default 15 s).
 	StartTimeout time.Duration
+	// InitPath is the binary started as each sandbox's init; it must call
+	// MaybeInit first in main (cmd/space-nsinit does nothing else). Empty:
+	// the hosting binary re-executes itself (/proc/self/exe). A small init
+	// binary starts in about a millisecond, where a worker binary's
+	// package initialization (etcd, gRPC, Prometheus) takes about 15 ms
+	// on every sandbox start. Absolute; trusted like the hosting binary.
+	InitPath string
 	// Logger receives lifecycle logs (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -87,6 +94,9 @@ func (c Config) Validate() error {
 	}
 	if c.StartTimeout < 0 {
 		return errors.New("ns: StartTimeout must not be negative")
+	}
+	if c.InitPath != "" && !filepath.IsAbs(c.InitPath) {
+		return fmt.Errorf("ns: InitPath must be absolute, got %q", c.InitPath)
 	}
 	return validateLimits(c.Limits)
 }

@@ -6,9 +6,9 @@
 //
 // # Isolation
 //
-// Start re-executes the host binary (/proc/self/exe) with argv[0]
-// "space-nsinit" in new mount, pid, network, IPC, UTS and cgroup
-// namespaces. There is NO user namespace: root inside a sandbox is root
+// Start re-executes the host binary (/proc/self/exe, or Config.InitPath)
+// with argv[0] "space-nsinit" in new mount, pid, network, IPC, UTS and
+// cgroup namespaces. There is NO user namespace: root inside a sandbox is root
 // on the host as far as the kernel's uid checks go (DESIGN.md section 10
 // asks for one; it is left for later). That is
 // why the remaining layers matter:
@@ -64,7 +64,9 @@
 //
 // # Hosting binaries
 //
-// Every binary that hosts the substrate re-executes itself as the sandbox
+// Unless Config.InitPath names a small init binary (cmd/space-nsinit;
+// space up and space-node use it when it is in their bin directory),
+// every binary that hosts the substrate re-executes itself as the sandbox
 // init, so it must call MaybeInit as the first statement of main():
 //
 //	func main() {
@@ -270,8 +272,12 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	}
 	inst.log = &cappedWriter{f: logf, left: maxLogSize}
 
+	initPath := "/proc/self/exe"
+	if s.cfg.InitPath != "" {
+		initPath = s.cfg.InitPath
+	}
 	cmd := &exec.Cmd{
-		Path:       "/proc/self/exe",
+		Path:       initPath,
 		Args:       []string{initArg0},
 		Env:        []string{},
 		Stdout:     inst.log,

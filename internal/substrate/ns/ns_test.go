@@ -754,3 +754,43 @@ func readFile(t *testing.T, path string) string {
 	}
 	return string(b)
 }
+
+// With Config.InitPath the init is that binary (cmd/space-nsinit), not a
+// re-execution of the hosting one; the sandbox is the same.
+func TestInitPath(t *testing.T) {
+	needRoot(t)
+	if err := (Config{StateDir: testState, InitPath: "space-nsinit"}).Validate(); err == nil {
+		t.Fatal("relative InitPath accepted")
+	}
+	initBin := filepath.Join(t.TempDir(), "space-nsinit")
+	if out, err := exec.Command("go", "build", "-o", initBin, "github.com/spacesbx/space/cmd/space-nsinit").CombinedOutput(); err != nil {
+		t.Fatalf("build space-nsinit: %v\n%s", err, out)
+	}
+	s, err := New(Config{StateDir: testState, InitPath: initBin})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	spec := newSpec(t, substrate.Limits{})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	in, err := s.Start(ctx, spec)
+	if err != nil {
+		t.Fatalf("Start: %v", err)
+	}
+	inst := in.(*instance)
+	defer stopAndCheck(t, inst)
+	if out := mustOK(t, inst, 0, "cat /proc/sys/kernel/hostname"); strings.TrimSpace(out) != spec.Route.SandboxID {
+		t.Errorf("hostname %q", out)
+	}
+	// The init is InitPath's binary: without one there, no start.
+	gone, err := New(Config{StateDir: testState, InitPath: initBin + ".missing"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gone.Close()
+	if in, err := gone.Start(ctx, newSpec(t, substrate.Limits{})); err == nil {
+		stopAndCheck(t, in.(*instance))
+		t.Fatal("started without its init binary")
+	}
+}
