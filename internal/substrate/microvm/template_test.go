@@ -172,3 +172,47 @@ func TestTemplateClones(t *testing.T) {
 		w.Close()
 	}
 }
+
+// A template is rebuilt when anything its state depends on changes: the
+// image (kernel, modules, busybox, agent), the shape, the accelerator or
+// the QEMU binary.
+func TestTemplateKeyCoversItsInputs(t *testing.T) {
+	dir := t.TempDir()
+	qemu := filepath.Join(dir, "qemu")
+	if err := os.WriteFile(qemu, []byte("qemu v1"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	s := &Substrate{cfg: Config{QEMUPath: qemu}, accel: "tcg", sums: map[fileKey][32]byte{}}
+	shape := machineShape{MemoryMiB: 256, VCPUs: 1}
+	k, err := s.templateKey("img1", shape)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]string{k: "base"}
+	check := func(name string, key string, err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if prev, ok := seen[key]; ok {
+			t.Fatalf("%s gives the same template key as %s", name, prev)
+		}
+		seen[key] = name
+	}
+	k2, err := s.templateKey("img2", shape)
+	check("another image", k2, err)
+	k3, err := s.templateKey("img1", machineShape{MemoryMiB: 512, VCPUs: 1})
+	check("another memory size", k3, err)
+	k4, err := s.templateKey("img1", machineShape{MemoryMiB: 256, VCPUs: 2})
+	check("another vCPU count", k4, err)
+	s.accel = "kvm"
+	k5, err := s.templateKey("img1", shape)
+	check("another accelerator", k5, err)
+	s.accel = "tcg"
+	time.Sleep(10 * time.Millisecond) // a new mtime for the memo
+	if err := os.WriteFile(qemu, []byte("qemu v2"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	k6, err := s.templateKey("img1", shape)
+	check("another QEMU binary", k6, err)
+}
