@@ -385,6 +385,14 @@ func (r *Report) Rows() []Row {
 			Row{fmt.Sprintf("memory/sandbox RSS host+agent, n=%d (MiB)", len(r.Mem.Sum)), fmt.Sprintf("%.1f", mib(s.RSS)), bRSS, ratio(float64(s.RSS), float64(2*r.Mem.Idle.RSS)), "<= 20 MiB", atMost(mib(s.RSS), 20)},
 			Row{fmt.Sprintf("memory/sandbox PSS host+agent, n=%d (MiB)", len(r.Mem.Sum)), fmt.Sprintf("%.1f", mib(s.PSS)), bPSS, ratio(float64(s.PSS), float64(2*r.Mem.Idle.PSS)), "<= 20 MiB", atMost(mib(s.PSS), 20)},
 		)
+		bT := "-"
+		if r.Mem.IdleErr == nil {
+			bT = fmt.Sprintf("%d idle Go x2", 2*r.Mem.IdleThreads)
+		}
+		rows = append(rows,
+			Row{fmt.Sprintf("threads/idle sandbox (all its processes), n=%d", len(r.Mem.Tasks)), fmt.Sprintf("%.0f", Median(r.Mem.Tasks)), bT, ratio(Median(r.Mem.Tasks), float64(2*r.Mem.IdleThreads)), "", NotJudged},
+			Row{fmt.Sprintf("processes/idle sandbox, n=%d", len(r.Mem.Procs)), fmt.Sprintf("%.0f", Median(r.Mem.Procs)), "2 host+agent", ratio(Median(r.Mem.Procs), 2), "", NotJudged},
+		)
 	}
 	if r.SPErr != nil {
 		fail("service port", r.SPErr)

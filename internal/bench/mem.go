@@ -62,9 +62,14 @@ func scanKB(b []byte, fields map[string]*int64) {
 // and the baseline (an idle minimal Go process).
 type MemResult struct {
 	Host, Guest, Sum []ProcMem
+	// Tasks and Procs are each sandbox's threads and processes on the
+	// host: spaced-host, netgtw if started, everything in its pid
+	// namespace (the agent is pid 1).
+	Tasks, Procs []float64
 	// Idle is the minimal Go process; zero if it could not be built.
-	Idle    ProcMem
-	IdleErr error
+	Idle        ProcMem
+	IdleThreads int
+	IdleErr     error
 }
 
 // MeasureMemory creates n sandboxes, uses each once (a 4 KiB write and
@@ -100,6 +105,10 @@ func MeasureMemory(ctx context.Context, p *Platform, n int, settle time.Duration
 	case <-ctx.Done():
 		return res, ctx.Err()
 	}
+	byNS := map[string][]procInfo{}
+	for _, pi := range scanProcs() {
+		byNS[pi.pidns] = append(byNS[pi.pidns], pi)
+	}
 	for _, s := range sbxs {
 		hp, gp, ok := p.BridgePID(s.ID)
 		if !ok {
@@ -116,32 +125,45 @@ func MeasureMemory(ctx context.Context, p *Platform, n int, settle time.Duration
 		res.Host = append(res.Host, h)
 		res.Guest = append(res.Guest, g)
 		res.Sum = append(res.Sum, h.Add(g))
+		tasks, procs := procThreads(hp), 1
+		for _, w := range p.Workers {
+			if gw, ok := w.Manager().GatewayPID(s.ID); ok {
+				tasks, procs = tasks+procThreads(gw), procs+1
+			}
+		}
+		if ns, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", gp)); err == nil {
+			for _, m := range byNS[ns] {
+				tasks, procs = tasks+m.threads, procs+1
+			}
+		}
+		res.Tasks, res.Procs = append(res.Tasks, float64(tasks)), append(res.Procs, float64(procs))
 	}
-	res.Idle, res.IdleErr = idleGoProcess(ctx, settle)
+	res.Idle, res.IdleThreads, res.IdleErr = idleGoProcess(ctx, settle)
 	return res, nil
 }
 
 // idleGoProcess builds internal/bench/idleproc the way spaced-guest is
-// built, runs it for settle and measures it.
-func idleGoProcess(ctx context.Context, settle time.Duration) (ProcMem, error) {
+// built, runs it for settle and measures it (memory and threads).
+func idleGoProcess(ctx context.Context, settle time.Duration) (ProcMem, int, error) {
 	dir, err := os.MkdirTemp("", "space-bench-idle-")
 	if err != nil {
-		return ProcMem{}, err
+		return ProcMem{}, 0, err
 	}
 	defer os.RemoveAll(dir)
 	bin := filepath.Join(dir, "idle")
 	build := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin, "github.com/spacesbx/space/internal/bench/idleproc")
 	build.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := build.CombinedOutput(); err != nil {
-		return ProcMem{}, fmt.Errorf("build idle process: %v: %s", err, bytes.TrimSpace(out))
+		return ProcMem{}, 0, fmt.Errorf("build idle process: %v: %s", err, bytes.TrimSpace(out))
 	}
 	cmd := exec.Command(bin)
 	if err := cmd.Start(); err != nil {
-		return ProcMem{}, err
+		return ProcMem{}, 0, err
 	}
 	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
 	time.Sleep(settle)
-	return ReadProcMem(cmd.Process.Pid)
+	m, err := ReadProcMem(cmd.Process.Pid)
+	return m, procThreads(cmd.Process.Pid), err
 }
 
 // medianMem returns the per-field medians of ms.
