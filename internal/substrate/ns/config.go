@@ -51,6 +51,9 @@ type Config struct {
 	// package initialization (etcd, gRPC, Prometheus) takes about 15 ms
 	// on every sandbox start. Absolute; trusted like the hosting binary.
 	InitPath string
+	// NoWarmInit turns off starting each next sandbox's init ahead of time
+	// (warm.go; cgroup v1 only).
+	NoWarmInit bool
 	// Logger receives lifecycle logs (default slog.Default()).
 	Logger *slog.Logger
 }

@@ -133,6 +133,13 @@ type Substrate struct {
 	// spawner starts sandbox inits: their parent-death signal is tied to
 	// the forking thread.
 	spawner spawner.Spawner
+
+	// The warm init (warm.go): at most one, started ahead of a Start.
+	warmMu  sync.Mutex
+	warm    *spawned
+	warming bool
+	closed  bool
+	warmWG  sync.WaitGroup
 }
 
 var _ substrate.Substrate = (*Substrate)(nil)
@@ -163,6 +170,7 @@ func (s *Substrate) Name() string { return identity.SubstrateNS }
 // Close stops the spawner thread. Sandboxes still running are killed (their
 // parent-death signal fires), so Stop them first. Start fails afterwards.
 func (s *Substrate) Close() error {
+	s.stopWarm()
 	s.spawner.Close()
 	return nil
 }
@@ -213,14 +221,7 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		return nil, err
 	}
 	lim := mergeLimits(spec.Limits, s.cfg.Limits)
-	inst := &instance{
-		s:      s,
-		route:  spec.Route,
-		dir:    spec.Dir,
-		socket: filepath.Join(spec.Dir, SocketName),
-		done:   make(chan struct{}),
-		lim:    lim,
-	}
+	socket := filepath.Join(spec.Dir, SocketName)
 	if err := os.MkdirAll(spec.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("ns: activation dir: %w", err)
 	}
@@ -229,16 +230,36 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 			return nil, fmt.Errorf("ns: activation dir: %w", err)
 		}
 	}
-	if err := os.Remove(inst.socket); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := os.Remove(socket); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("ns: stale socket: %w", err)
 	}
 	cgName := spec.Route.SandboxID + "-" + spec.Route.ActivationID
-	cg, err := createCgroup(s.cgroups, s.cfg.CgroupParent, cgName, lim)
-	if err != nil {
-		inst.cleanupFiles()
-		return nil, err
+	// An init started ahead of time (warm.go) already sits in its cgroups;
+	// otherwise one is started now.
+	sp := s.takeWarm(lim)
+	if sp != nil {
+		if err := sp.claim(cgName, filepath.Join(spec.Dir, LogName)); err != nil {
+			s.cfg.Logger.Warn("ns: warm init unusable; starting another", "err", err)
+			sp.discard()
+			sp = nil
+		}
 	}
-	inst.cg = cg
+	if sp == nil {
+		logf, err := os.OpenFile(filepath.Join(spec.Dir, LogName), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+		if err != nil {
+			return nil, fmt.Errorf("ns: %w", err)
+		}
+		if sp, err = s.spawn(cgName, lim, logf); err != nil { // logf closed
+			_ = os.Remove(socket)
+			_ = os.RemoveAll(filepath.Join(spec.Dir, workDir))
+			_ = os.Remove(filepath.Join(spec.Dir, rootfsDir))
+			return nil, err
+		}
+	}
+	defer sp.cfgW.Close()
+	defer sp.stR.Close()
+	inst := sp.inst
+	inst.route, inst.dir, inst.socket = spec.Route, spec.Dir, socket
 
 	fail := func(err error) (substrate.Instance, error) {
 		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -248,66 +269,7 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		}
 		return nil, fmt.Errorf("ns: start %s: %w", spec.Route.SandboxID, err)
 	}
-
-	cfgR, cfgW, err := os.Pipe()
-	if err != nil {
-		return fail(err)
-	}
-	defer cfgR.Close()
-	defer cfgW.Close()
-	stR, stW, err := os.Pipe()
-	if err != nil {
-		return fail(err)
-	}
-	defer stR.Close()
-	defer stW.Close()
-	userProcs, err := cg.openUserProcs()
-	if err != nil {
-		return fail(err)
-	}
-	defer userProcs.Close()
-	logf, err := os.OpenFile(filepath.Join(spec.Dir, LogName), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
-	if err != nil {
-		return fail(err)
-	}
-	inst.log = &cappedWriter{f: logf, left: maxLogSize}
-
-	initPath := "/proc/self/exe"
-	if s.cfg.InitPath != "" {
-		initPath = s.cfg.InitPath
-	}
-	cmd := &exec.Cmd{
-		Path:       initPath,
-		Args:       []string{initArg0},
-		Env:        []string{},
-		Stdout:     inst.log,
-		Stderr:     inst.log,
-		ExtraFiles: []*os.File{cfgR, userProcs, stW}, // fds 3, 4 and 5
-		WaitDelay:  2 * time.Second,
-		SysProcAttr: &syscall.SysProcAttr{
-			Cloneflags: cloneFlags,
-			Pdeathsig:  syscall.SIGKILL,
-		},
-	}
-	var startErr error
-	if err := s.spawner.Do(func() { startErr = cmd.Start() }); err != nil {
-		return fail(fmt.Errorf("ns: %w", err))
-	}
-	if startErr != nil {
-		return fail(fmt.Errorf("launch init: %w", startErr))
-	}
-	inst.cmd = cmd
-	inst.pid = cmd.Process.Pid
-	inst.wg.Add(1)
-	go inst.wait()
-	cfgR.Close()
-	stW.Close()
-	userProcs.Close()
-
-	// Into the cgroups before the init does anything.
-	if err := cg.add(inst.pid); err != nil {
-		return fail(err)
-	}
+	cfgW, stR := sp.cfgW, sp.stR
 	icfg := initConfig{
 		Hostname: hostnameFor(spec.Route.SandboxID),
 		Lower:    lower,
@@ -367,7 +329,8 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		return fail(fmt.Errorf("agent exited right after start (see %s)", filepath.Join(spec.Dir, LogName)))
 	default:
 	}
-	s.cfg.Logger.Debug("ns: sandbox started", "route", spec.Route.String(), "pid", inst.pid, "took", time.Since(t0))
+	s.cfg.Logger.Debug("ns: sandbox started", "route", spec.Route.String(), "pid", inst.pid, "warm", sp.warm, "took", time.Since(t0))
+	s.prewarm(lim)
 	return inst, nil
 }
 
@@ -515,16 +478,21 @@ func (i *instance) Stop(ctx context.Context) error {
 
 // cleanupFiles removes the runtime bits of the activation directory.
 func (i *instance) cleanupFiles() {
+	if i.dir == "" {
+		return // a warm init never claimed: no activation directory
+	}
 	_ = os.Remove(i.socket)
 	_ = os.RemoveAll(filepath.Join(i.dir, workDir))
 	_ = os.Remove(filepath.Join(i.dir, rootfsDir))
 }
 
-// cappedWriter writes at most left bytes to f and drops the rest.
+// cappedWriter writes at most left bytes to f and drops the rest. Until
+// f is set (a warm init not yet claimed) it keeps up to left bytes.
 type cappedWriter struct {
-	mu   sync.Mutex
-	f    *os.File
-	left int64
+	mu      sync.Mutex
+	f       *os.File
+	left    int64
+	pending []byte
 }
 
 func (w *cappedWriter) Write(p []byte) (int, error) {
@@ -535,14 +503,33 @@ func (w *cappedWriter) Write(p []byte) (int, error) {
 		if int64(len(b)) > w.left {
 			b = b[:w.left]
 		}
+		if w.f == nil {
+			w.pending = append(w.pending, b...)
+			w.left -= int64(len(b))
+			return len(p), nil
+		}
 		n, _ := w.f.Write(b)
 		w.left -= int64(n)
 	}
 	return len(p), nil
 }
 
+// setFile directs the output to f, first what was kept.
+func (w *cappedWriter) setFile(f *os.File) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.f = f
+	if len(w.pending) > 0 {
+		_, _ = f.Write(w.pending)
+		w.pending = nil
+	}
+}
+
 func (w *cappedWriter) Close() error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	if w.f == nil {
+		return nil
+	}
 	return w.f.Close()
 }

@@ -1,0 +1,253 @@
+//go:build linux
+
+package ns
+
+// Warm inits. Moving a process into a cgroup (writing cgroup.procs) takes
+// the kernel's cgroup_threadgroup_rwsem for writing, which waits for an
+// RCU grace period unless a migration happened just before: on the
+// machines measured here (cgroup v1) the first write of a Start took 7 to
+// 10 ms, most of a sandbox start, spent asleep. So after each Start the
+// substrate starts the next sandbox's init ahead of time: created in
+// cgroups of a placeholder name ("warm.<random>", never a sandbox's: ids
+// are DNS labels), moved into them, and blocked reading its configuration
+// (it does nothing before that, as for any init). The next Start whose
+// limits are the same claims it: it renames the cgroups to the sandbox's
+// names (rename within the parent, cgroup v1), directs the init's output
+// to the activation's log, and sends the configuration as usual; a Start
+// finding none (or other limits) starts an init itself. At most one warm
+// init exists; Close stops it. Only on cgroup v1 (v2 cannot rename; there
+// clone3's CLONE_INTO_CGROUP would avoid the migration instead).
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// spawned is an init started in its cgroups and waiting for its
+// configuration on cfgW; it reports on stR.
+type spawned struct {
+	inst      *instance
+	cfgW, stR *os.File
+	// name is the cgroups' current name (without the agent prefix).
+	name string
+	lim  substrate.Limits
+	// warm is set for an init started ahead of its Start.
+	warm bool
+}
+
+// spawn creates the cgroups <parent>/name (and the agent's), starts an
+// init in new namespaces, moves it into them and returns it waiting for
+// its configuration. Its output goes to logf (nil: kept until claim). On
+// error nothing is left (logf is closed).
+func (s *Substrate) spawn(name string, lim substrate.Limits, logf *os.File) (_ *spawned, err error) {
+	inst := &instance{s: s, done: make(chan struct{}), lim: lim, log: &cappedWriter{f: logf, left: maxLogSize}}
+	defer func() {
+		if err != nil {
+			sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			if serr := inst.Stop(sctx); serr != nil {
+				s.cfg.Logger.Warn("ns: cleanup after failed init start", "err", serr)
+			}
+		}
+	}()
+	if inst.cg, err = createCgroup(s.cgroups, s.cfg.CgroupParent, name, lim); err != nil {
+		return nil, err
+	}
+	cfgR, cfgW, err := os.Pipe()
+	if err != nil {
+		return nil, err
+	}
+	defer cfgR.Close()
+	stR, stW, err := os.Pipe()
+	if err != nil {
+		cfgW.Close()
+		return nil, err
+	}
+	defer stW.Close()
+	sp := &spawned{inst: inst, cfgW: cfgW, stR: stR, name: name, lim: lim}
+	defer func() {
+		if err != nil {
+			cfgW.Close()
+			stR.Close()
+		}
+	}()
+	userProcs, err := inst.cg.openUserProcs()
+	if err != nil {
+		return nil, err
+	}
+	defer userProcs.Close()
+
+	initPath := "/proc/self/exe"
+	if s.cfg.InitPath != "" {
+		initPath = s.cfg.InitPath
+	}
+	cmd := &exec.Cmd{
+		Path:       initPath,
+		Args:       []string{initArg0},
+		Env:        []string{},
+		Stdout:     inst.log,
+		Stderr:     inst.log,
+		ExtraFiles: []*os.File{cfgR, userProcs, stW}, // fds 3, 4 and 5
+		WaitDelay:  2 * time.Second,
+		SysProcAttr: &syscall.SysProcAttr{
+			Cloneflags: cloneFlags,
+			Pdeathsig:  syscall.SIGKILL,
+		},
+	}
+	var startErr error
+	if err := s.spawner.Do(func() { startErr = cmd.Start() }); err != nil {
+		return nil, fmt.Errorf("ns: %w", err)
+	}
+	if startErr != nil {
+		return nil, fmt.Errorf("launch init: %w", startErr)
+	}
+	inst.cmd = cmd
+	inst.pid = cmd.Process.Pid
+	inst.wg.Add(1)
+	go inst.wait()
+	cfgR.Close()
+	stW.Close()
+	userProcs.Close()
+
+	// Into the cgroups before the init does anything.
+	if err := inst.cg.add(inst.pid); err != nil {
+		return nil, err
+	}
+	return sp, nil
+}
+
+// warmPrefix names the cgroups of a warm init until it is claimed.
+const warmPrefix = "warm."
+
+// takeWarm returns the warm init if it was started for limits lim, else
+// nil (a warm init for other limits is stopped: the next Start makes one
+// for the limits now in use).
+func (s *Substrate) takeWarm(lim substrate.Limits) *spawned {
+	s.warmMu.Lock()
+	sp := s.warm
+	s.warm = nil
+	s.warmMu.Unlock()
+	if sp == nil {
+		return nil
+	}
+	if sp.lim != lim {
+		go sp.discard()
+		return nil
+	}
+	return sp
+}
+
+// prewarm starts a warm init for limits lim in the background, unless one
+// exists or is being started, or the substrate is closed.
+func (s *Substrate) prewarm(lim substrate.Limits) {
+	if s.cgroups.v2 || s.cfg.NoWarmInit {
+		return
+	}
+	s.warmMu.Lock()
+	if s.warm != nil || s.warming || s.closed {
+		s.warmMu.Unlock()
+		return
+	}
+	s.warming = true
+	s.warmMu.Unlock()
+	s.warmWG.Add(1)
+	go func() {
+		defer s.warmWG.Done()
+		sp, err := s.spawn(warmPrefix+randHex(8), lim, nil)
+		if err == nil {
+			sp.warm = true
+		} else {
+			s.cfg.Logger.Debug("ns: no warm init", "err", err)
+		}
+		s.warmMu.Lock()
+		s.warming = false
+		keep := err == nil && !s.closed && s.warm == nil
+		if keep {
+			s.warm = sp
+		}
+		s.warmMu.Unlock()
+		if err == nil && !keep {
+			sp.discard()
+		}
+	}()
+}
+
+// claim makes the warm init the one of the sandbox whose cgroups are
+// named name and whose init log is logPath: the cgroups are renamed and
+// the output so far (normally none) goes to the log.
+func (sp *spawned) claim(name, logPath string) error {
+	select {
+	case <-sp.inst.done:
+		return errors.New("warm init exited")
+	default:
+	}
+	cg := sp.inst.cg
+	for i, d := range cg.dirs {
+		base := filepath.Base(d)
+		nb, ok := strings.CutSuffix(base, sp.name)
+		if !ok {
+			return fmt.Errorf("warm cgroup %s is not named %s", d, sp.name)
+		}
+		nd := filepath.Join(filepath.Dir(d), nb+name)
+		if err := os.Rename(d, nd); err != nil {
+			return fmt.Errorf("rename cgroup: %w", err)
+		}
+		cg.dirs[i] = nd // what remove() deletes stays accurate
+		for _, l := range [][]string{cg.initDirs, cg.freezerDirs} {
+			for j := range l {
+				if l[j] == d {
+					l[j] = nd
+				}
+			}
+		}
+		if cg.userDir == d {
+			cg.userDir = nd
+		}
+	}
+	sp.name = name
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return err
+	}
+	sp.inst.log.setFile(logf)
+	return nil
+}
+
+// discard stops an init that will not be used and removes its cgroups.
+func (sp *spawned) discard() {
+	sp.cfgW.Close() // the init sees no configuration and exits
+	sp.stR.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_ = sp.inst.Stop(ctx)
+}
+
+// stopWarm stops the warm init (Close).
+func (s *Substrate) stopWarm() {
+	s.warmMu.Lock()
+	s.closed = true
+	sp := s.warm
+	s.warm = nil
+	s.warmMu.Unlock()
+	s.warmWG.Wait() // one being started is discarded by its goroutine
+	if sp != nil {
+		sp.discard()
+	}
+}
+
+func randHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
