@@ -43,12 +43,16 @@ type DensityConfig struct {
 	TaskReserve int
 	// Settle is the idle time before measuring.
 	Settle time.Duration
-	Log    io.Writer
+	// MaxFailures failed creates or execs (each retried once) end the
+	// filling; fewer are counted and reported (a shared, overloaded
+	// machine times out now and then).
+	MaxFailures int
+	Log         io.Writer
 }
 
 // DefaultDensityConfig is make density: 2,500 sandboxes.
 func DefaultDensityConfig() DensityConfig {
-	return DensityConfig{Sandboxes: 2500, Low: 10, ExecSamples: 200, Clients: 4, TaskReserve: 1500, Settle: 5 * time.Second}
+	return DensityConfig{Sandboxes: 2500, Low: 10, ExecSamples: 200, Clients: 4, TaskReserve: 1500, Settle: 5 * time.Second, MaxFailures: 10}
 }
 
 // SandboxCost is the host cost of idle sandboxes, per sandbox (medians
@@ -64,6 +68,9 @@ type SandboxCost struct {
 	// Per component (medians): threads and PSS (KiB).
 	HostThreads, AgentThreads float64
 	HostPSS, AgentPSS         float64
+	// AgentAnon and AgentFile are the agent's resident anonymous and
+	// file-backed memory (KiB, medians).
+	AgentAnon, AgentFile float64
 	// HostTasks is every task on the machine (/proc/loadavg) at the time.
 	HostTasks int
 }
@@ -72,8 +79,12 @@ type SandboxCost struct {
 type DensityResult struct {
 	Target, Reached int
 	// Stopped says why fewer than Target were created.
-	Stopped           string
-	PidMax            int
+	Stopped string
+	PidMax  int
+	// Failures are the creates and execs that failed twice while filling
+	// (the first few of them in FailureSamples).
+	Failures          int
+	FailureSamples    []string
 	Low, High         SandboxCost
 	ExecLow, ExecHigh []time.Duration
 	CreateWall        time.Duration
@@ -140,6 +151,16 @@ func MeasureDensity(ctx context.Context, cfg DensityConfig, root string, progres
 	var mu sync.Mutex
 	// fill creates sandboxes (each used once) until there are n, a create
 	// fails, or the host nears its task limit.
+	fail := func(what string) (enough bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		res.Failures++
+		if len(res.FailureSamples) < 3 {
+			res.FailureSamples = append(res.FailureSamples, what)
+		}
+		progress("failed (%d): %s", res.Failures, what)
+		return res.Failures >= cfg.MaxFailures
+	}
 	fill := func(n int) error {
 		var next atomic.Int64
 		next.Store(int64(len(sbxs)))
@@ -160,16 +181,25 @@ func MeasureDensity(ctx context.Context, cfg DensityConfig, root string, progres
 					}
 					s, err := c.CreateSandbox(ctx, sdk.CreateOptions{Timeout: time.Hour})
 					if err != nil {
-						stop.CompareAndSwap(nil, fmt.Sprintf("create %d failed: %v", i, err))
-						return
+						s, err = c.CreateSandbox(ctx, sdk.CreateOptions{Timeout: time.Hour})
+					}
+					if err != nil {
+						if fail(fmt.Sprintf("create %d: %v", i, err)) {
+							stop.CompareAndSwap(nil, fmt.Sprintf("%d creates or execs failed, the last: create %d: %v", cfg.MaxFailures, i, err))
+							return
+						}
+						next.Add(-1) // not created: another try
+						continue
 					}
 					mu.Lock()
 					sbxs = append(sbxs, s)
 					k := len(sbxs)
 					mu.Unlock()
 					if _, err := s.Exec(ctx, []string{"/bin/echo", "hello"}, sdk.RunOptions{}); err != nil {
-						stop.CompareAndSwap(nil, fmt.Sprintf("exec in sandbox %d failed: %v", k, err))
-						return
+						if _, err = s.Exec(ctx, []string{"/bin/echo", "hello"}, sdk.RunOptions{}); err != nil && fail(fmt.Sprintf("exec in sandbox %d: %v", k, err)) {
+							stop.CompareAndSwap(nil, fmt.Sprintf("%d creates or execs failed, the last: exec in sandbox %d: %v", cfg.MaxFailures, k, err))
+							return
+						}
 					}
 					if k%250 == 0 {
 						progress("%d sandboxes (host tasks %d of %d)", k, hostTasks(), res.PidMax)
@@ -267,7 +297,7 @@ func sandboxCost(p *Platform, sbxs []*sdk.Sandbox, baseThreads int) (SandboxCost
 	for _, pi := range scanProcs() {
 		byNS[pi.pidns] = append(byNS[pi.pidns], pi)
 	}
-	var tasks, procs, pss, hT, aT, hP, aP []float64
+	var tasks, procs, pss, hT, aT, hP, aP, aA, aF []float64
 	for _, s := range sbxs {
 		hp, gp, ok := p.BridgePID(s.ID)
 		if !ok {
@@ -297,6 +327,7 @@ func sandboxCost(p *Platform, sbxs []*sdk.Sandbox, baseThreads int) (SandboxCost
 				hT, hP = append(hT, float64(m.threads)), append(hP, float64(mem.PSS))
 			case gp:
 				aT, aP = append(aT, float64(m.threads)), append(aP, float64(mem.PSS))
+				aA, aF = append(aA, float64(mem.RSSAnon)), append(aF, float64(mem.RSSFile))
 			}
 		}
 		tasks, procs, pss = append(tasks, float64(t)), append(procs, float64(len(members))), append(pss, float64(k))
@@ -305,6 +336,7 @@ func sandboxCost(p *Platform, sbxs []*sdk.Sandbox, baseThreads int) (SandboxCost
 		N: len(sbxs), Tasks: Median(tasks), Procs: Median(procs), PSSKiB: Median(pss),
 		Worker:      float64(selfThreads()-baseThreads) / float64(len(sbxs)),
 		HostThreads: Median(hT), AgentThreads: Median(aT), HostPSS: Median(hP), AgentPSS: Median(aP),
+		AgentAnon: Median(aA), AgentFile: Median(aF),
 		HostTasks: hostTasks(),
 	}, nil
 }
@@ -372,13 +404,16 @@ func (r *DensityResult) Rows() []Row {
 func (r *DensityResult) Notes() string {
 	var b strings.Builder
 	for _, c := range []SandboxCost{r.Low, r.High} {
-		fmt.Fprintf(&b, "n=%d: per sandbox (medians) spaced-host %.0f threads %.2f MiB PSS, agent %.0f threads %.2f MiB PSS; sandbox tasks %.1f + worker %.2f; processes %.1f\n",
-			c.N, c.HostThreads, mib(int64(c.HostPSS)), c.AgentThreads, mib(int64(c.AgentPSS)), c.Tasks, c.Worker, c.Procs)
+		fmt.Fprintf(&b, "n=%d: per sandbox (medians) spaced-host %.0f threads %.2f MiB PSS, agent %.0f threads %.2f MiB PSS (resident anon %.2f, file %.2f); sandbox tasks %.1f + worker %.2f; processes %.1f\n",
+			c.N, c.HostThreads, mib(int64(c.HostPSS)), c.AgentThreads, mib(int64(c.AgentPSS)), mib(int64(c.AgentAnon)), mib(int64(c.AgentFile)), c.Tasks, c.Worker, c.Procs)
 	}
 	fmt.Fprintf(&b, "each sandbox used once (one exec) before measuring; netgtw starts only on a sandbox's first service-port request (none here).\n"+
 		"exec = process.Process/Start of /bin/echo through edge -> node-api -> sbx-manager -> spaced-host -> agent, %d samples on random sandboxes at each density.\n"+
 		"filling %d sandboxes took %.0fs with concurrent clients (each create followed by one exec).\n",
 		len(r.ExecHigh), r.Reached-r.Low.N, r.CreateWall.Seconds())
+	if r.Failures > 0 {
+		fmt.Fprintf(&b, "%d creates or execs failed twice while filling (a failed create is replaced by another), e.g. %s\n", r.Failures, strings.Join(r.FailureSamples, "; "))
+	}
 	if r.Stopped != "" {
 		fmt.Fprintf(&b, "stopped at %d of %d: %s\n", r.Reached, r.Target, r.Stopped)
 	}
