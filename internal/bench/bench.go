@@ -511,7 +511,8 @@ func (r *Report) createNotes() string {
 	var b strings.Builder
 	c := ms(r.Create.Create)
 	fmt.Fprintf(&b, "create: sdk CreateSandbox (POST /sandboxes) wall time, each killed right after (untimed); min %.1f max %.1f ms.\n"+
-		"  baseline: ns substrate Start alone (namespaces, overlay, cgroups, agent listening) n=%d, interleaved with the creates;\n"+
+		"  baseline: ns substrate Start alone (namespaces, overlay, cgroups, agent listening) n=%d, interleaved with the creates,\n"+
+		"  configured like the workers' (space-nsinit as the init, the next init started ahead of time: sequential starts find it warm);\n"+
 		"  the difference is control plane + etcd + sbx-manager record (bbolt fsync) + spaced-host bridge start and verification.\n",
 		slicesMin(c), slicesMax(c), len(r.Create.RawStart))
 	if len(r.Create.Phases) > 0 {
