@@ -137,6 +137,17 @@ func (s *Server) newRoute(id string, gen uint64, workerID, substrate string) ide
 // workersWithLoad lists the registered workers that run substrate ("":
 // all of them), with their load.
 func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]spacev1.Worker, error) {
+	// The two reads are independent: the sandbox records are read while
+	// the workers are.
+	type listed struct {
+		entries []store.SandboxEntry
+		err     error
+	}
+	sbxs := make(chan listed, 1)
+	go func() {
+		e, err := s.st.ListSandboxes(ctx)
+		sbxs <- listed{e, err}
+	}()
 	all, err := s.st.ListWorkers(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("%w: worker registry: %v", ErrUnavailable, err)
@@ -156,7 +167,8 @@ func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]space
 		}
 		return nil, fmt.Errorf("%w: no registered worker runs the %s substrate", ErrUnavailable, substrate)
 	}
-	entries, err := s.st.ListSandboxes(ctx)
+	l := <-sbxs
+	entries, err := l.entries, l.err
 	if err != nil {
 		return nil, fmt.Errorf("%w: sandbox records: %v", ErrUnavailable, err)
 	}
