@@ -3,43 +3,72 @@ package guest
 import (
 	"bytes"
 	"os"
+	"os/signal"
 	"strconv"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
 )
 
-// reapInterval is how often the agent, when it is the sandbox's pid 1,
-// collects orphaned zombies.
+// reapInterval is how long a zombie child must stay a zombie before the
+// agent, when it is the sandbox's pid 1, reaps it as an orphan.
 const reapInterval = time.Second
 
 // reapOrphans runs while the agent is pid 1 of the sandbox: processes whose
 // parents exit are re-parented to it and would stay zombies forever. It
 // must not steal the exit status of processes the agent started itself
 // (their waitProcess goroutine waits for them), so it reaps only zombies it
-// has seen on two scans in a row: a started child is waited for within
-// moments of exiting, an orphan never is.
+// has seen on two scans in a row, at least reapInterval apart: a started
+// child is waited for within moments of exiting, an orphan never is.
+//
+// Scans follow SIGCHLD (a child exited, or an exited process was
+// re-parented here) and repeat every reapInterval only while zombies
+// remain: an idle agent neither wakes up nor allocates (on a host of
+// thousands of idle sandboxes, a scan per second per agent is CPU and, by
+// growing the heap between GCs, resident memory).
 func (s *Server) reapOrphans() {
-	t := time.NewTicker(reapInterval)
-	defer t.Stop()
-	seen := map[int]bool{}
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGCHLD)
+	defer signal.Stop(sig)
+	var t *time.Ticker
+	var tick <-chan time.Time // set while zombies are pending
+	defer func() {
+		if t != nil {
+			t.Stop()
+		}
+	}()
+	seen := map[int]time.Time{} // zombie -> first seen
 	self := os.Getpid()
 	for {
 		select {
 		case <-s.ctx.Done():
 			return
-		case <-t.C:
+		case <-sig:
+		case <-tick:
 		}
-		now := map[int]bool{}
+		now := map[int]time.Time{}
 		for _, pid := range zombieChildren(self) {
-			if seen[pid] {
+			first, ok := seen[pid]
+			if ok && time.Since(first) >= reapInterval {
 				var ws unix.WaitStatus
 				unix.Wait4(pid, &ws, unix.WNOHANG, nil)
 				continue
 			}
-			now[pid] = true
+			if !ok {
+				first = time.Now()
+			}
+			now[pid] = first
 		}
 		seen = now
+		switch {
+		case len(seen) > 0 && t == nil:
+			t = time.NewTicker(reapInterval)
+			tick = t.C
+		case len(seen) == 0 && t != nil:
+			t.Stop()
+			t, tick = nil, nil
+		}
 	}
 }
 
