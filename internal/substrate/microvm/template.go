@@ -3,11 +3,12 @@
 package microvm
 
 import (
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -17,14 +18,16 @@ import (
 
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/vmchan"
 )
 
 // Template snapshots and copy-on-write clones.
 //
 // A cold boot under TCG takes seconds. So, once per image, machine shape
 // and accelerator, the substrate boots a template VM whose guest RAM is a
-// memfd (memory-backend-file, share=on), waits until its agent is up and
-// waiting for an activation (it never gets one), pauses it and saves its
+// memfd (memory-backend-file, share=on), activates its agent with the
+// template's own identity (so the agent's server exists and a clone's
+// activation is only an identity swap), pauses it and saves its
 // state with migration's x-ignore-shared: the stream holds devices and
 // CPUs but none of the RAM, which stays in the memfd. QEMU then quits and
 // the memfd is sealed (no write, grow, shrink or new seals): no process,
@@ -34,8 +37,9 @@ import (
 // mapped privately from the sealed memfd (share=off: copy-on-write, so
 // idle clones share the template's unchanged pages in the host's page
 // cache) and the saved stream loaded with -incoming and x-ignore-shared.
-// The guest continues where the template stopped: an agent without an
-// identity, which spaced-host activates over the verified channel with the
+// The guest continues where the template stopped: an agent holding the
+// template's identity (which matches no sandbox), which spaced-host
+// re-activates over the verified channel with the
 // clone's identity and fresh entropy (the kernel's random state would
 // otherwise be the template's) before anything is served. The guest clock
 // is stepped to the RTC at that activation.
@@ -47,10 +51,7 @@ import (
 // after templateRetry; until then sandboxes boot cold.
 
 const (
-	templateRetry = 30 * time.Second
-	// templateReadyMarker is what the agent logs (to the console) once it
-	// serves the channel, waiting for an activation.
-	templateReadyMarker = "vm mode: serving"
+	templateRetry       = 30 * time.Second
 	templateBootTimeout = 2 * time.Minute
 )
 
@@ -204,7 +205,7 @@ func (s *Substrate) buildTemplate(key, imgID string, shape machineShape, agent s
 			err = seal(state)
 		}
 	}()
-	if err := inst.waitConsole(ctx, templateReadyMarker); err != nil {
+	if err := activateTemplate(ctx, inst, spec.Route); err != nil {
 		return nil, fmt.Errorf("template boot: %w", err)
 	}
 	if err := inst.Pause(ctx); err != nil {
@@ -221,22 +222,36 @@ func (s *Substrate) buildTemplate(key, imgID string, shape machineShape, agent s
 	return &vmTemplate{key: key, ram: ram, state: state, took: time.Since(t0)}, nil
 }
 
-// waitConsole waits until console.log contains marker, the VM ends or
-// ctx ends.
-func (i *instance) waitConsole(ctx context.Context, marker string) error {
-	path := filepath.Join(i.dir, ConsoleLog)
-	for {
-		if b, err := os.ReadFile(path); err == nil && bytes.Contains(b, []byte(marker)) {
-			return nil
-		}
-		select {
-		case <-i.done:
-			return fmt.Errorf("qemu exited before %q; console tail: %s", marker, i.consoleTail(1024))
-		case <-ctx.Done():
-			return fmt.Errorf("no %q within the bound (%w); console tail: %s", marker, ctx.Err(), i.consoleTail(1024))
-		case <-time.After(20 * time.Millisecond):
-		}
+// activateTemplate activates the template's agent with the template's
+// own identity and closes the session: the agent has then built its
+// server, so a clone's activation only swaps the identity in (the
+// template's identity never matches a sandbox's, and a clone serves
+// nothing before spaced-host has activated it and checked the ACK).
+func activateTemplate(ctx context.Context, inst *instance, r identity.Route) error {
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "unix", inst.socket)
+	if err != nil {
+		return err
 	}
+	act, err := json.Marshal(map[string]any{"identity": r, "default_user": "user"})
+	if err != nil {
+		conn.Close()
+		return err
+	}
+	c, err := vmchan.NewClient(ctx, conn, vmchan.ClientConfig{
+		Activation: act, BootTimeout: templateBootTimeout, ResendInterval: 500 * time.Millisecond,
+		Logger: inst.s.cfg.Logger,
+	})
+	if err != nil {
+		return fmt.Errorf("activate: %w; console tail: %s", err, inst.consoleTail(1024))
+	}
+	var got identity.Route
+	err = json.Unmarshal(c.Ack(), &got)
+	c.Close()
+	if err != nil || got != r {
+		return fmt.Errorf("activate: the agent ACKed %q, want the template's identity", c.Ack())
+	}
+	return nil
 }
 
 // newMemfd returns a sealable memfd of size bytes (sparse).
