@@ -52,7 +52,7 @@ type DensityConfig struct {
 
 // DefaultDensityConfig is make density: 2,500 sandboxes.
 func DefaultDensityConfig() DensityConfig {
-	return DensityConfig{Sandboxes: 2500, Low: 10, ExecSamples: 200, Clients: 4, TaskReserve: 1500, Settle: 5 * time.Second, MaxFailures: 10}
+	return DensityConfig{Sandboxes: 2500, Low: 10, ExecSamples: 200, Clients: 4, TaskReserve: 1500, Settle: 25 * time.Second, MaxFailures: 10}
 }
 
 // SandboxCost is the host cost of idle sandboxes, per sandbox (medians
