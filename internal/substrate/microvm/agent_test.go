@@ -104,16 +104,7 @@ func (s *agentSession) run(t *testing.T, ctx context.Context, cmd string) string
 // the way the e2b SDK runs it, then a file and a background process that
 // are still there after SaveState and a restore in another activation.
 func TestAgentKeepsFilesAndProcessesAcrossRestore(t *testing.T) {
-	cfg := testConfig(t)
-	cfg.testMode, cfg.NoTemplates = "", false
-	agent := buildAgent(t)
-	s, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
+	s, agent, ctx := agentSubstrate(t)
 	t0 := time.Now()
 	_, img, err := s.ensureImage(agent)
 	if err != nil {
@@ -190,4 +181,22 @@ func buildAgent(t *testing.T) string {
 		t.Fatalf("build spaced-guest: %v\n%s", err, out)
 	}
 	return agent
+}
+
+// agentSubstrate is a substrate (templates on) for tests with the real
+// agent, the agent it runs and a context bounding the test; both are
+// closed when the test ends.
+func agentSubstrate(t *testing.T) (*Substrate, string, context.Context) {
+	t.Helper()
+	cfg := testConfig(t)
+	cfg.testMode, cfg.NoTemplates = "", false
+	agent := buildAgent(t)
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	t.Cleanup(cancel)
+	return s, agent, ctx
 }

@@ -426,25 +426,6 @@ func validEnvName(s string) bool {
 	return true
 }
 
-// hostnameFor is the guest's hostname: the sandbox id, lower case, cut to
-// the characters and length a hostname (and the kernel command line)
-// allows.
-func hostnameFor(id string) string {
-	var b strings.Builder
-	for _, c := range strings.ToLower(id) {
-		if (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' {
-			b.WriteRune(c)
-		}
-		if b.Len() == 63 {
-			break
-		}
-	}
-	if b.Len() == 0 {
-		return "sandbox"
-	}
-	return b.String()
-}
-
 // launch is what qemuArgs needs for one instance.
 type launch struct {
 	shape    machineShape
@@ -557,7 +538,9 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 		return nil, err
 	}
 	lim := mergeLimits(spec.Limits, s.cfg.Limits)
-	l := launch{shape: shapeOf(lim), hostname: hostnameFor(spec.Route.SandboxID)}
+	// A validated route's sandbox id is a lowercase DNS label: a hostname
+	// as it is (the agent sets it again at every activation).
+	l := launch{shape: shapeOf(lim), hostname: spec.Route.SandboxID}
 	var state *os.File
 	var clonedFrom *vmTemplate
 	switch {

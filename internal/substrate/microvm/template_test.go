@@ -43,16 +43,7 @@ func smapsRollup(t *testing.T, pid int) map[string]int64 {
 // other clones, and can be saved and restored like any VM. Nobody can
 // change a sealed template.
 func TestTemplateClones(t *testing.T) {
-	cfg := testConfig(t)
-	cfg.testMode, cfg.NoTemplates = "", false
-	agent := buildAgent(t)
-	s, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
+	s, agent, ctx := agentSubstrate(t)
 	base := t.TempDir()
 
 	type clone struct {
