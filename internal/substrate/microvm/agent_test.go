@@ -125,12 +125,19 @@ func TestAgentKeepsFilesAndProcessesAcrossRestore(t *testing.T) {
 	t.Logf("agent booted and activated (ACK) %s after Start began", time.Since(t0).Round(time.Millisecond))
 
 	out := a.run(t, ctx, `echo $((6*7)) > ~/answer; cat ~/answer; whoami; echo $$ > /dev/null
-		nohup sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo $!`)
+		setsid sh -c 'while :; do sleep 1; done' </dev/null >/dev/null 2>&1 & echo $!`)
 	f := strings.Fields(out)
 	if len(f) != 3 || f[0] != "42" || f[1] != "user" {
 		t.Fatalf("first command printed %q", out)
 	}
 	bgPID := f[2]
+	// Running, not a zombie (kill -0 succeeds on a zombie until it is
+	// reaped): Debian's busybox has no nohup, and a command that does not
+	// exist passed this test while its zombie waited for the reaper.
+	alive := "grep -q '^State:[[:space:]]*[RS]' /proc/" + bgPID + "/status && echo alive"
+	if out := a.run(t, ctx, alive); out != "alive\n" {
+		t.Fatalf("background process %s before the pause: %q", bgPID, out)
+	}
 
 	if err := inst.Pause(ctx); err != nil {
 		t.Fatal(err)
@@ -162,7 +169,7 @@ func TestAgentKeepsFilesAndProcessesAcrossRestore(t *testing.T) {
 	defer inst2.Stop(context.Background())
 	a2 := activate(t, ctx, inst2, r2)
 	t.Logf("restored agent re-activated %s after Start began", time.Since(t0).Round(time.Millisecond))
-	if out := a2.run(t, ctx, "cat ~/answer; kill -0 "+bgPID+" && echo alive"); out != "42\nalive\n" {
+	if out := a2.run(t, ctx, "cat ~/answer; "+alive); out != "42\nalive\n" {
 		t.Fatalf("after restore: %q", out)
 	}
 	if err := inst2.Stop(ctx); err != nil {

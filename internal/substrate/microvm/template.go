@@ -177,7 +177,8 @@ func (s *Substrate) buildTemplate(key, imgID string, shape machineShape, agent s
 			state.Close()
 		}
 	}()
-	dir := filepath.Join(s.cfg.StateDir, "templates", key)
+	// Short: the agent socket's path must fit a sockaddr_un (108 bytes).
+	dir := filepath.Join(s.cfg.StateDir, "tpl", key[:12])
 	if err := os.RemoveAll(dir); err != nil {
 		return nil, err
 	}
