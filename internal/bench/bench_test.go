@@ -300,7 +300,7 @@ func TestVMRows(t *testing.T) {
 		}
 	}
 	boot := rows[0]
-	if !strings.Contains(boot.Figure, "boot-to-ready p50, n=3") || boot.Value != "2000.0" || boot.Baseline != "100.0 ns, n=2" || boot.Ratio != "20.00x" {
+	if !strings.Contains(boot.Figure, "boot-to-ready (template clone) p50, n=3") || boot.Value != "2000.0" || boot.Baseline != "100.0 ns, n=2" || boot.Ratio != "20.00x" {
 		t.Errorf("boot row %+v", boot)
 	}
 	size := rows[3]
@@ -313,9 +313,45 @@ func TestVMRows(t *testing.T) {
 	if n := r.Notes(); !strings.Contains(n, "not representative of KVM") || !strings.Contains(n, "processes_restarted on 0/3 microvm moves, 3/3 ns") {
 		t.Errorf("notes %q", n)
 	}
+	// With cold boots beside the clones: one more row, judged against
+	// 1/5 of the cold boot and 600 ms under TCG (150 ms under KVM).
+	r.Cold = SideResult{Template: vmTemplate, Ready: d(11000, 9000, 10000)}
+	rows = r.Rows()
+	if len(rows) != 8 {
+		t.Fatalf("%d rows with cold boots: %+v", len(rows), rows)
+	}
+	clone := rows[1]
+	if !strings.Contains(clone.Figure, "template clone vs cold boot, n=3") || clone.Value != "2000.0" || clone.Baseline != "10000.0 cold, n=3" ||
+		clone.Ratio != "0.20x" || clone.Verdict != Misses {
+		t.Errorf("clone row %+v (2 s is 1/5 of the cold boot but over 600 ms)", clone)
+	}
+	r.VM.Ready = d(500, 400, 450)
+	if v := r.Rows()[1].Verdict; v != Meets {
+		t.Errorf("450 ms clone against 10 s cold under TCG: %v", v)
+	}
 	r.Accel = "kvm"
+	if v := r.Rows()[1].Verdict; v != Misses {
+		t.Errorf("450 ms clone under KVM (target 150 ms): %v", v)
+	}
 	if rows := r.Rows(); !strings.HasSuffix(rows[0].Figure, "(KVM)") || strings.Contains(r.Notes(), "TCG") {
 		t.Errorf("kvm rows %q", rows[0].Figure)
+	}
+}
+
+func TestIdleVMRows(t *testing.T) {
+	r := IdleVMResult{Accel: "tcg", N: 3, MemoryMB: 256, Settle: time.Second,
+		PSS: []float64{50 << 20, 60 << 20, 70 << 20}, QEMUPSS: []float64{46 << 20}, HostPSS: []float64{4 << 20},
+		ShmemPSS: []float64{1 << 20}, SharedRSS: []float64{20 << 20}, RSS: []float64{90 << 20}}
+	rows := r.Rows()
+	if len(rows) != 1 || rows[0].Value != "60.0" || rows[0].Verdict != Meets || !strings.HasSuffix(rows[0].Figure, "(TCG, no KVM)") {
+		t.Fatalf("rows %+v", rows)
+	}
+	r.PSS = []float64{65 << 20}
+	if v := r.Rows()[0].Verdict; v != Misses {
+		t.Errorf("65 MiB per idle VM: %v", v)
+	}
+	if n := r.Notes(); !strings.Contains(n, "QEMU PSS 46.0 (of which the template's shared pages 1.0") {
+		t.Errorf("notes %q", n)
 	}
 }
 
