@@ -206,6 +206,33 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		}
 	}()
 
+	// The microvm substrate boots its accelerator probe guests (seconds
+	// under TCG) while etcd and the control plane start.
+	type vmResult struct {
+		vm  *microvm.Substrate
+		err error
+	}
+	vmReady := make(chan vmResult, 1)
+	if cfg.VMKernelDir != "" {
+		prewarm := ""
+		if cfg.VMPrewarm {
+			prewarm = filepath.Join(cfg.BinDir, "spaced-guest")
+		}
+		go func() { // owned: Start receives its result on every path
+			vm, err := microvm.New(microvm.Config{StateDir: filepath.Join(cfg.DataDir, "microvm"),
+				KernelPath: filepath.Join(cfg.VMKernelDir, "vmlinuz"), ModulesDir: filepath.Join(cfg.VMKernelDir, "modules"),
+				Accel: cfg.VMAccel, NoTemplates: cfg.VMNoTemplates, PrewarmAgent: prewarm, Logger: log})
+			vmReady <- vmResult{vm, err}
+		}()
+	}
+	vmTaken := cfg.VMKernelDir == ""
+	defer func() {
+		if !vmTaken { // an early return: the substrate is nobody's yet
+			if vr := <-vmReady; vr.vm != nil {
+				vr.vm.Close()
+			}
+		}
+	}()
 	p.st, err = store.Open(ctx, store.Config{DataDir: filepath.Join(cfg.DataDir, "store"), Endpoints: cfg.EtcdEndpoints, Logger: log})
 	if err != nil {
 		return nil, fmt.Errorf("up: store: %w", err)
@@ -236,13 +263,9 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	}
 	var extra []substrate.Substrate
 	if cfg.VMKernelDir != "" {
-		prewarm := ""
-		if cfg.VMPrewarm {
-			prewarm = filepath.Join(cfg.BinDir, "spaced-guest")
-		}
-		p.vm, err = microvm.New(microvm.Config{StateDir: filepath.Join(cfg.DataDir, "microvm"),
-			KernelPath: filepath.Join(cfg.VMKernelDir, "vmlinuz"), ModulesDir: filepath.Join(cfg.VMKernelDir, "modules"),
-			Accel: cfg.VMAccel, NoTemplates: cfg.VMNoTemplates, PrewarmAgent: prewarm, Logger: log})
+		vr := <-vmReady
+		vmTaken = true
+		p.vm, err = vr.vm, vr.err
 		switch {
 		case err != nil:
 			log.Warn("microvm substrate unavailable; workers run ns only", "err", err)
