@@ -365,19 +365,35 @@ func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (
 	} else if err := os.WriteFile(filepath.Join(rec.Dir, activationFile), gcfg, 0o600); err != nil {
 		return nil, fmt.Errorf("start sandbox: activation: %w", err)
 	}
-	// spaced-host is launched (and recorded) first: its exec and runtime
-	// start overlap the sandbox's start; it waits for its arguments.
-	bp, err := m.launchBridge(rec.Dir)
-	if err != nil {
-		return nil, err
+	// spaced-host is launched (and recorded) while the sandbox starts: its
+	// exec and runtime start overlap the sandbox's; it waits for its
+	// arguments.
+	type launched struct {
+		bp  *bridgeProc
+		err error
 	}
+	bpc := make(chan launched, 1)
+	go func() {
+		bp, err := m.launchBridge(rec.Dir)
+		bpc <- launched{bp, err}
+	}()
 	t0 := time.Now()
 	inst, err := m.subs[r.Substrate].Start(ctx, spec)
+	tm.substrate = time.Since(t0)
+	l := <-bpc
 	if err != nil {
-		bp.kill()
+		if l.bp != nil {
+			l.bp.kill()
+		}
 		return nil, fmt.Errorf("start sandbox: %w", err)
 	}
-	tm.substrate = time.Since(t0)
+	if l.err != nil {
+		stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		inst.Stop(stopCtx)
+		cancel()
+		return nil, l.err
+	}
+	bp := l.bp
 	t0 = time.Now()
 	act, err := m.startBridge(ctx, bp, inst, rec.Dir, vm)
 	tm.bridge = time.Since(t0)
