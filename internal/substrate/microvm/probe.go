@@ -83,20 +83,17 @@ func probeImage(busybox string) ([]byte, error) {
 
 // memfdWith returns a sealed memfd holding b, positioned at 0.
 func memfdWith(name string, b []byte) (*os.File, error) {
-	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	f, err := newMemfd(name, 0)
 	if err != nil {
 		return nil, err
 	}
-	f := os.NewFile(uintptr(fd), name)
-	if _, err := f.Write(b); err != nil {
-		f.Close()
-		return nil, err
+	if _, err = f.Write(b); err == nil {
+		err = seal(f)
 	}
-	if _, err := unix.FcntlInt(f.Fd(), unix.F_ADD_SEALS, unix.F_SEAL_WRITE|unix.F_SEAL_GROW|unix.F_SEAL_SHRINK|unix.F_SEAL_SEAL); err != nil {
-		f.Close()
-		return nil, err
+	if err == nil {
+		_, err = f.Seek(0, 0)
 	}
-	if _, err := f.Seek(0, 0); err != nil {
+	if err != nil {
 		f.Close()
 		return nil, err
 	}
