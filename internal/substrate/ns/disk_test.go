@@ -173,6 +173,76 @@ func TestDiskQuotaENOSPC(t *testing.T) {
 	waitNoLoops(t, tmp)
 }
 
+// TestDiskOverlayENOSPC: the disk as the overlay's writable layer, the
+// way the sandbox's root uses it: writes and copy-ups through the
+// overlay stop at the quota, and the overlay shows only the template
+// and the disk's upper/ (never the image, work/ or lost+found).
+func TestDiskOverlayENOSPC(t *testing.T) {
+	tmp := needDisk(t)
+	const quota = 64 << 20
+	state, img := filepath.Join(tmp, "state"), filepath.Join(tmp, DiskImageName)
+	lower, root := filepath.Join(tmp, "lower"), filepath.Join(tmp, "rootfs")
+	for _, p := range []string{lower, root} {
+		if err := os.Mkdir(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(lower, "template-file"), []byte("from the template"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := createDisk(state, img, quota); err != nil {
+		t.Fatal(err)
+	}
+	d := mustMount(t, img, filepath.Join(tmp, DiskMountName))
+	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", lower, d.Upper(), d.Work())
+	if err := unix.Mount("overlay", root, "overlay", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = unix.Unmount(root, unix.MNT_DETACH) }()
+	// Copy-up of a template file lands on the disk.
+	if err := os.WriteFile(filepath.Join(root, "template-file"), []byte("changed"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(d.Upper(), "template-file")); err != nil || string(b) != "changed" {
+		t.Fatalf("copy-up: %q %v", b, err)
+	}
+	ents, err := os.ReadDir(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ents) != 1 || ents[0].Name() != "template-file" {
+		t.Fatalf("overlay root holds %v", ents)
+	}
+	f, err := os.Create(filepath.Join(root, "fill"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 1<<20)
+	var written int64
+	for written <= quota {
+		n, err := f.Write(buf)
+		written += int64(n)
+		if err != nil {
+			if !errors.Is(err, unix.ENOSPC) {
+				t.Fatalf("write through the overlay after %d bytes: %v, want ENOSPC", written, err)
+			}
+			break
+		}
+	}
+	f.Close()
+	if written > quota || written < quota*8/10 {
+		t.Fatalf("overlay took %d bytes for a %d byte quota", written, quota)
+	}
+	t.Logf("quota %d MiB: ENOSPC through the overlay after %.1f MiB", quota>>20, float64(written)/(1<<20))
+	if err := unix.Unmount(root, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Unmount(); err != nil {
+		t.Fatal(err)
+	}
+	waitNoLoops(t, tmp)
+}
+
 func TestDiskSparse(t *testing.T) {
 	tmp := needDisk(t)
 	const size = 2 << 30
