@@ -49,10 +49,31 @@ func writeHTTPError(w http.ResponseWriter, err error) {
 	writeJSONError(w, http.StatusInternalServerError, err.Error())
 }
 
-// filesUser returns the account for /files: the username query parameter,
-// else the Basic authorization user, else the default user.
+// filesUser returns the account /files acts as: the username query
+// parameter, else the Basic authorization user, else the default user.
+//
+// A signed URL (the SDK's uploadUrl/downloadUrl: signature and optional
+// signature_expiration, verified against the access token before the request
+// reaches the agent) acts as exactly the user its signature covers: the
+// username parameter, "" standing for the default user as in envd. An
+// Authorization header naming another user is refused: whoever holds the
+// URL must not be able to widen it to root's files.
 func (s *Server) filesUser(r *http.Request) (*account, *userDB, error) {
-	name := r.URL.Query().Get("username")
+	q := r.URL.Query()
+	name := q.Get("username")
+	if q.Has("signature") {
+		for _, k := range []string{"signature", "signature_expiration", "path", "username"} {
+			if len(q[k]) > 1 {
+				return nil, nil, httpErrorf(http.StatusUnauthorized, "signed URL has more than one %s parameter", k)
+			}
+		}
+		if name == "" {
+			name = s.act.Load().DefaultUser
+		}
+		if u, _, ok := r.BasicAuth(); ok && u != "" && u != name {
+			return nil, nil, httpErrorf(http.StatusUnauthorized, "authorization names user %s but the URL is signed for user %s", quote(u), quote(name))
+		}
+	}
 	if name == "" {
 		if u, _, ok := r.BasicAuth(); ok && u != "" {
 			name = u
@@ -70,6 +91,20 @@ func (s *Server) filesUser(r *http.Request) (*account, *userDB, error) {
 		return nil, nil, httpErrorf(http.StatusUnauthorized, "error looking up user %s: user: unknown user %s", quote(name), name)
 	}
 	return acct, db, nil
+}
+
+// fileHTTPError answers a filesystem error of /files with its class (see
+// fsErrorClass) and a JSON body naming what failed.
+func fileHTTPError(err error, what string) error {
+	var he *httpError
+	if errors.As(err, &he) {
+		return he
+	}
+	status, _ := fsErrorClass(err)
+	if status == http.StatusInsufficientStorage {
+		return httpErrorf(status, "not enough disk space available")
+	}
+	return httpErrorf(status, "%s: %v", what, unwrapPathErr(err))
 }
 
 func resolveHTTPPath(p, home string) (string, error) {
@@ -136,24 +171,46 @@ func (s *Server) handleDownload(w http.ResponseWriter, r *http.Request) {
 		writeJSONError(w, http.StatusNotAcceptable, "no acceptable encoding found, supported: [identity, gzip]")
 		return
 	}
-	st, err := os.Stat(path)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		writeJSONError(w, http.StatusNotFound, fmt.Sprintf("path %s does not exist", quote(path)))
-		return
-	case err != nil:
-		writeJSONError(w, http.StatusInternalServerError, fmt.Sprintf("error checking path %s: %v", quote(path), unwrapPathErr(err)))
-		return
-	case st.IsDir():
-		writeJSONError(w, http.StatusBadRequest, fmt.Sprintf("path %s is a directory", quote(path)))
-		return
-	case !st.Mode().IsRegular():
-		writeJSONError(w, http.StatusBadRequest, fmt.Sprintf("path %s is not a regular file", quote(path)))
-		return
-	}
-	f, err := os.Open(path)
+	// Stat and open as the user: the kernel decides whether they may read
+	// the file. Reading the open file later needs no further permission.
+	var (
+		f  *os.File
+		st fs.FileInfo
+	)
+	err = runAs(acct, func() error {
+		var err error
+		if st, err = os.Stat(path); err != nil {
+			if errors.Is(err, fs.ErrNotExist) {
+				return httpErrorf(http.StatusNotFound, "path %s does not exist", quote(path))
+			}
+			return fileHTTPError(err, "error checking path "+quote(path))
+		}
+		if st.IsDir() {
+			return httpErrorf(http.StatusBadRequest, "path %s is a directory", quote(path))
+		}
+		if !st.Mode().IsRegular() {
+			return httpErrorf(http.StatusBadRequest, "path %s is not a regular file", quote(path))
+		}
+		// O_NONBLOCK: a FIFO swapped in after the stat must not block the
+		// open (it has no effect on regular files).
+		if f, err = os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0); err != nil {
+			if errors.Is(err, fs.ErrNotExist) {
+				return httpErrorf(http.StatusNotFound, "path %s does not exist", quote(path))
+			}
+			return fileHTTPError(err, "error opening file "+quote(path))
+		}
+		if st, err = f.Stat(); err != nil || !st.Mode().IsRegular() {
+			_ = f.Close()
+			return httpErrorf(http.StatusBadRequest, "path %s is not a regular file", quote(path))
+		}
+		if acct.UID != 0 && agentProcFile(f) {
+			_ = f.Close()
+			return httpErrorf(http.StatusForbidden, "error opening file %s: %v", quote(path), syscall.EACCES)
+		}
+		return nil
+	})
 	if err != nil {
-		writeJSONError(w, http.StatusInternalServerError, fmt.Sprintf("error opening file %s: %v", quote(path), unwrapPathErr(err)))
+		writeHTTPError(w, fileHTTPError(err, "error opening file "+quote(path)))
 		return
 	}
 	defer f.Close()
@@ -334,76 +391,120 @@ func bodyError(err error, what string) error {
 	return httpErrorf(http.StatusBadRequest, "%s: %v", what, err)
 }
 
-// writeFile atomically replaces path with the content of r: it writes a
-// temporary file next to it, syncs it, sets owner (the user), mode (kept
-// from an existing file, else 0644) and metadata, then renames it over path.
-// Missing parent directories are created and owned by the user.
+// writeFile replaces path with the content of r, as the user: it writes a
+// temporary file next to it, syncs it, sets mode (kept from an existing
+// file, else 0644) and metadata, then renames it over path. The file and
+// missing parent directories are created by the user, so they are theirs;
+// where the user may not create them the kernel refuses and so do we.
+// When the user may write an existing file but not its directory, the
+// file is rewritten in place (as envd always does).
 func (s *Server) writeFile(path string, r io.Reader, acct *account, md map[string]string) (err error) {
 	dir := filepath.Dir(path)
-	if err := ensureDirs(dir, acct.UID, acct.GID); err != nil {
-		if errors.Is(err, syscall.ENOTDIR) {
-			return httpErrorf(http.StatusBadRequest, "parent of %s is not a directory", quote(path))
+	var (
+		f   *os.File
+		tmp string // the temporary file; "" when writing in place
+	)
+	err = runAs(acct, func() error {
+		if err := ensureDirs(dir); err != nil {
+			if errors.Is(err, syscall.ENOTDIR) {
+				return httpErrorf(http.StatusBadRequest, "parent of %s is not a directory", quote(path))
+			}
+			return fileHTTPError(err, "error creating parent directories of "+quote(path))
 		}
-		return storageError(err, "error creating parent directories of "+quote(path))
-	}
-	mode := fs.FileMode(0o644)
-	existed := "0"
-	if st, err := os.Stat(path); err == nil {
-		if st.IsDir() {
+		mode := fs.FileMode(0o644)
+		existed := "0"
+		st, err := os.Stat(path)
+		switch {
+		case err == nil && st.IsDir():
 			return httpErrorf(http.StatusBadRequest, "path %s is a directory", quote(path))
+		case err == nil:
+			mode = st.Mode().Perm()
+			existed = "1"
+		case !errors.Is(err, fs.ErrNotExist):
+			return fileHTTPError(err, "error checking path "+quote(path))
 		}
-		mode = st.Mode().Perm()
-		existed = "1"
-	}
-	// The temp name's first digit tells watchers whether the target
-	// existed (dirWatch reports the rename into place as envd's in-place
-	// write: create+write for a new file, write for an existing one).
-	tmp, err := os.CreateTemp(dir, "."+filepath.Base(path)+".upload-"+existed+"*")
+		// The temp name's first digit tells watchers whether the target
+		// existed (dirWatch reports the rename into place as envd's in-place
+		// write: create+write for a new file, write for an existing one).
+		f, err = os.CreateTemp(dir, "."+filepath.Base(path)+".upload-"+existed+"*")
+		if err == nil {
+			tmp = f.Name()
+			if err := f.Chmod(mode); err != nil {
+				_ = f.Close()
+				_ = os.Remove(tmp)
+				return fileHTTPError(err, "error setting mode of "+quote(path))
+			}
+			return nil
+		}
+		if existed == "1" && st.Mode().IsRegular() && errors.Is(err, fs.ErrPermission) {
+			if f, err = os.OpenFile(path, os.O_WRONLY|os.O_TRUNC|syscall.O_NONBLOCK, 0); err == nil {
+				return nil
+			}
+		}
+		return fileHTTPError(err, "error creating file "+quote(path))
+	})
 	if err != nil {
-		return storageError(err, "error creating file "+quote(path))
+		return err
 	}
 	defer func() {
 		if err != nil {
-			_ = tmp.Close()
-			_ = os.Remove(tmp.Name())
+			_ = f.Close()
+			if tmp != "" {
+				_ = runAs(acct, func() error { return os.Remove(tmp) })
+			}
 		}
 	}()
-	if _, err := io.Copy(tmp, r); err != nil {
+	// The copy needs no identity: the file is open for writing.
+	if _, err := io.Copy(fileWriter{f}, r); err != nil {
+		var we *fileWriteError
+		if errors.As(err, &we) {
+			return fileHTTPError(we.err, "error writing "+quote(path))
+		}
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
 			return bodyError(err, "")
 		}
-		if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
-			return storageError(err, "")
-		}
 		return httpErrorf(http.StatusBadRequest, "error reading upload of %s: %v", quote(path), err)
 	}
-	if err := tmp.Sync(); err != nil {
-		return storageError(err, "error syncing "+quote(path))
-	}
-	if err := tmp.Chmod(mode); err != nil {
-		return storageError(err, "error setting mode of "+quote(path))
-	}
-	if err := tmp.Chown(int(acct.UID), int(acct.GID)); err != nil && os.Getuid() == 0 {
-		return storageError(err, "error setting owner of "+quote(path))
-	}
-	if err := writeMetadata(tmp.Name(), md); err != nil && len(md) > 0 {
-		return storageError(err, "error storing metadata of "+quote(path))
-	}
-	if err := tmp.Close(); err != nil {
-		return storageError(err, "error writing "+quote(path))
-	}
-	if err := os.Rename(tmp.Name(), path); err != nil {
-		return storageError(err, "error writing "+quote(path))
-	}
-	return nil
+	return runAs(acct, func() error {
+		if err := f.Sync(); err != nil {
+			return fileHTTPError(err, "error syncing "+quote(path))
+		}
+		name := tmp
+		if name == "" {
+			name = path
+		}
+		// Without metadata a file system lacking user xattrs is fine.
+		if err := writeMetadata(name, md); err != nil && len(md) > 0 {
+			return fileHTTPError(err, "error storing metadata of "+quote(path))
+		}
+		if err := f.Close(); err != nil {
+			return fileHTTPError(err, "error writing "+quote(path))
+		}
+		if tmp != "" {
+			if err := os.Rename(tmp, path); err != nil {
+				return fileHTTPError(err, "error writing "+quote(path))
+			}
+		}
+		return nil
+	})
 }
 
-func storageError(err error, what string) error {
-	if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
-		return httpErrorf(http.StatusInsufficientStorage, "not enough disk space available")
+// fileWriter tells the file's write errors (the user's disk or quota is
+// full: 507) from the request body's read errors (400) in io.Copy.
+type fileWriter struct{ f *os.File }
+
+type fileWriteError struct{ err error }
+
+func (e *fileWriteError) Error() string { return e.err.Error() }
+func (e *fileWriteError) Unwrap() error { return e.err }
+
+func (w fileWriter) Write(p []byte) (int, error) {
+	n, err := w.f.Write(p)
+	if err != nil {
+		return n, &fileWriteError{err}
 	}
-	return httpErrorf(http.StatusInternalServerError, "%s: %v", what, unwrapPathErr(err))
+	return n, nil
 }
 
 // basicUser decodes the user of an "Authorization: Basic" header value.

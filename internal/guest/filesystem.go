@@ -118,9 +118,9 @@ func writeMetadata(path string, md map[string]string) error {
 	return nil
 }
 
-// ensureDirs creates dir and its missing parents (mode 0755), owned by
-// uid:gid, like envd.
-func ensureDirs(dir string, uid, gid uint32) error {
+// ensureDirs creates dir and its missing parents (mode 0755). Called within
+// runAs, the directories belong to the user, like envd's.
+func ensureDirs(dir string) error {
 	st, err := os.Stat(dir)
 	if err == nil {
 		if !st.IsDir() {
@@ -132,44 +132,69 @@ func ensureDirs(dir string, uid, gid uint32) error {
 		return err
 	}
 	if parent := filepath.Dir(dir); parent != dir {
-		if err := ensureDirs(parent, uid, gid); err != nil {
+		if err := ensureDirs(parent); err != nil {
 			return err
 		}
 	}
-	if err := os.Mkdir(dir, 0o755); err != nil {
-		if errors.Is(err, fs.ErrExist) {
-			return nil
-		}
+	if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
 		return err
 	}
-	return os.Lchown(dir, int(uid), int(gid))
+	return nil
+}
+
+// fsErrorClass classifies a filesystem error for both APIs: the HTTP status
+// /files answers and the Connect code filesystem.Filesystem answers. What a
+// request can cause (a permission the user lacks, a read-only or full file
+// system, a bad path) is a 4xx class, never 500/internal: only failures of
+// the agent itself are.
+func fsErrorClass(err error) (int, connect.Code) {
+	switch {
+	case errors.Is(err, ErrInvalidPath):
+		return http.StatusBadRequest, connect.CodeInvalidArgument
+	case errors.Is(err, fs.ErrNotExist):
+		return http.StatusNotFound, connect.CodeNotFound
+	case errors.Is(err, syscall.EROFS), errors.Is(err, fs.ErrPermission): // EACCES, EPERM
+		return http.StatusForbidden, connect.CodePermissionDenied
+	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
+		return http.StatusInsufficientStorage, connect.CodeResourceExhausted
+	case errors.Is(err, syscall.EFBIG):
+		return http.StatusRequestEntityTooLarge, connect.CodeResourceExhausted
+	case errors.Is(err, syscall.EEXIST):
+		return http.StatusConflict, connect.CodeAlreadyExists
+	case errors.Is(err, syscall.EBUSY), errors.Is(err, syscall.ETXTBSY), errors.Is(err, syscall.EXDEV):
+		return http.StatusConflict, connect.CodeFailedPrecondition
+	case errors.Is(err, syscall.ENOTDIR), errors.Is(err, syscall.EISDIR), errors.Is(err, syscall.ENAMETOOLONG),
+		errors.Is(err, syscall.EINVAL), errors.Is(err, syscall.ENOTEMPTY), errors.Is(err, syscall.ELOOP):
+		return http.StatusBadRequest, connect.CodeInvalidArgument
+	default:
+		return http.StatusInternalServerError, connect.CodeInternal
+	}
 }
 
 // fsError maps a filesystem error to a Connect error as envd does.
 func fsError(err error, what string) error {
 	var ce *connect.Error
-	switch {
-	case errors.As(err, &ce):
+	if errors.As(err, &ce) {
 		return ce
-	case errors.Is(err, ErrInvalidPath):
-		return connect.NewError(connect.CodeInvalidArgument, err)
-	case errors.Is(err, fs.ErrNotExist):
-		return connect.NewError(connect.CodeNotFound, fmt.Errorf("%s: %w", what, err))
-	case errors.Is(err, fs.ErrPermission):
-		return connect.NewError(connect.CodePermissionDenied, fmt.Errorf("%s: %w", what, err))
-	case errors.Is(err, syscall.ENOTDIR), errors.Is(err, syscall.EISDIR), errors.Is(err, syscall.ENAMETOOLONG),
-		errors.Is(err, syscall.EINVAL), errors.Is(err, syscall.ENOTEMPTY), errors.Is(err, syscall.ELOOP):
-		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("%s: %w", what, err))
-	case errors.Is(err, syscall.ENOSPC):
-		return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("%s: not enough disk space: %w", what, err))
-	default:
-		return connect.NewError(connect.CodeInternal, fmt.Errorf("%s: %w", what, err))
 	}
+	_, code := fsErrorClass(err)
+	switch code {
+	case connect.CodeInvalidArgument:
+		if errors.Is(err, ErrInvalidPath) {
+			return connect.NewError(code, err)
+		}
+	case connect.CodeResourceExhausted:
+		if !errors.Is(err, syscall.EFBIG) {
+			return connect.NewError(code, fmt.Errorf("%s: not enough disk space: %w", what, err))
+		}
+	}
+	return connect.NewError(code, fmt.Errorf("%s: %w", what, err))
 }
 
 type filesystemService struct{ s *Server }
 
-// resolve authenticates the caller and resolves p against their home.
+// resolve authenticates the caller and resolves p against their home. Every
+// file operation of the request then runs as that account (runAs).
 func (f *filesystemService) resolve(h http.Header, p string) (string, *account, *userDB, error) {
 	acct, db, err := f.s.userFromAuth(h)
 	if err != nil {
@@ -183,11 +208,15 @@ func (f *filesystemService) resolve(h http.Header, p string) (string, *account, 
 }
 
 func (f *filesystemService) Stat(_ context.Context, req *connect.Request[filesystempb.StatRequest]) (*connect.Response[filesystempb.StatResponse], error) {
-	path, _, db, err := f.resolve(req.Header(), req.Msg.GetPath())
+	path, acct, db, err := f.resolve(req.Header(), req.Msg.GetPath())
 	if err != nil {
 		return nil, err
 	}
-	e, err := entryInfo(path, db)
+	var e *filesystempb.EntryInfo
+	err = runAs(acct, func() (err error) {
+		e, err = entryInfo(path, db)
+		return err
+	})
 	if err != nil {
 		return nil, fsError(err, "error getting file info for "+quote(path))
 	}
@@ -195,7 +224,7 @@ func (f *filesystemService) Stat(_ context.Context, req *connect.Request[filesys
 }
 
 func (f *filesystemService) ListDir(_ context.Context, req *connect.Request[filesystempb.ListDirRequest]) (*connect.Response[filesystempb.ListDirResponse], error) {
-	path, _, db, err := f.resolve(req.Header(), req.Msg.GetPath())
+	path, acct, db, err := f.resolve(req.Header(), req.Msg.GetPath())
 	if err != nil {
 		return nil, err
 	}
@@ -203,38 +232,40 @@ func (f *filesystemService) ListDir(_ context.Context, req *connect.Request[file
 	if depth == 0 {
 		depth = 1
 	}
-	real, err := filepath.EvalSymlinks(path)
-	if err != nil {
-		return nil, fsError(err, "error resolving directory "+quote(path))
-	}
-	st, err := os.Stat(real)
-	if err != nil {
-		return nil, fsError(err, "error getting directory info for "+quote(path))
-	}
-	if !st.IsDir() {
-		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %s is not a directory", quote(path)))
-	}
 	out := &filesystempb.ListDirResponse{}
-	err = filepath.WalkDir(real, func(p string, d fs.DirEntry, err error) error {
-		if p == real {
-			return err
-		}
+	err = runAs(acct, func() error {
+		real, err := filepath.EvalSymlinks(path)
 		if err != nil {
-			return nil // unreadable subtree: skip it
+			return fsError(err, "error resolving directory "+quote(path))
 		}
-		rel, rerr := filepath.Rel(real, p)
-		if rerr != nil {
+		st, err := os.Stat(real)
+		if err != nil {
+			return fsError(err, "error getting directory info for "+quote(path))
+		}
+		if !st.IsDir() {
+			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %s is not a directory", quote(path)))
+		}
+		return filepath.WalkDir(real, func(p string, d fs.DirEntry, err error) error {
+			if p == real {
+				return err
+			}
+			if err != nil {
+				return nil // unreadable subtree (for this user): skip it
+			}
+			rel, rerr := filepath.Rel(real, p)
+			if rerr != nil {
+				return nil
+			}
+			fi, ierr := d.Info()
+			if ierr != nil {
+				return nil
+			}
+			out.Entries = append(out.Entries, entryInfoFrom(filepath.Join(path, rel), fi, db))
+			if d.IsDir() && strings.Count(rel, string(filepath.Separator))+1 >= depth {
+				return filepath.SkipDir
+			}
 			return nil
-		}
-		fi, ierr := d.Info()
-		if ierr != nil {
-			return nil
-		}
-		out.Entries = append(out.Entries, entryInfoFrom(filepath.Join(path, rel), fi, db))
-		if d.IsDir() && strings.Count(rel, string(filepath.Separator))+1 >= depth {
-			return filepath.SkipDir
-		}
-		return nil
+		})
 	})
 	if err != nil {
 		return nil, fsError(err, "error reading directory "+quote(path))
@@ -247,18 +278,25 @@ func (f *filesystemService) MakeDir(_ context.Context, req *connect.Request[file
 	if err != nil {
 		return nil, err
 	}
-	if st, err := os.Stat(path); err == nil {
-		if st.IsDir() {
-			return nil, connect.NewError(connect.CodeAlreadyExists, fmt.Errorf("directory %s already exists", quote(path)))
+	var e *filesystempb.EntryInfo
+	err = runAs(acct, func() error {
+		if st, err := os.Stat(path); err == nil {
+			if st.IsDir() {
+				return connect.NewError(connect.CodeAlreadyExists, fmt.Errorf("directory %s already exists", quote(path)))
+			}
+			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %s already exists and is not a directory", quote(path)))
 		}
-		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %s already exists and is not a directory", quote(path)))
-	}
-	if err := ensureDirs(path, acct.UID, acct.GID); err != nil {
-		return nil, fsError(err, "error creating directory "+quote(path))
-	}
-	e, err := entryInfo(path, db)
+		if err := ensureDirs(path); err != nil {
+			return fsError(err, "error creating directory "+quote(path))
+		}
+		var err error
+		if e, err = entryInfo(path, db); err != nil {
+			return fsError(err, "error getting file info for "+quote(path))
+		}
+		return nil
+	})
 	if err != nil {
-		return nil, fsError(err, "error getting file info for "+quote(path))
+		return nil, fsError(err, "error creating directory "+quote(path))
 	}
 	return connect.NewResponse(&filesystempb.MakeDirResponse{Entry: e}), nil
 }
@@ -272,31 +310,38 @@ func (f *filesystemService) Move(_ context.Context, req *connect.Request[filesys
 	if err != nil {
 		return nil, connect.NewError(connect.CodeInvalidArgument, err)
 	}
-	if _, err := os.Lstat(src); err != nil {
-		return nil, fsError(err, "source "+quote(src))
-	}
-	if err := ensureDirs(filepath.Dir(dst), acct.UID, acct.GID); err != nil {
-		return nil, fsError(err, "error creating destination parent directory")
-	}
-	if err := os.Rename(src, dst); err != nil {
-		return nil, fsError(err, "error moving "+quote(src)+" to "+quote(dst))
-	}
-	e, err := entryInfo(dst, db)
+	var e *filesystempb.EntryInfo
+	err = runAs(acct, func() error {
+		if _, err := os.Lstat(src); err != nil {
+			return fsError(err, "source "+quote(src))
+		}
+		if err := ensureDirs(filepath.Dir(dst)); err != nil {
+			return fsError(err, "error creating destination parent directory")
+		}
+		if err := os.Rename(src, dst); err != nil {
+			return fsError(err, "error moving "+quote(src)+" to "+quote(dst))
+		}
+		var err error
+		if e, err = entryInfo(dst, db); err != nil {
+			return fsError(err, "error getting file info for "+quote(dst))
+		}
+		return nil
+	})
 	if err != nil {
-		return nil, fsError(err, "error getting file info for "+quote(dst))
+		return nil, fsError(err, "error moving "+quote(src)+" to "+quote(dst))
 	}
 	return connect.NewResponse(&filesystempb.MoveResponse{Entry: e}), nil
 }
 
 func (f *filesystemService) Remove(_ context.Context, req *connect.Request[filesystempb.RemoveRequest]) (*connect.Response[filesystempb.RemoveResponse], error) {
-	path, _, _, err := f.resolve(req.Header(), req.Msg.GetPath())
+	path, acct, _, err := f.resolve(req.Header(), req.Msg.GetPath())
 	if err != nil {
 		return nil, err
 	}
 	if path == "/" {
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("refusing to remove /"))
 	}
-	if err := os.RemoveAll(path); err != nil {
+	if err := runAs(acct, func() error { return os.RemoveAll(path) }); err != nil {
 		return nil, fsError(err, "error removing "+quote(path))
 	}
 	return connect.NewResponse(&filesystempb.RemoveResponse{}), nil

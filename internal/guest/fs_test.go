@@ -275,7 +275,10 @@ func TestFilesystemRPCs(t *testing.T) {
 func TestWatchDirRecursive(t *testing.T) {
 	e := newEnv(t)
 	ctx := ctxT(t)
-	_ = os.MkdirAll(e.home()+"/w/sub", 0o755)
+	// w is the user's: the uploads below write into it as the user.
+	if err := mkdirAs(e.home()+"/w/sub", 1000); err != nil || os.Chown(e.home()+"/w", 1000, 1000) != nil {
+		t.Fatal(err)
+	}
 	req := connect.NewRequest(&filesystempb.WatchDirRequest{Path: "w", Recursive: true, IncludeEntry: true})
 	req.Header().Set("Keepalive-Ping-Interval", "50")
 	st, err := e.fs.WatchDir(ctx, req)

@@ -38,6 +38,9 @@ type dirWatch struct {
 	recursive    bool
 	includeEntry bool
 	db           *userDB
+	// acct is the user the watch acts as: directories are added and
+	// entries described with their permissions (runAs).
+	acct *account
 
 	mu sync.Mutex
 	// uploads tracks writeFile's temp files by their target path, so that
@@ -60,21 +63,27 @@ func (s *Server) newDirWatch(h http.Header, p string, recursive, includeEntry, a
 	if err != nil {
 		return nil, nil, connect.NewError(connect.CodeInvalidArgument, err)
 	}
-	st, err := os.Stat(root)
-	if err != nil {
-		return nil, nil, fsError(err, "error getting directory info for "+quote(root))
-	}
-	if !st.IsDir() {
-		return nil, nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %s is not a directory", quote(root)))
-	}
-	if !allowNetwork {
-		var sfs unix.Statfs_t
-		if err := unix.Statfs(root, &sfs); err == nil {
-			if name, ok := networkFS[int64(sfs.Type)]; ok {
-				return nil, nil, connect.NewError(connect.CodeInvalidArgument,
-					fmt.Errorf("path %s is on a network mount (%s); watching it requires allowNetworkMounts", quote(root), name))
+	err = runAs(acct, func() error {
+		st, err := os.Stat(root)
+		if err != nil {
+			return fsError(err, "error getting directory info for "+quote(root))
+		}
+		if !st.IsDir() {
+			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %s is not a directory", quote(root)))
+		}
+		if !allowNetwork {
+			var sfs unix.Statfs_t
+			if err := unix.Statfs(root, &sfs); err == nil {
+				if name, ok := networkFS[int64(sfs.Type)]; ok {
+					return connect.NewError(connect.CodeInvalidArgument,
+						fmt.Errorf("path %s is on a network mount (%s); watching it requires allowNetworkMounts", quote(root), name))
+				}
 			}
 		}
+		return nil
+	})
+	if err != nil {
+		return nil, nil, fsError(err, "error watching "+quote(root))
 	}
 	s.mu.Lock()
 	if s.closed {
@@ -88,8 +97,19 @@ func (s *Server) newDirWatch(h http.Header, p string, recursive, includeEntry, a
 	s.nwatches++
 	s.mu.Unlock()
 	fsw, err := fsnotify.NewWatcher()
+	w := &dirWatch{fsw: fsw, root: root, recursive: recursive, includeEntry: includeEntry, db: db, acct: acct}
 	if err == nil {
-		err = fsw.Add(root)
+		// inotify_add_watch needs read permission on the directory: as
+		// the user, a directory they cannot read cannot be watched.
+		err = runAs(acct, func() error {
+			if err := fsw.Add(root); err != nil {
+				return err
+			}
+			if recursive {
+				w.addTree(root)
+			}
+			return nil
+		})
 		if err != nil {
 			_ = fsw.Close()
 		}
@@ -99,10 +119,6 @@ func (s *Server) newDirWatch(h http.Header, p string, recursive, includeEntry, a
 		s.nwatches--
 		s.mu.Unlock()
 		return nil, nil, fsError(err, "error watching "+quote(root))
-	}
-	w := &dirWatch{fsw: fsw, root: root, recursive: recursive, includeEntry: includeEntry, db: db}
-	if recursive {
-		w.addTree(root)
 	}
 	var once sync.Once
 	release := func() {
@@ -116,7 +132,8 @@ func (s *Server) newDirWatch(h http.Header, p string, recursive, includeEntry, a
 	return w, release, nil
 }
 
-// addTree adds watches for every directory below dir (best effort).
+// addTree adds watches for every directory below dir (best effort: those
+// the user cannot read are skipped). Called within runAs.
 func (w *dirWatch) addTree(dir string) {
 	_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
@@ -133,12 +150,23 @@ func (w *dirWatch) addTree(dir string) {
 // convert turns one fsnotify event into envd events (one per op bit) and
 // extends a recursive watch to new directories.
 func (w *dirWatch) convert(ev fsnotify.Event) []*filesystempb.FilesystemEvent {
-	if w.recursive && ev.Has(fsnotify.Create) {
-		if st, err := os.Lstat(ev.Name); err == nil && st.IsDir() {
-			w.addTree(ev.Name)
-		}
+	temp := isUploadTemp(filepath.Base(ev.Name))
+	newDir := w.recursive && ev.Has(fsnotify.Create)
+	var entry *filesystempb.EntryInfo
+	if newDir || (w.includeEntry && !temp) {
+		_ = runAs(w.acct, func() error {
+			if newDir {
+				if st, err := os.Lstat(ev.Name); err == nil && st.IsDir() {
+					w.addTree(ev.Name)
+				}
+			}
+			if w.includeEntry && !temp {
+				entry, _ = entryInfo(ev.Name, w.db)
+			}
+			return nil
+		})
 	}
-	if isUploadTemp(filepath.Base(ev.Name)) {
+	if temp {
 		// Our own atomic-upload temp file: watchers see only the final
 		// rename into place, reported as envd's in-place write would be.
 		w.trackUpload(ev)
@@ -175,10 +203,6 @@ func (w *dirWatch) convert(ev fsnotify.Event) []*filesystempb.FilesystemEvent {
 	name, err := filepath.Rel(w.root, ev.Name)
 	if err != nil {
 		name = ev.Name
-	}
-	var entry *filesystempb.EntryInfo
-	if w.includeEntry {
-		entry, _ = entryInfo(ev.Name, w.db)
 	}
 	out := make([]*filesystempb.FilesystemEvent, 0, len(types))
 	for _, t := range types {
