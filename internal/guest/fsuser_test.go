@@ -537,3 +537,49 @@ func TestFilesAgentProcFiles(t *testing.T) {
 		t.Fatalf("user /proc/version: %d %q", resp.StatusCode, body)
 	}
 }
+
+// TestRunAsKillsUnrestorableThread: when the thread's credentials cannot
+// be restored (here fn drops a capability from the thread's permitted set,
+// which nothing can raise again), the thread is not handed back to the
+// scheduler: it exits with its goroutine, and every remaining thread has
+// the agent's capabilities.
+func TestRunAsKillsUnrestorableThread(t *testing.T) {
+	requireRoot(t)
+	base, err := agentCreds()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if base.caps[0].Permitted&(1<<unix.CAP_KILL) == 0 {
+		t.Skip("agent lacks CAP_KILL")
+	}
+	before := fsThreadsLost.Load()
+	user := &account{Name: "user", UID: 1000, GID: 1000, Groups: []uint32{1000}}
+	var tid int
+	err = runAs(user, func() error {
+		tid = unix.Gettid()
+		var c [2]unix.CapUserData
+		if err := capget(&c); err != nil {
+			return err
+		}
+		c[0].Permitted &^= 1 << unix.CAP_KILL
+		c[0].Effective &^= 1 << unix.CAP_KILL
+		c[0].Inheritable &^= 1 << unix.CAP_KILL
+		return capset(&c)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fsThreadsLost.Load() != before+1 {
+		t.Fatalf("threads lost %d, want 1", fsThreadsLost.Load()-before)
+	}
+	eventually(t, "the damaged thread to exit", func() bool {
+		_, err := os.Stat("/proc/self/task/" + strconv.Itoa(tid))
+		return errors.Is(err, fs.ErrNotExist)
+	})
+	want := fmt.Sprintf("CapPrm: %08x%08x", base.caps[1].Permitted, base.caps[0].Permitted)
+	for id, st := range threadStatus(t) {
+		if !strings.Contains(st, want) {
+			t.Fatalf("thread %s: %s, want %s", id, st, want)
+		}
+	}
+}
