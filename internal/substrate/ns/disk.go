@@ -44,7 +44,7 @@ package ns
 // stateDir/disks/, keyed by the size, the mke2fs version, its options and
 // mke2fs.conf; each activation gets a sparse copy of it (FICLONE where the
 // host file system can share extents, else SEEK_DATA/SEEK_HOLE plus
-// copy_file_range of the ~1 MiB of data). The copies share the golden
+// copy_file_range of the 0.1-0.2 MiB of data). The copies share the golden
 // image's UUID and directory hash seed; the kernel does not care, and a
 // sandbox learns nothing from them it could use outside its own disk.
 //
@@ -64,13 +64,22 @@ package ns
 // was mounted (a warm init, warm.go) does not see it at dir, and
 // overlayfs refuses layers reached through /proc/<host pid>/root (it
 // clones the upper mount, which must be in its own namespace: "failed to
-// clone upperpath"). Such an init mounts Device() itself (ext4, same
-// flags and data) at a dir of its own before the overlay: a block device
-// mounted twice is one superblock, so the host's mount and the sandbox's
-// see the same files, and the loop device stays until both are gone
-// (tested by hand: host mount + a private namespace's mount of the same
-// loop device, a file written through the sandbox's overlay is seen on
-// the host).
+// clone upperpath"). Two ways that work (both tried here):
+//
+//   - a detached mount: open_tree(d.Dir(), OPEN_TREE_CLONE), idmapped
+//     with mount_setattr for a user-namespaced init (userns.go), sent to
+//     the init, which move_mounts it and takes upper/ and work/ from it
+//     (TestDiskIdmappedClone). open_tree of the activation dir without
+//     AT_RECURSIVE does not carry the disk mounted under it: clone the
+//     disk's own mount;
+//   - without a user namespace, the init mounts Device() itself (ext4,
+//     the same flags and data): a block device mounted twice is one
+//     superblock, so the host and the sandbox see the same files. An init
+//     in a user namespace cannot (ext4 is not mountable there).
+//
+// Either way the loop device stays attached until the host's mount and
+// the sandbox's are all gone (autoclear), so Unmount at Stop while a
+// sandbox namespace still holds the disk is safe.
 //
 // Host requirements: root, the loop driver (/dev/loop-control) and
 // mkfs.ext4 (Debian package e2fsprogs) for the golden images.

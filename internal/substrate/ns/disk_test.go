@@ -6,10 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -235,6 +237,78 @@ func TestDiskOverlayENOSPC(t *testing.T) {
 	}
 	t.Logf("quota %d MiB: ENOSPC through the overlay after %.1f MiB", quota>>20, float64(written)/(1<<20))
 	if err := unix.Unmount(root, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Unmount(); err != nil {
+		t.Fatal(err)
+	}
+	waitNoLoops(t, tmp)
+}
+
+// TestDiskIdmappedClone: with user namespaces (userns.go) the writable
+// layer reaches the init as an idmapped detached mount. open_tree of the
+// activation dir alone (no AT_RECURSIVE) does not carry the disk mounted
+// under it, so the disk's own mount is cloned: ext4 on a loop device
+// accepts the idmapping.
+func TestDiskIdmappedClone(t *testing.T) {
+	tmp := needDisk(t)
+	state, img := filepath.Join(tmp, "state"), filepath.Join(tmp, DiskImageName)
+	if err := createDisk(state, img, 64<<20); err != nil {
+		t.Fatal(err)
+	}
+	d := mustMount(t, img, filepath.Join(tmp, DiskMountName))
+	if err := os.WriteFile(filepath.Join(d.Upper(), "f"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	const base = 300000
+	cmd := exec.Command("sleep", "30")
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		Cloneflags:  syscall.CLONE_NEWUSER,
+		UidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: base, Size: 65536}},
+		GidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: base, Size: 65536}},
+	}
+	if err := cmd.Start(); err != nil {
+		t.Skipf("no user namespace: %v", err)
+	}
+	defer func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	}()
+	uns, err := unix.Open(fmt.Sprintf("/proc/%d/ns/user", cmd.Process.Pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(uns)
+	fd, err := unix.OpenTree(unix.AT_FDCWD, d.Dir(), unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_SYMLINK_NOFOLLOW)
+	if err != nil {
+		t.Skipf("open_tree: %v", err)
+	}
+	attr := unix.MountAttr{Attr_set: unix.MOUNT_ATTR_IDMAP | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV, Userns_fd: uint64(uns)}
+	if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH, &attr); err != nil {
+		unix.Close(fd)
+		if errors.Is(err, unix.ENOSYS) {
+			t.Skip("no mount_setattr")
+		}
+		t.Fatalf("idmapping the disk's mount: %v", err)
+	}
+	tgt := filepath.Join(tmp, "idmapped")
+	if err := os.Mkdir(tgt, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	err = unix.MoveMount(fd, "", unix.AT_FDCWD, tgt, unix.MOVE_MOUNT_F_EMPTY_PATH)
+	unix.Close(fd) // an open tree fd keeps the mount busy
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = unix.Unmount(tgt, unix.MNT_DETACH) }()
+	var st unix.Stat_t
+	if err := unix.Stat(filepath.Join(tgt, diskUpperDir, "f"), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Uid != base || st.Gid != base {
+		t.Fatalf("file owned by 0:0 on the disk shows as %d:%d through the idmapped clone, want %d", st.Uid, st.Gid, base)
+	}
+	if err := unix.Unmount(tgt, 0); err != nil {
 		t.Fatal(err)
 	}
 	if err := d.Unmount(); err != nil {
