@@ -237,16 +237,22 @@ func (m *Manager) Snapshot(ctx context.Context, route identity.Route, id string)
 	if fi, err := os.Lstat(upper); err != nil || !fi.IsDir() {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: writable layer %s missing", route.SandboxID, errdefs.ErrNotFound, upper)
 	}
+	opts := snapshot.ArchiveOptions{Limits: m.cfg.SnapshotLimits}
+	// A store on a local file system (snapshot.Local) names its directory:
+	// the archive's free-space checks watch that file system.
+	if d, ok := m.snaps.(interface{ Dir() string }); ok {
+		opts.SpaceDir = d.Dir()
+	}
 	var st snapshot.Stats
 	n, err := m.putStream(ctx, id, func(w io.Writer) (err error) {
-		st, err = snapshot.Archive(ctx, upper, w)
+		st, err = snapshot.Archive(ctx, upper, w, opts)
 		return err
 	})
 	if err != nil {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w", route.SandboxID, lifecycleErr(ctx, err))
 	}
 	m.log.Info("snapshot stored", "sandbox", route.SandboxID, "generation", route.Generation, "snapshot", id,
-		"bytes", n, "entries", st.Entries, "skipped", st.Skipped)
+		"bytes", n, "entries", st.Entries, "content", st.Bytes, "logical", st.Logical, "skipped", st.Skipped)
 	return spacev1.SnapshotResponse{SnapshotID: id, SizeBytes: n}, nil
 }
 
@@ -394,13 +400,13 @@ func (m *Manager) prepareInstall(ctx context.Context, req spacev1.InstallRequest
 		return fmt.Errorf("install %s: restore: %w", r.SandboxID, err)
 	}
 	defer rc.Close()
-	st, err := snapshot.Restore(ctx, rc, upper, snapshot.RestoreOptions{})
+	st, err := snapshot.Restore(ctx, rc, upper, snapshot.RestoreOptions{Limits: m.cfg.SnapshotLimits})
 	if err != nil {
 		os.RemoveAll(upper)
 		return fmt.Errorf("install %s: restore snapshot %s: %w", r.SandboxID, req.RestoreSnapshot, lifecycleErr(ctx, err))
 	}
 	m.log.Info("snapshot restored", "sandbox", r.SandboxID, "generation", r.Generation, "snapshot", req.RestoreSnapshot,
-		"entries", st.Entries, "bytes", st.Bytes)
+		"entries", st.Entries, "bytes", st.Bytes, "logical", st.Logical)
 	return nil
 }
 

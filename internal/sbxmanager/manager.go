@@ -39,6 +39,7 @@ import (
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/procid"
 	"github.com/spacesbx/space/internal/procwait"
+	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/substrate"
 )
 
@@ -69,6 +70,14 @@ type Config struct {
 	// commands are frozen as they are. Substrates whose state snapshots
 	// keep processes (microvm) do not wait. Default 2s; negative: no wait.
 	PauseStreamGrace time.Duration
+	// SnapshotLimits bound a writable-layer snapshot, enforced while it is
+	// archived and again while it is restored, so that whatever a sandbox
+	// writes (or claims in a forged archive) cannot fill the host's disk
+	// on either side of a move. Defaults: MaxBytes (file content stored,
+	// holes of sparse files excluded) 10 GiB, MaxLogical (file sizes,
+	// holes included) 1 TiB, MaxEntries 4 Mi. Independently, neither side
+	// writes into a file system's last max(1 GiB, 5%).
+	SnapshotLimits snapshot.Limits
 	// UnsafeSkipIdentityChecks disables capability verification and the
 	// identity comparison, routing by the E2b-Sandbox-Id header instead.
 	// It exists only as the baseline of the on/off benchmark; nothing that
@@ -92,6 +101,9 @@ func (c *Config) Validate() error {
 	}
 	if c.PauseStreamGrace == 0 {
 		c.PauseStreamGrace = 2 * time.Second
+	}
+	if c.SnapshotLimits.MaxBytes <= 0 {
+		c.SnapshotLimits.MaxBytes = 10 << 30
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()

@@ -34,6 +34,8 @@ import (
 //   - directories, regular files, symbolic links (the target is stored as
 //     is: absolute targets are normal inside a sandbox and are never
 //     followed by Restore), FIFOs;
+//   - sparse regular files: TypeSparse entries holding only the data
+//     extents (see sparse.go); files without holes are TypeReg;
 //   - hard links: the second and later names of a regular file are
 //     TypeLink entries naming the first;
 //   - overlay whiteouts: character devices 0:0 (TypeChar, major and minor
@@ -49,7 +51,8 @@ import (
 // Stats summarizes an archive or a restore.
 type Stats struct {
 	Entries int
-	Bytes   int64 // regular file content
+	Bytes   int64 // regular file content stored (holes of sparse files excluded)
+	Logical int64 // regular file sizes (holes included)
 	// Skipped counts files Archive left out (sockets, device nodes other
 	// than whiteouts).
 	Skipped int
@@ -59,15 +62,19 @@ type Stats struct {
 var ErrHostileArchive = errors.New("snapshot: archive rejected")
 
 // ArchiveError rejects one entry of an archive given to Restore. It
-// matches ErrHostileArchive and errdefs.ErrInvalid.
+// matches ErrHostileArchive and errdefs.ErrInvalid, and Err when set (an
+// archive over the restore's Limits is also ErrTooLarge).
 type ArchiveError struct {
 	Entry  string
 	Reason string
+	Err    error
 }
 
 func (e *ArchiveError) Error() string {
 	return fmt.Sprintf("snapshot: archive entry %q rejected: %s", e.Entry, e.Reason)
 }
+
+func (e *ArchiveError) Unwrap() error { return e.Err }
 
 // Is makes errors.Is(err, ErrHostileArchive) and errors.Is(err,
 // errdefs.ErrInvalid) hold.
@@ -86,15 +93,39 @@ func keepXattr(name string) bool {
 	return strings.HasPrefix(name, "user.") && !strings.HasPrefix(name, "user.overlay.")
 }
 
+// ArchiveOptions bound what Archive writes.
+type ArchiveOptions struct {
+	Limits
+	// SpaceDir is a directory on the file system the archive ends up on
+	// (a local store's directory), whose free space is checked before and
+	// while writing; empty (an object store): not checked.
+	SpaceDir string
+	Space    FreeSpace
+}
+
 // Archive writes the tree under dir to w as described above. The tree must
 // be quiescent (a paused or stopped sandbox); Archive never follows
-// symbolic links.
-func Archive(ctx context.Context, dir string, w io.Writer) (Stats, error) {
+// symbolic links. It stops with an error matching ErrTooLarge before the
+// archive would exceed opts' Limits, and with one matching ErrNoSpace when
+// opts.SpaceDir's file system runs short; w then holds a partial archive
+// the caller discards (a store's Put does when its reader fails).
+func Archive(ctx context.Context, dir string, w io.Writer, opts ArchiveOptions) (Stats, error) {
+	opts.defaults()
 	var st Stats
+	guard := newSpaceGuard(opts.SpaceDir, opts.Space)
+	if err := guard.check(0); err != nil {
+		return st, fmt.Errorf("snapshot: archive: %w", err)
+	}
+	if guard != nil {
+		w = guardWriter{w, guard}
+	}
 	tw := tar.NewWriter(w)
 	type inode struct{ dev, ino uint64 }
 	links := map[inode]string{}
 	buf := make([]byte, 256<<10)
+	tooLarge := func(name, what string, limit int64) error {
+		return fmt.Errorf("%w: %s exceeds %d at %q", ErrTooLarge, what, limit, name)
+	}
 	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
@@ -122,6 +153,13 @@ func Archive(ctx context.Context, dir string, w io.Writer) (Stats, error) {
 			ModTime: time.Unix(s.Mtim.Unix()),
 			Format:  tar.FormatPAX,
 		}
+		var f *os.File // regular file content
+		defer func() {
+			if f != nil {
+				f.Close()
+			}
+		}()
+		var ext []extent
 		switch s.Mode & unix.S_IFMT {
 		case unix.S_IFDIR:
 			hdr.Typeflag, hdr.Name = tar.TypeDir, name+"/"
@@ -134,7 +172,26 @@ func Archive(ctx context.Context, dir string, w io.Writer) (Stats, error) {
 				}
 				links[k] = name
 			}
+			if f, err = os.OpenFile(p, os.O_RDONLY|unix.O_NOFOLLOW, 0); err != nil {
+				return fmt.Errorf("open %s: %w", name, err)
+			}
 			hdr.Typeflag, hdr.Size = tar.TypeReg, s.Size
+			// Blocks cover the size: no holes, no need to look for them.
+			if s.Blocks*512 < s.Size {
+				if ext, err = dataExtents(int(f.Fd()), s.Size); err != nil {
+					return fmt.Errorf("%s: %w", name, err)
+				}
+				if stored := storedBytes(ext); stored < s.Size {
+					hdr.Typeflag, hdr.Size = TypeSparse, stored
+					hdr.PAXRecords = map[string]string{sparseRecord: formatSparse(s.Size, ext)}
+				}
+			}
+			if st.Bytes+hdr.Size > opts.MaxBytes {
+				return tooLarge(name, "file content", opts.MaxBytes)
+			}
+			if st.Logical+s.Size > opts.MaxLogical {
+				return tooLarge(name, "logical file size", opts.MaxLogical)
+			}
 		case unix.S_IFLNK:
 			target, err := os.Readlink(p)
 			if err != nil {
@@ -153,7 +210,10 @@ func Archive(ctx context.Context, dir string, w io.Writer) (Stats, error) {
 			st.Skipped++
 			return nil
 		}
-		if hdr.Typeflag == tar.TypeDir || hdr.Typeflag == tar.TypeReg {
+		if st.Entries+1 > opts.MaxEntries {
+			return fmt.Errorf("%w: more than %d entries at %q", ErrTooLarge, opts.MaxEntries, name)
+		}
+		if hdr.Typeflag == tar.TypeDir || f != nil {
 			xa, err := readXattrs(p)
 			if err != nil {
 				return fmt.Errorf("xattrs of %s: %w", name, err)
@@ -165,25 +225,30 @@ func Archive(ctx context.Context, dir string, w io.Writer) (Stats, error) {
 				hdr.PAXRecords[xattrPrefix+k] = v
 			}
 		}
+		if err := guard.large(hdr.Size); err != nil {
+			return err
+		}
 		if err := tw.WriteHeader(hdr); err != nil {
 			return fmt.Errorf("%s: %w", name, err)
 		}
 		st.Entries++
+		if f == nil {
+			return nil
+		}
 		if hdr.Typeflag == tar.TypeReg {
-			f, err := os.OpenFile(p, os.O_RDONLY|unix.O_NOFOLLOW, 0)
-			if err != nil {
-				return fmt.Errorf("open %s: %w", name, err)
-			}
-			n, err := io.CopyBuffer(tw, io.LimitReader(f, s.Size), buf)
-			f.Close()
+			ext = []extent{{0, s.Size}}
+		}
+		for _, e := range ext {
+			n, err := io.CopyBuffer(tw, io.NewSectionReader(f, e.off, e.len), buf)
 			if err != nil {
 				return fmt.Errorf("copy %s: %w", name, err)
 			}
-			if n != s.Size {
+			if n != e.len {
 				return fmt.Errorf("copy %s: file changed size while archiving (is the sandbox paused?)", name)
 			}
-			st.Bytes += n
 		}
+		st.Bytes += hdr.Size
+		st.Logical += s.Size
 		return nil
 	})
 	if err != nil {
@@ -234,21 +299,12 @@ func readXattrs(p string) (map[string]string, error) {
 	return out, nil
 }
 
-// RestoreOptions bound what Restore accepts.
+// RestoreOptions bound what Restore accepts and writes.
 type RestoreOptions struct {
-	// MaxEntries bounds the number of entries. Default 4 Mi.
-	MaxEntries int
-	// MaxBytes bounds the total size of regular file content. Default 64 GiB.
-	MaxBytes int64
-}
-
-func (o *RestoreOptions) defaults() {
-	if o.MaxEntries <= 0 {
-		o.MaxEntries = 4 << 20
-	}
-	if o.MaxBytes <= 0 {
-		o.MaxBytes = 64 << 30
-	}
+	Limits
+	// Space is the free-space reserve kept on the target's file system,
+	// checked before and while extracting.
+	Space FreeSpace
 }
 
 // Restore extracts an archive written by Archive into dir, which must
@@ -262,8 +318,15 @@ func (o *RestoreOptions) defaults() {
 //     never a parent, so nothing is ever written through one);
 //   - hard links whose target is not a regular file extracted earlier;
 //   - device nodes other than 0:0 whiteouts, block devices, and any other
-//     entry type (sparse files, GNU extensions);
-//   - extended attributes outside the allowlist, oversized archives.
+//     entry type (GNU sparse files and other GNU extensions);
+//   - extended attributes outside the allowlist, GNU.sparse.* records,
+//     SPACE.* records other than a valid SPACE.sparse on a TypeSparse
+//     entry (see sparse.go);
+//   - archives over opts' Limits (these also match ErrTooLarge).
+//
+// Sparse entries are restored sparse: only their data extents are
+// written. Restore refuses to start, and stops, when the target's file
+// system would drop below opts.Space's reserve (ErrNoSpace).
 //
 // All file system operations are relative to dir (os.Root and *at system
 // calls on directory descriptors, never following the final component), so
@@ -279,12 +342,16 @@ func Restore(ctx context.Context, r io.Reader, dir string, opts RestoreOptions) 
 	if len(ents) > 0 {
 		return st, fmt.Errorf("snapshot: restore: %w: target directory %s is not empty", errdefs.ErrConflict, dir)
 	}
+	guard := newSpaceGuard(dir, opts.Space)
+	if err := guard.check(0); err != nil {
+		return st, fmt.Errorf("snapshot: restore: %w", err)
+	}
 	root, err := os.OpenRoot(dir)
 	if err != nil {
 		return st, fmt.Errorf("snapshot: restore: %w", err)
 	}
 	defer root.Close()
-	x := &extractor{root: root, dirs: map[string]bool{"": true}, files: map[string]bool{}, seen: map[string]bool{}}
+	x := &extractor{root: root, guard: guard, dirs: map[string]bool{"": true}, files: map[string]bool{}, seen: map[string]bool{}}
 	defer x.closeParent()
 	tr := tar.NewReader(r)
 	buf := make([]byte, 256<<10)
@@ -304,14 +371,32 @@ func Restore(ctx context.Context, r io.Reader, dir string, opts RestoreOptions) 
 		}
 		st.Entries++
 		if st.Entries > opts.MaxEntries {
-			return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("more than %d entries", opts.MaxEntries)}
+			return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("more than %d entries", opts.MaxEntries), Err: ErrTooLarge}
 		}
-		if hdr.Typeflag == tar.TypeReg {
+		var sp *sparseFile
+		switch hdr.Typeflag {
+		case tar.TypeReg, TypeSparse:
 			if hdr.Size < 0 || st.Bytes+hdr.Size > opts.MaxBytes {
-				return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("content exceeds %d bytes", opts.MaxBytes)}
+				return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("content exceeds %d bytes", opts.MaxBytes), Err: ErrTooLarge}
 			}
+			logical := hdr.Size
+			if hdr.Typeflag == TypeSparse {
+				v, ok := hdr.PAXRecords[sparseRecord]
+				if !ok {
+					return st, &ArchiveError{Entry: hdr.Name, Reason: "sparse entry without a " + sparseRecord + " record"}
+				}
+				size, ext, why := parseSparse(v, hdr.Size)
+				if why != "" {
+					return st, &ArchiveError{Entry: hdr.Name, Reason: why}
+				}
+				sp, logical = &sparseFile{size, ext}, size
+			}
+			if st.Logical+logical > opts.MaxLogical {
+				return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("logical file sizes exceed %d bytes", opts.MaxLogical), Err: ErrTooLarge}
+			}
+			st.Logical += logical
 		}
-		n, err := x.extract(hdr, tr, buf)
+		n, err := x.extract(hdr, tr, buf, sp)
 		st.Bytes += n
 		if err != nil {
 			var ae *ArchiveError
@@ -339,8 +424,15 @@ type dirTime struct {
 	mtime time.Time
 }
 
+// sparseFile is a TypeSparse entry's validated extent map.
+type sparseFile struct {
+	size int64
+	ext  []extent
+}
+
 type extractor struct {
 	root     *os.Root
+	guard    *spaceGuard
 	dirs     map[string]bool // directories created by this archive ("" is the root)
 	files    map[string]bool // regular files created by this archive
 	seen     map[string]bool
@@ -402,7 +494,7 @@ func (x *extractor) withParent(name string, fn func(pfd int, base string) error)
 	return fn(int(x.parent.Fd()), base)
 }
 
-func (x *extractor) extract(hdr *tar.Header, r io.Reader, buf []byte) (int64, error) {
+func (x *extractor) extract(hdr *tar.Header, r io.Reader, buf []byte, sp *sparseFile) (int64, error) {
 	name, why := cleanName(hdr.Name)
 	if why != "" {
 		return 0, &ArchiveError{Entry: hdr.Name, Reason: why}
@@ -426,6 +518,14 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader, buf []byte) (int64, er
 			}
 			xattrs[a] = v
 		}
+		// archive/tar expands GNU sparse files itself (holes read as
+		// zeros, a size the archive chooses): Archive never writes them.
+		if strings.HasPrefix(k, "GNU.sparse.") {
+			return 0, &ArchiveError{Entry: hdr.Name, Reason: "GNU sparse file"}
+		}
+		if strings.HasPrefix(k, "SPACE.") && (k != sparseRecord || hdr.Typeflag != TypeSparse) {
+			return 0, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("record %q not allowed here", k)}
+		}
 	}
 	mode := uint32(hdr.Mode) & 0o7777
 	if hdr.Mode < 0 || hdr.Mode&^0o7777 != 0 {
@@ -434,7 +534,7 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader, buf []byte) (int64, er
 	if hdr.Uid < 0 || hdr.Gid < 0 || hdr.Uid > 1<<31 || hdr.Gid > 1<<31 {
 		return 0, &ArchiveError{Entry: hdr.Name, Reason: "invalid owner"}
 	}
-	if len(xattrs) > 0 && hdr.Typeflag != tar.TypeDir && hdr.Typeflag != tar.TypeReg {
+	if len(xattrs) > 0 && hdr.Typeflag != tar.TypeDir && hdr.Typeflag != tar.TypeReg && hdr.Typeflag != TypeSparse {
 		return 0, &ArchiveError{Entry: hdr.Name, Reason: "extended attributes on a non-file entry"}
 	}
 	var written int64
@@ -450,20 +550,37 @@ func (x *extractor) extract(hdr *tar.Header, r io.Reader, buf []byte) (int64, er
 			x.dirs[name] = true
 			x.dirTimes = append(x.dirTimes, dirTime{name, hdr.ModTime})
 			return nil
-		case tar.TypeReg: // tar.Reader already turns the old TypeRegA into TypeReg
+		case tar.TypeReg, TypeSparse: // tar.Reader already turns the old TypeRegA into TypeReg
+			if sp == nil {
+				sp = &sparseFile{hdr.Size, []extent{{0, hdr.Size}}}
+			}
+			if err := x.guard.large(hdr.Size); err != nil {
+				return err
+			}
 			fd, err := unix.Openat(pfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 			if err != nil {
 				return err
 			}
 			f := os.NewFile(uintptr(fd), name)
 			defer f.Close()
-			n, err := io.CopyBuffer(f, io.LimitReader(r, hdr.Size), buf)
-			written = n
-			if err != nil {
-				return err
+			for _, e := range sp.ext {
+				var w io.Writer = io.NewOffsetWriter(f, e.off)
+				if x.guard != nil {
+					w = guardWriter{w, x.guard}
+				}
+				n, err := io.CopyBuffer(w, io.LimitReader(r, e.len), buf)
+				written += n
+				if err != nil {
+					return err
+				}
+				if n != e.len {
+					return &ArchiveError{Entry: hdr.Name, Reason: "truncated content"}
+				}
 			}
-			if n != hdr.Size {
-				return &ArchiveError{Entry: hdr.Name, Reason: "truncated content"}
+			// The holes: what is past the last extent, and what was
+			// never written between them, reads as zeros without blocks.
+			if err := f.Truncate(sp.size); err != nil {
+				return err
 			}
 			if err := x.setAttrsFd(pfd, base, hdr, mode, xattrs, f); err != nil {
 				return err

@@ -140,7 +140,7 @@ func TestArchiveRestoreRoundTrip(t *testing.T) {
 	must(t, unix.Mknod(p("null"), unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3))))
 
 	var buf bytes.Buffer
-	st, err := Archive(context.Background(), src, &buf)
+	st, err := Archive(context.Background(), src, &buf, ArchiveOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -209,7 +209,7 @@ func TestOverlayRoundTrip(t *testing.T) {
 	must(t, unix.Unmount(d("merged"), 0))
 
 	var buf bytes.Buffer
-	if _, err := Archive(context.Background(), d("upper"), &buf); err != nil {
+	if _, err := Archive(context.Background(), d("upper"), &buf, ArchiveOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := Restore(context.Background(), &buf, d("upper2"), RestoreOptions{}); err != nil {
@@ -326,12 +326,12 @@ func TestRestoreRejectsHostileArchives(t *testing.T) {
 	}
 	// Limits.
 	base := t.TempDir()
-	_, err := Restore(context.Background(), bytes.NewReader(buildTar(t, reg("a", "0123456789"))), base, RestoreOptions{MaxBytes: 5})
+	_, err := Restore(context.Background(), bytes.NewReader(buildTar(t, reg("a", "0123456789"))), base, RestoreOptions{Limits: Limits{MaxBytes: 5}})
 	if !errors.Is(err, ErrHostileArchive) {
 		t.Fatalf("max bytes: %v", err)
 	}
 	base = t.TempDir()
-	_, err = Restore(context.Background(), bytes.NewReader(buildTar(t, reg("a", ""), reg("b", ""))), base, RestoreOptions{MaxEntries: 1})
+	_, err = Restore(context.Background(), bytes.NewReader(buildTar(t, reg("a", ""), reg("b", ""))), base, RestoreOptions{Limits: Limits{MaxEntries: 1}})
 	if !errors.Is(err, ErrHostileArchive) {
 		t.Fatalf("max entries: %v", err)
 	}
@@ -356,11 +356,20 @@ func FuzzRestore(f *testing.F) {
 	tw.WriteHeader(&tar.Header{Name: "l", Typeflag: tar.TypeSymlink, Linkname: "../x"})
 	tw.Close()
 	f.Add(buf.Bytes())
+	// A sparse file: holes, then extents written at their offsets.
+	buf.Reset()
+	tw = tar.NewWriter(&buf)
+	tw.WriteHeader(&tar.Header{Name: "s", Typeflag: TypeSparse, Mode: 0o644, Size: 5, Format: tar.FormatPAX,
+		PAXRecords: map[string]string{sparseRecord: "65536,0,2,4096,3"}})
+	tw.Write([]byte("abxyz"))
+	tw.WriteHeader(&tar.Header{Name: "h", Typeflag: tar.TypeLink, Linkname: "s"})
+	tw.Close()
+	f.Add(buf.Bytes())
 	f.Fuzz(func(t *testing.T, data []byte) {
 		base := t.TempDir()
 		target := filepath.Join(base, "t")
 		os.Mkdir(target, 0o755)
-		Restore(context.Background(), bytes.NewReader(data), target, RestoreOptions{MaxBytes: 1 << 20, MaxEntries: 1000})
+		Restore(context.Background(), bytes.NewReader(data), target, RestoreOptions{Limits: Limits{MaxBytes: 1 << 20, MaxEntries: 1000}})
 		ents, _ := os.ReadDir(base)
 		if len(ents) != 1 {
 			t.Fatalf("wrote outside the target: %v", ents)
