@@ -59,6 +59,24 @@ func Main(o MainOptions) int {
 		fmt.Fprintf(o.Stderr, "spaced-guest: "+format+"\n", a...)
 		return 1
 	}
+	// Before anything can start a command: only 0, 1 and 2 reach user
+	// code. The listener (inherited fd 3 unless --listen) and the user
+	// cgroup stay open here, close-on-exec.
+	var keep []int
+	if o.VMPort == "" && *listen == "" {
+		keep = append(keep, 3)
+	}
+	if o.UserCgroup != nil {
+		keep = append(keep, int(o.UserCgroup.Fd()))
+	}
+	if err := SealFDs(keep...); err != nil {
+		logger.Warn("spaced-guest: could not seal inherited file descriptors", "err", err)
+	}
+	// The agent is pid 1: a write to a stderr nobody reads any more must
+	// fail with EPIPE, not end the agent and with it the sandbox (Go exits
+	// on SIGPIPE from fd 1 or 2 unless the signal is notified). A caught
+	// signal is reset to its default at exec, so commands keep SIGPIPE.
+	signal.Notify(make(chan os.Signal, 1), syscall.SIGPIPE)
 	if o.VMPort == "" {
 		runtime.GOMAXPROCS(nsGOMAXPROCS) // here, not via GOMAXPROCS: user processes inherit the env
 		PrestartThreads(nsSpareThreads)

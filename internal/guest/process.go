@@ -33,14 +33,18 @@ const (
 	// outlive it). A whole grace period without output ends the stream.
 	drainGrace = 100 * time.Millisecond
 	// readerWait bounds how long the waiter waits for readers after the
-	// grace logic, before closing their files.
+	// grace logic, before it ends the stream without them (output that
+	// never pauses); their files are drained, not closed (drainOrphaned).
 	readerWait = 5 * time.Second
 	// subscriberBuffer is the number of events queued per stream before
 	// backpressure reaches the process's output pipes.
 	subscriberBuffer = 64
 	readBufferSize   = 32 << 10
-	defaultPTYCols   = 80
-	defaultPTYRows   = 24
+	// drainBufferSize is the read buffer of a pipe drained after its
+	// stream ended (drainOrphaned): small, as there may be many.
+	drainBufferSize = 4 << 10
+	defaultPTYCols  = 80
+	defaultPTYRows  = 24
 )
 
 // proc is a process started by the agent.
@@ -260,10 +264,11 @@ func keepaliveEvent() *processpb.ProcessEvent {
 	return &processpb.ProcessEvent{Event: &processpb.ProcessEvent_Keepalive{Keepalive: &processpb.ProcessEvent_KeepAlive{}}}
 }
 
-// readLoop publishes what f yields until EOF, close, or a full drainGrace
-// period without output after the process exited (the waiter arms the read
-// deadline).
-func (p *proc) readLoop(f *os.File, kind int) {
+// readLoop publishes what f yields until EOF, an error, or the end of the
+// process's stream (see waitProcess): a full drainGrace period without
+// output after the process exited, or stop. It reports whether f may still
+// have writers, i.e. it did not end at EOF or on an error.
+func (p *proc) readLoop(f *os.File, kind int, stop *atomic.Bool) (open bool) {
 	buf := make([]byte, readBufferSize)
 	rearmed := false
 	for {
@@ -273,7 +278,10 @@ func (p *proc) readLoop(f *os.File, kind int) {
 			p.publish(dataEvent(kind, bytes.Clone(buf[:n])))
 		}
 		if err != nil {
-			if errors.Is(err, os.ErrDeadlineExceeded) && !rearmed {
+			if !errors.Is(err, os.ErrDeadlineExceeded) {
+				return false
+			}
+			if !rearmed && !stop.Load() {
 				// The deadline may have expired while we were publishing:
 				// give buffered or still-arriving output one fresh period.
 				rearmed = true
@@ -281,7 +289,7 @@ func (p *proc) readLoop(f *os.File, kind int) {
 					continue
 				}
 			}
-			return
+			return true
 		}
 	}
 }
@@ -427,19 +435,21 @@ func (s *Server) startProcess(h http.Header, req *processpb.StartRequest) (*proc
 	s.procs[p.pid] = p
 	// s.closed is false and s.mu is held: register the goroutines directly.
 	var readersWG sync.WaitGroup
+	stop := new(atomic.Bool)
+	open := make([]bool, len(readers)) // each reader's result, read after readersWG.Wait
 	for i, f := range readers {
 		readersWG.Add(1)
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
 			defer readersWG.Done()
-			p.readLoop(f, kinds[i])
+			open[i] = p.readLoop(f, kinds[i], stop)
 		}()
 	}
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		s.waitProcess(p, readers, &readersWG)
+		s.waitProcess(p, readers, &readersWG, stop, open)
 	}()
 	s.log.Info("process started", "pid", p.pid, "cmd", pc.GetCmd(), "user", acct.Name, "pty", p.pty != nil)
 	return p, sub, nil
@@ -502,8 +512,10 @@ func startError(err error) error {
 }
 
 // waitProcess reaps the process, drains its output, publishes the end event
-// and unregisters it.
-func (s *Server) waitProcess(p *proc, readers []*os.File, readersWG *sync.WaitGroup) {
+// and unregisters it. Output pipes (or the terminal) that children of the
+// process still hold when its stream ends are not closed but drained (see
+// drainOrphaned).
+func (s *Server) waitProcess(p *proc, readers []*os.File, readersWG *sync.WaitGroup, stop *atomic.Bool, open []bool) {
 	werr := p.cmd.Wait()
 	p.waited.Store(true)
 	if t := p.deadline.Load(); t != nil {
@@ -520,13 +532,20 @@ func (s *Server) waitProcess(p *proc, readers []*os.File, readersWG *sync.WaitGr
 	select {
 	case <-done:
 	case <-time.After(readerWait):
+		// Output keeps arriving (a child left behind writes without
+		// pause): end the stream anyway, without closing the files.
+		stop.Store(true)
 		for _, f := range readers {
-			_ = f.Close()
+			_ = f.SetReadDeadline(time.Now())
 		}
 		<-done
 	}
-	for _, f := range readers {
-		_ = f.Close()
+	for i, f := range readers {
+		if open[i] {
+			s.drainOrphaned(f)
+		} else {
+			_ = f.Close()
+		}
 	}
 	if p.stdin != nil {
 		_ = p.stdin.Close()
@@ -548,6 +567,43 @@ func (s *Server) waitProcess(p *proc, readers []*os.File, readersWG *sync.WaitGr
 	}
 	s.mu.Unlock()
 	s.log.Info("process ended", "pid", p.pid, "status", end.Status)
+}
+
+// drainOrphaned reads and discards what f, an output pipe or terminal of a
+// process whose stream has ended, still yields, until its last writer is
+// gone or the server closes. A process's children can outlive it with its
+// stdout, stderr or terminal (`server &`): a closed read end would hit
+// them with SIGPIPE, EPIPE or EIO at their next write, and one nobody
+// reads would block them once its buffer is full.
+func (s *Server) drainOrphaned(f *os.File) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		_ = f.Close()
+		return
+	}
+	s.drains[f] = struct{}{}
+	// s.closed is false and s.mu is held: register the goroutine directly.
+	s.wg.Add(1)
+	s.mu.Unlock()
+	go func() {
+		defer s.wg.Done()
+		defer func() {
+			s.mu.Lock()
+			delete(s.drains, f)
+			s.mu.Unlock()
+			_ = f.Close()
+		}()
+		if f.SetReadDeadline(time.Time{}) != nil {
+			return
+		}
+		buf := make([]byte, drainBufferSize)
+		for {
+			if _, err := f.Read(buf); err != nil {
+				return // EOF (no writer left), or closed by Close
+			}
+		}
+	}()
 }
 
 // processEnv builds the environment: PATH default, Config.Env, the user's

@@ -51,6 +51,7 @@ type Server struct {
 	mu        sync.Mutex
 	closed    bool
 	procs     map[uint32]*proc
+	drains    map[*os.File]struct{} // output drained after its stream ended (drainOrphaned)
 	watchers  map[string]*pollWatcher
 	nwatches  int // live WatchDir streams + pollWatchers
 	closeOnce sync.Once
@@ -70,6 +71,7 @@ func New(cfg Config) (*Server, error) {
 		ctx:      ctx,
 		cancel:   cancel,
 		procs:    make(map[uint32]*proc),
+		drains:   make(map[*os.File]struct{}),
 		watchers: make(map[string]*pollWatcher),
 	}
 	s.act.Store(&activation{Identity: cfg.Identity, Env: cfg.Env, DefaultUser: cfg.DefaultUser})
@@ -162,6 +164,10 @@ func (s *Server) Close() error {
 		for _, p := range s.procs {
 			procs = append(procs, p)
 		}
+		drains := make([]*os.File, 0, len(s.drains))
+		for f := range s.drains {
+			drains = append(drains, f)
+		}
 		watchers := make([]*pollWatcher, 0, len(s.watchers))
 		for id, w := range s.watchers {
 			watchers = append(watchers, w)
@@ -172,6 +178,9 @@ func (s *Server) Close() error {
 		s.cancel() // ends streaming handlers and owned goroutines
 		for _, p := range procs {
 			p.kill()
+		}
+		for _, f := range drains {
+			_ = f.Close() // ends its drainOrphaned reader
 		}
 		for _, w := range watchers {
 			w.stop()

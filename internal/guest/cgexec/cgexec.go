@@ -30,6 +30,8 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // EnvFD names the environment variable carrying the number of an inherited
@@ -67,7 +69,13 @@ func wrapper() {
 		}
 		break
 	}
-	syscall.CloseOnExec(handoffFD)
+	// Nothing but 0, 1 and 2 goes to the command. The agent already made
+	// everything else close-on-exec (guest.SealFDs); doing it again here
+	// keeps a descriptor the agent may have missed out of user code. The
+	// handoff stays usable for the errno until the exec succeeds.
+	if unix.CloseRange(handoffFD, ^uint(0), unix.CLOSE_RANGE_CLOEXEC) != nil {
+		syscall.CloseOnExec(handoffFD)
+	}
 	err := syscall.Exec(os.Args[1], os.Args[2:], environ())
 	errno, ok := err.(syscall.Errno)
 	if !ok {
