@@ -111,6 +111,13 @@ type flight struct {
 	err  error
 }
 
+// usable reports whether ent can be forwarded without asking the control
+// plane (the test resolve applies to a cached entry).
+func (e *Edge) usable(ent *entry) bool {
+	now := e.cfg.Clock()
+	return now.Before(ent.authorizedUntil) && now.Before(ent.expires.Add(-e.cfg.RenewBefore))
+}
+
 // resolve returns a usable route for the request: the cached one, a renewed
 // one (edge key, same authorization bound) or a freshly authorized one
 // (caller's token). Concurrent resolutions of one key are coalesced.
@@ -118,7 +125,7 @@ func (e *Edge) resolve(ctx context.Context, k cacheKey, t target, callerToken st
 	now := e.cfg.Clock()
 	e.mu.Lock()
 	ent := e.cache[k]
-	if ent != nil && now.Before(ent.authorizedUntil) && now.Before(ent.expires.Add(-e.cfg.RenewBefore)) {
+	if ent != nil && e.usable(ent) {
 		e.mu.Unlock()
 		return ent, nil
 	}

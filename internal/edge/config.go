@@ -31,6 +31,20 @@ const (
 	// DefaultReattachWindow bounds the time one reattach may take (a move
 	// may still be publishing its route).
 	DefaultReattachWindow = 30 * time.Second
+	// DefaultBufferedBodyBudget bounds the request-body bytes held in
+	// memory across all in-flight requests (eight bodies of
+	// DefaultMaxBufferedBody, or thousands of typical small ones).
+	DefaultBufferedBodyBudget = 128 << 20
+	// DefaultBodyIdleTimeout cuts a request body that makes no progress.
+	DefaultBodyIdleTimeout = 30 * time.Second
+	// DefaultBodyReadTimeout bounds receiving a whole held body.
+	DefaultBodyReadTimeout = 60 * time.Second
+	// DefaultReadHeaderTimeout bounds receiving a request's headers.
+	DefaultReadHeaderTimeout = 10 * time.Second
+	// DefaultIdleTimeout closes keep-alive connections idle this long.
+	DefaultIdleTimeout = 120 * time.Second
+	// DefaultMaxHeaderBytes bounds a request's headers.
+	DefaultMaxHeaderBytes = 64 << 10
 )
 
 // Config configures an Edge. Zero values take the documented defaults.
@@ -51,7 +65,34 @@ type Config struct {
 	// so that a rebuilt attempt after RefreshRoute (or a transport retry of
 	// an idempotent read) can resend it. Larger bodies, and bodies of
 	// client-streaming calls, are streamed and never retried. Default 16 MiB.
+	// A body is read only after its caller is authorized.
 	MaxBufferedBody int64
+	// BufferedBodyBudget bounds the bytes of request bodies held in memory
+	// across all in-flight requests, so that many authorized callers
+	// together cannot exhaust memory either. A body that would exceed it
+	// is answered 503 (reason body_budget_exhausted) with Retry-After
+	// instead of waiting. It must be at least MaxBufferedBody. Default
+	// 128 MiB.
+	BufferedBodyBudget int64
+	// BodyIdleTimeout cuts a request body (held or streamed) when no byte
+	// of it arrives for this long: a stalled client does not keep its
+	// connection, goroutine and budget. Bodies of client-streaming calls
+	// (StreamInput, WebSocket, raw TCP, service-port bodies of unknown
+	// length) are open-ended by design and exempt. Default 30s.
+	BodyIdleTimeout time.Duration
+	// BodyReadTimeout bounds the whole time to receive a body the edge
+	// holds in memory, so a client trickling bytes cannot keep its share
+	// of BufferedBodyBudget. Such a body is answered 408. Default 60s.
+	BodyReadTimeout time.Duration
+	// ReadHeaderTimeout bounds receiving a request's headers (applied by
+	// Serve and HTTPServer). Default 10s.
+	ReadHeaderTimeout time.Duration
+	// IdleTimeout closes keep-alive connections idle this long (applied by
+	// Serve and HTTPServer). Default 120s.
+	IdleTimeout time.Duration
+	// MaxHeaderBytes bounds a request's header bytes (applied by Serve and
+	// HTTPServer). Default 64 KiB.
+	MaxHeaderBytes int
 	// RenewBefore: a cached capability that expires within this window is
 	// renewed before use. Default 20s.
 	RenewBefore time.Duration
@@ -91,6 +132,24 @@ func (cfg Config) withDefaults() Config {
 	cfg.Domain = strings.ToLower(strings.TrimSuffix(cfg.Domain, "."))
 	if cfg.MaxBufferedBody == 0 {
 		cfg.MaxBufferedBody = DefaultMaxBufferedBody
+	}
+	if cfg.BufferedBodyBudget == 0 {
+		cfg.BufferedBodyBudget = DefaultBufferedBodyBudget
+	}
+	if cfg.BodyIdleTimeout == 0 {
+		cfg.BodyIdleTimeout = DefaultBodyIdleTimeout
+	}
+	if cfg.BodyReadTimeout == 0 {
+		cfg.BodyReadTimeout = DefaultBodyReadTimeout
+	}
+	if cfg.ReadHeaderTimeout == 0 {
+		cfg.ReadHeaderTimeout = DefaultReadHeaderTimeout
+	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = DefaultIdleTimeout
+	}
+	if cfg.MaxHeaderBytes == 0 {
+		cfg.MaxHeaderBytes = DefaultMaxHeaderBytes
 	}
 	if cfg.RenewBefore == 0 {
 		cfg.RenewBefore = DefaultRenewBefore
@@ -134,6 +193,25 @@ func (cfg Config) Validate() error {
 	}
 	if cfg.MaxBufferedBody < 0 {
 		errs = append(errs, errors.New("edge: MaxBufferedBody must not be negative"))
+	}
+	if cfg.BufferedBodyBudget < 0 {
+		errs = append(errs, errors.New("edge: BufferedBodyBudget must not be negative"))
+	} else if cfg.MaxBufferedBody > cfg.BufferedBodyBudget {
+		errs = append(errs, fmt.Errorf("edge: BufferedBodyBudget (%d) must be at least MaxBufferedBody (%d)", cfg.BufferedBodyBudget, cfg.MaxBufferedBody))
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"BodyIdleTimeout", cfg.BodyIdleTimeout}, {"BodyReadTimeout", cfg.BodyReadTimeout},
+		{"ReadHeaderTimeout", cfg.ReadHeaderTimeout}, {"IdleTimeout", cfg.IdleTimeout},
+	} {
+		if d.v < 0 {
+			errs = append(errs, fmt.Errorf("edge: %s must not be negative", d.name))
+		}
+	}
+	if cfg.MaxHeaderBytes < 0 {
+		errs = append(errs, errors.New("edge: MaxHeaderBytes must not be negative"))
 	}
 	if cfg.RenewBefore < 0 {
 		errs = append(errs, errors.New("edge: RenewBefore must not be negative"))

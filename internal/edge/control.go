@@ -20,6 +20,9 @@ type httpError struct {
 	status int
 	reason string
 	msg    string
+	// retryAfter, when set, is sent as Retry-After (seconds): the refusal
+	// is about load, not about the request.
+	retryAfter string
 }
 
 func (e *httpError) Error() string { return fmt.Sprintf("%d %s: %s", e.status, e.reason, e.msg) }
@@ -31,6 +34,9 @@ func badRequest(msg string) *httpError {
 func writeError(w http.ResponseWriter, e *httpError) {
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Cache-Control", "no-store")
+	if e.retryAfter != "" {
+		w.Header().Set("Retry-After", e.retryAfter)
+	}
 	w.WriteHeader(e.status)
 	_ = json.NewEncoder(w).Encode(spacev1.Error{Code: e.status, Message: e.msg, Reason: e.reason})
 }

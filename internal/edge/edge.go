@@ -16,6 +16,12 @@
 // (repair request, edge key) and makes exactly one rebuilt attempt, provided
 // the request body is still held. A 403 deny is final.
 //
+// Request bodies (body.go): no body byte is read before the caller is
+// authorized. Bodies up to MaxBufferedBody are held for a rebuilt attempt
+// within BufferedBodyBudget across requests (503 with Retry-After when none
+// is left); larger ones stream. A body that stalls for BodyIdleTimeout, or
+// a held one not received within BodyReadTimeout, is cut (408).
+//
 // Process streams: a process Start or Connect stream that ends with
 // "execution replaced" is reattached to the same pid on the sandbox's new
 // execution within the same client response (reattach.go).
@@ -52,6 +58,8 @@ type Edge struct {
 	own     *http.ServeMux
 	handler http.Handler
 
+	budget bodyBudget
+
 	mu       sync.Mutex
 	cache    map[cacheKey]*entry
 	inflight map[cacheKey]*flight
@@ -66,14 +74,16 @@ type Edge struct {
 }
 
 type metrics struct {
-	reg        *prometheus.Registry
-	requests   *prometheus.CounterVec
-	repairs    *prometheus.CounterVec
-	denies     *prometheus.CounterVec
-	retries    prometheus.Counter
-	renewals   prometheus.Counter
-	capFetches *prometheus.CounterVec
-	reattaches *prometheus.CounterVec
+	reg         *prometheus.Registry
+	requests    *prometheus.CounterVec
+	repairs     *prometheus.CounterVec
+	denies      *prometheus.CounterVec
+	retries     prometheus.Counter
+	renewals    prometheus.Counter
+	capFetches  *prometheus.CounterVec
+	reattaches  *prometheus.CounterVec
+	heldBytes   prometheus.Gauge
+	bodyRejects *prometheus.CounterVec
 }
 
 func newMetrics() *metrics {
@@ -102,7 +112,14 @@ func newMetrics() *metrics {
 			Help: "Process streams whose execution was replaced, by outcome (reattached, process_gone, failed, client_gone).",
 		}, []string{"result"}),
 	}
-	m.reg.MustRegister(m.requests, m.repairs, m.denies, m.retries, m.renewals, m.capFetches, m.reattaches)
+	m.heldBytes = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "space_edge_held_body_bytes", Help: "Request-body bytes reserved in the buffered-body budget.",
+	})
+	m.bodyRejects = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "space_edge_body_rejections_total",
+		Help: "Request bodies refused or cut, by reason (budget: no budget left; timeout: stalled or too slow).",
+	}, []string{"reason"})
+	m.reg.MustRegister(m.requests, m.repairs, m.denies, m.retries, m.renewals, m.capFetches, m.reattaches, m.heldBytes, m.bodyRejects)
 	return m
 }
 
@@ -121,6 +138,7 @@ func New(cfg Config) (*Edge, error) {
 
 		reattachBackoff: defaultReattachBackoff,
 	}
+	e.budget.max = cfg.BufferedBodyBudget
 	e.proxy = &httputil.ReverseProxy{
 		Rewrite:        e.rewrite,
 		Transport:      &forwarder{e: e},
@@ -156,14 +174,24 @@ func (e *Edge) Run(ctx context.Context) error {
 	return e.Serve(ctx, ln)
 }
 
-// Serve serves on ln until ctx is done or Close is called.
-func (e *Edge) Serve(ctx context.Context, ln net.Listener) error {
-	srv := &http.Server{
+// HTTPServer returns an http.Server for the edge's handler with the
+// configured header and idle limits. It sets no ReadTimeout or
+// WriteTimeout: process streams and service-port connections are
+// long-lived; request bodies are bounded by the handler instead
+// (BodyIdleTimeout, BodyReadTimeout). Serve uses it.
+func (e *Edge) HTTPServer() *http.Server {
+	return &http.Server{
 		Handler:           e.handler,
-		ReadHeaderTimeout: 30 * time.Second,
-		MaxHeaderBytes:    1 << 20,
+		ReadHeaderTimeout: e.cfg.ReadHeaderTimeout,
+		IdleTimeout:       e.cfg.IdleTimeout,
+		MaxHeaderBytes:    e.cfg.MaxHeaderBytes,
 		ErrorLog:          slog.NewLogLogger(e.log.Handler(), slog.LevelWarn),
 	}
+}
+
+// Serve serves on ln until ctx is done or Close is called.
+func (e *Edge) Serve(ctx context.Context, ln net.Listener) error {
+	srv := e.HTTPServer()
 	e.srvMu.Lock()
 	if e.closed {
 		e.srvMu.Unlock()
@@ -217,6 +245,8 @@ type reqState struct {
 	held        bool   // body is held (possibly empty) and can be resent
 	streamBody  io.ReadCloser
 	callerToken string
+	// reserved is this request's share of the buffered-body budget.
+	reserved int64
 }
 
 type stateKey struct{}
@@ -234,16 +264,19 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	sandbox, port, ok, herr := parseSandboxPort(r, e.cfg.Domain)
 	if herr != nil {
 		e.metrics.requests.WithLabelValues("none", "400").Inc()
+		dropUnreadBody(w, r)
 		writeError(w, herr)
 		return
 	}
 	if !ok {
+		dropUnreadBody(w, r) // the edge's own endpoints read no body
 		e.own.ServeHTTP(w, r)
 		return
 	}
 	t, herr := classify(r, sandbox, port)
 	if herr != nil {
 		e.metrics.requests.WithLabelValues("none", itoa(herr.status)).Inc()
+		dropUnreadBody(w, r)
 		writeError(w, herr)
 		return
 	}
@@ -266,17 +299,32 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	st := &reqState{t: t, key: key, callerToken: callerToken}
-	if herr := e.holdBody(r, st); herr != nil {
-		writeError(sw, herr)
-		return
-	}
+	// Authorize before reading any body byte: an unauthenticated caller
+	// must not make the edge buffer (or even wait for) its body.
 	ent, err := e.resolve(r.Context(), st.key, t, callerToken)
 	if err != nil {
 		var he *httpError
 		if errors.As(err, &he) {
+			dropUnreadBody(w, r)
 			writeError(sw, he)
 		}
 		return // context cancelled: the client is gone
+	}
+	defer e.releaseBody(st)
+	if herr := e.holdBody(w, r, st); herr != nil {
+		writeError(sw, herr)
+		return
+	}
+	if st.held && len(st.body) > 0 && !e.usable(ent) {
+		// Receiving the body took long enough that the route's
+		// authorization or capability is due: resolve it again.
+		if ent, err = e.resolve(r.Context(), st.key, t, callerToken); err != nil {
+			var he *httpError
+			if errors.As(err, &he) {
+				writeError(sw, he)
+			}
+			return
+		}
 	}
 	st.entry = ent
 	if t.clientStream {
@@ -285,35 +333,6 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		_ = http.NewResponseController(w).EnableFullDuplex()
 	}
 	e.proxy.ServeHTTP(sw, r.WithContext(context.WithValue(r.Context(), stateKey{}, st)))
-}
-
-// holdBody reads bodies up to MaxBufferedBody into memory so that a rebuilt
-// attempt can resend them. Bodies of client-streaming calls and larger
-// bodies are streamed (not retryable).
-func (e *Edge) holdBody(r *http.Request, st *reqState) *httpError {
-	if r.Body == nil || r.Body == http.NoBody || r.ContentLength == 0 {
-		st.held = true
-		return nil
-	}
-	if st.t.clientStream || r.ContentLength > e.cfg.MaxBufferedBody {
-		st.streamBody = r.Body
-		return nil
-	}
-	max := e.cfg.MaxBufferedBody
-	buf, err := io.ReadAll(io.LimitReader(r.Body, max+1))
-	if err != nil {
-		return &httpError{status: http.StatusBadRequest, reason: "bad_request", msg: "reading request body failed"}
-	}
-	if int64(len(buf)) > max {
-		// Unknown length beyond the limit: stream what was read and the rest.
-		st.streamBody = struct {
-			io.Reader
-			io.Closer
-		}{io.MultiReader(bytes.NewReader(buf), r.Body), r.Body}
-		return nil
-	}
-	st.body, st.held = buf, true
-	return nil
 }
 
 // rewrite prepares the outbound request; the forwarder sets the node URL

@@ -66,6 +66,7 @@ type fakeCP struct {
 	reason   string // the JSON error reason of a forced status
 	onRepair func()
 	delay    time.Duration
+	gate     chan struct{} // if set, answers wait until it is closed
 }
 
 func newFakeCP(t *testing.T, signer *capability.Signer, clk *clock) *fakeCP {
@@ -93,9 +94,15 @@ func (cp *fakeCP) serve(w http.ResponseWriter, r *http.Request) {
 	status, rt, ok, need, hook := cp.status, cp.routes[sb], false, cp.tokens[sb], cp.onRepair
 	reason := cp.reason
 	_, ok = cp.routes[sb]
-	node, authFor, delay := cp.nodeURL, cp.authFor, cp.delay
+	node, authFor, delay, gate := cp.nodeURL, cp.authFor, cp.delay, cp.gate
 	cp.mu.Unlock()
 	time.Sleep(delay)
+	if gate != nil {
+		select {
+		case <-gate:
+		case <-r.Context().Done():
+		}
+	}
 	if req.Repair && hook != nil {
 		hook()
 		cp.mu.Lock()
