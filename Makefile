@@ -10,12 +10,12 @@ STATICCHECK_VERSION ?= v0.8.2
 
 CMDS := space space-api space-edge space-node spaced-host netgtw space-nsinit
 
-.PHONY: all build run test bench density check fuzz e2e-deps deps vm-deps clean churn
+.PHONY: all build run test bench density check fuzz e2e-deps deps vm-deps sandbox-deps clean churn
 
 all: build
 
 ## build: all binaries into ./bin (spaced-guest is static: it runs inside sandboxes)
-build: vm-deps
+build: vm-deps sandbox-deps
 	@mkdir -p $(BIN)
 	$(GO) build -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/spaced-guest ./cmd/spaced-guest
@@ -23,6 +23,13 @@ build: vm-deps
 ## run: build and start a single-machine SPACE (etcd, control plane, workers, edge)
 run: build
 	$(BIN)/space up $(ARGS)
+
+## sandbox-deps: what ns sandboxes use from the host's /usr (bind-mounted
+## read-only into each): sudo (E2B users run `sudo` as `user`; it makes a
+## process root only in the sandbox's user namespace) and python3
+sandbox-deps:
+	@dpkg -s sudo python3 >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends sudo python3; }
 
 ## deps: system packages the tests use
 deps:

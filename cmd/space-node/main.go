@@ -14,6 +14,7 @@ import (
 
 func main() {
 	ns.MaybeInit() // the sandbox init re-exec; never returns in that role
+	up.SealInheritedFDs()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := up.RunNode(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()

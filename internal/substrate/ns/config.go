@@ -19,6 +19,24 @@ const (
 	DefaultCPUMillis    int64 = 1000
 	DefaultStartTimeout       = 15 * time.Second
 	DefaultUsrDir             = "/usr"
+	// DefaultMaxPTYs caps the pseudo-terminals one sandbox may hold (its
+	// devpts instance's max=): the host's kernel.pty.max is shared by
+	// every sandbox's devpts (beyond kernel.pty.reserve), so without a cap
+	// one sandbox could take them all.
+	DefaultMaxPTYs = 128
+)
+
+// usernsSize is the number of ids each sandbox maps (0..65535: nobody
+// and nogroup included).
+const usernsSize = 1 << 16
+
+// Default uid ranges of the ns substrate: [DefaultUIDRangeFirst,
+// +DefaultUIDRangeCount*65536) ends below the microvm substrate's QEMU
+// uids (2,100,000,000).
+const (
+	DefaultUIDRangeFirst uint32 = 1 << 20
+	DefaultUIDRangeCount uint32 = 16384
+	DefaultUIDLockDir           = "/run/space/ns-uids"
 )
 
 // Config configures the ns substrate.
@@ -51,6 +69,21 @@ type Config struct {
 	// package initialization (etcd, gRPC, Prometheus) takes about 15 ms
 	// on every sandbox start. Absolute; trusted like the hosting binary.
 	InitPath string
+	// NoUserNamespaces runs sandboxes without a user namespace (root in a
+	// sandbox is then root on the host as far as uid checks go). By
+	// default each sandbox gets one (userns.go) when the kernel supports
+	// it; New logs why when it does not.
+	NoUserNamespaces bool
+	// UIDRangeFirst, UIDRangeCount and UIDLockDir: each sandbox's user
+	// namespace maps 65536 ids to a host range [first + k*65536, +65536),
+	// k < count, held by an flock in UIDLockDir (machine-wide, shared by
+	// every worker on the host) while the sandbox runs. Defaults
+	// DefaultUIDRangeFirst, DefaultUIDRangeCount, DefaultUIDLockDir.
+	UIDRangeFirst, UIDRangeCount uint32
+	UIDLockDir                   string
+	// MaxPTYs is the most pseudo-terminals one sandbox may hold at once
+	// (default DefaultMaxPTYs).
+	MaxPTYs int
 	// NoWarmInit turns off starting each next sandbox's init ahead of time
 	// (warm.go; cgroup v1 only).
 	NoWarmInit bool
@@ -80,6 +113,18 @@ func (c Config) withDefaults() Config {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	if c.UIDRangeFirst == 0 {
+		c.UIDRangeFirst = DefaultUIDRangeFirst
+	}
+	if c.UIDRangeCount == 0 {
+		c.UIDRangeCount = DefaultUIDRangeCount
+	}
+	if c.UIDLockDir == "" {
+		c.UIDLockDir = DefaultUIDLockDir
+	}
+	if c.MaxPTYs == 0 {
+		c.MaxPTYs = DefaultMaxPTYs
+	}
 	return c
 }
 
@@ -100,6 +145,15 @@ func (c Config) Validate() error {
 	}
 	if c.InitPath != "" && !filepath.IsAbs(c.InitPath) {
 		return fmt.Errorf("ns: InitPath must be absolute, got %q", c.InitPath)
+	}
+	if c.UIDRangeFirst < 65536 || uint64(c.UIDRangeFirst)+uint64(c.UIDRangeCount)*usernsSize > 1<<31 {
+		return fmt.Errorf("ns: uid ranges %d+%d*65536 must lie within [65536, 2^31)", c.UIDRangeFirst, c.UIDRangeCount)
+	}
+	if !filepath.IsAbs(c.UIDLockDir) {
+		return fmt.Errorf("ns: UIDLockDir must be absolute, got %q", c.UIDLockDir)
+	}
+	if c.MaxPTYs < 1 || c.MaxPTYs > 1<<20 {
+		return fmt.Errorf("ns: MaxPTYs %d must be in [1, 2^20]", c.MaxPTYs)
 	}
 	return validateLimits(c.Limits)
 }

@@ -29,6 +29,7 @@ const (
 	initConfigFD  = 3
 	agentCgroupFD = 4
 	initStatusFD  = 5
+	initBinaryFD  = 6
 	agentListenFD = 3
 )
 
@@ -43,7 +44,24 @@ type initConfig struct {
 	Socket   string   `json:"socket"`
 	Agent    string   `json:"agent"`
 	Env      []string `json:"env"`
+	// MaxPTYs is the devpts instance's max=.
+	MaxPTYs int `json:"maxPtys"`
+	// UserNS: the init runs in a user namespace of its own and gets, with
+	// the configuration, four descriptors (userns.go): the template, the
+	// activation directory and /usr as idmapped detached mounts and the
+	// agent binary as a detached bind. Lower, Upper, Work, Rootfs, Usr,
+	// Socket and Agent are then unused.
+	UserNS bool `json:"userns"`
 }
+
+// Descriptors of a user-namespaced init, in the order they are sent.
+const (
+	nsFDLower = iota
+	nsFDLayer
+	nsFDUsr
+	nsFDAgent
+	nsFDCount
+)
 
 // MaybeInit must be the first statement of main() in every binary that
 // hosts the ns substrate. When the process was started by Start as a
@@ -58,8 +76,13 @@ func MaybeInit() {
 		fmt.Fprintln(os.Stderr, "space-nsinit: not the init of a new pid namespace; refusing")
 		os.Exit(2)
 	}
-	// Keep the status fd out of the agent.
+	// Keep the status fd, the init binary and anything the worker itself
+	// inherited out of the agent.
 	_, _ = unix.FcntlInt(initStatusFD, unix.F_SETFD, unix.FD_CLOEXEC)
+	if err := unix.CloseRange(initBinaryFD, ^uint(0), unix.CLOSE_RANGE_CLOEXEC); err != nil {
+		report("E:close_range: " + err.Error())
+		os.Exit(1)
+	}
 	err := runInit()
 	// Only reached on failure (runInit execs on success).
 	report("E:" + err.Error())
@@ -78,20 +101,9 @@ func report(s string) {
 }
 
 func runInit() error {
-	var raw []byte
-	buf := make([]byte, 4096)
-	for {
-		n, err := unix.Read(initConfigFD, buf)
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			return fmt.Errorf("read config: %w", err)
-		}
-		if n == 0 {
-			break
-		}
-		raw = append(raw, buf[:n]...)
+	raw, fds, err := recvConfig(initConfigFD)
+	if err != nil {
+		return err
 	}
 	if len(raw) == 0 {
 		return errors.New("no config from parent (start aborted)")
@@ -100,12 +112,27 @@ func runInit() error {
 	if err := json.Unmarshal(raw, &cfg); err != nil {
 		return fmt.Errorf("decode config: %w", err)
 	}
+	if cfg.UserNS {
+		if len(fds) != nsFDCount {
+			return fmt.Errorf("config came with %d descriptors, want %d", len(fds), nsFDCount)
+		}
+		if err := becomeNamespaceRoot(); err != nil {
+			return err
+		}
+	} else if len(fds) != 0 {
+		return fmt.Errorf("config came with %d unexpected descriptors", len(fds))
+	}
 	// The parent placed us in the sandbox cgroups only after clone; a fresh
 	// cgroup namespace rooted there hides the host's cgroup paths.
 	if err := unix.Unshare(unix.CLONE_NEWCGROUP); err != nil {
 		return fmt.Errorf("unshare cgroup ns: %w", err)
 	}
-	lfd, err := setupRootfs(&cfg)
+	var lfd int
+	if cfg.UserNS {
+		lfd, err = setupUserNSRootfs(&cfg, fds)
+	} else {
+		lfd, err = setupRootfs(&cfg)
+	}
 	if err != nil {
 		return err
 	}
@@ -115,14 +142,26 @@ func runInit() error {
 	if err := loopbackUp(); err != nil {
 		return err
 	}
-	if err := dropCapabilities(); err != nil {
-		return err
-	}
-	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
-		return fmt.Errorf("no_new_privs: %w", err)
-	}
-	if err := installSeccomp(); err != nil {
-		return err
+	if cfg.UserNS {
+		// No no_new_privs: set-uid binaries (sudo) work, and make a process
+		// root only in the sandbox's namespace. Without it, installing the
+		// filter takes CAP_SYS_ADMIN (in this namespace), so it goes first.
+		if err := installSeccomp(); err != nil {
+			return err
+		}
+		if err := dropCapabilities(); err != nil {
+			return err
+		}
+	} else {
+		if err := dropCapabilities(); err != nil {
+			return err
+		}
+		if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
+			return fmt.Errorf("no_new_privs: %w", err)
+		}
+		if err := installSeccomp(); err != nil {
+			return err
+		}
 	}
 	// fd 3 (the config pipe) becomes the listener, without CLOEXEC.
 	if lfd == agentListenFD {
@@ -179,13 +218,16 @@ func setupRootfs(c *initConfig) (int, error) {
 	if err := mount("overlay", r, "overlay", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 		return -1, err
 	}
+	if err := addHostsEntry(r, c.Hostname); err != nil {
+		return -1, err
+	}
 	if err := bindRO(c.Usr, filepath.Join(r, "usr"), unix.MS_NOSUID|unix.MS_NODEV); err != nil {
 		return -1, err
 	}
 	if err := setupProc(r); err != nil {
 		return -1, err
 	}
-	if err := setupDev(r); err != nil {
+	if err := setupDev(r, c.MaxPTYs); err != nil {
 		return -1, err
 	}
 	if err := bindRO(c.Agent, filepath.Join(r, agentMount), unix.MS_NOSUID|unix.MS_NODEV); err != nil {
@@ -238,7 +280,7 @@ func setupProc(r string) error {
 	return nil
 }
 
-func setupDev(r string) error {
+func setupDev(r string, maxPTYs int) error {
 	d := filepath.Join(r, "dev")
 	if err := mount("tmpfs", d, "tmpfs", unix.MS_NOSUID|unix.MS_NOEXEC, "mode=755,size=65536k,nr_inodes=4096"); err != nil {
 		return err
@@ -260,7 +302,7 @@ func setupDev(r string) error {
 			return err
 		}
 	}
-	if err := mount("devpts", filepath.Join(d, "pts"), "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620,gid=5"); err != nil {
+	if err := mount("devpts", filepath.Join(d, "pts"), "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, fmt.Sprintf("newinstance,ptmxmode=0666,mode=620,gid=5,max=%d", maxPTYs)); err != nil {
 		return err
 	}
 	if err := mount("shm", filepath.Join(d, "shm"), "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=1777,size=65536k"); err != nil {
@@ -281,6 +323,134 @@ func setupDev(r string) error {
 	// Nothing else is ever added: make /dev's tmpfs read-only and nodev
 	// (the binds above keep their own flags).
 	return mount("", d, "", unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NOEXEC|unix.MS_NODEV, "mode=755,size=65536k,nr_inodes=4096")
+}
+
+// addHostsEntry makes the sandbox's hostname resolve (sudo, and many
+// tools, look it up) by adding it to the rootfs's /etc/hosts unless a
+// line there names it already. The file is the sandbox's own (copied up
+// into its writable layer once).
+func addHostsEntry(r, hostname string) error {
+	p := filepath.Join(r, "etc/hosts")
+	b, err := os.ReadFile(p)
+	if err != nil && !os.IsNotExist(err) {
+		return fmt.Errorf("read /etc/hosts: %w", err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if i := strings.IndexByte(line, '#'); i >= 0 {
+			line = line[:i]
+		}
+		f := strings.Fields(line)
+		for _, name := range f[min(1, len(f)):] {
+			if name == hostname {
+				return nil
+			}
+		}
+	}
+	if len(b) > 0 && b[len(b)-1] != '\n' {
+		b = append(b, '\n')
+	}
+	b = append(b, "127.0.1.1\t"+hostname+"\n"...)
+	if err := os.WriteFile(p, b, 0o644); err != nil {
+		return fmt.Errorf("write /etc/hosts: %w", err)
+	}
+	return nil
+}
+
+// becomeNamespaceRoot makes every id of the init the namespace's root
+// (the clone left the real and saved ids at host ids the namespace does
+// not map) and drops the host's supplementary groups. Changing the
+// effective gid cleared the parent-death signal; it is set again.
+func becomeNamespaceRoot() error {
+	if err := unix.Setgroups(nil); err != nil {
+		return fmt.Errorf("setgroups: %w", err)
+	}
+	if err := unix.Setresgid(0, 0, 0); err != nil {
+		return fmt.Errorf("setresgid: %w", err)
+	}
+	if err := unix.Setresuid(0, 0, 0); err != nil {
+		return fmt.Errorf("setresuid: %w", err)
+	}
+	if err := unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGKILL), 0, 0, 0); err != nil {
+		return fmt.Errorf("parent-death signal: %w", err)
+	}
+	return nil
+}
+
+// setupUserNSRootfs is setupRootfs for an init in a user namespace: the
+// layers come as descriptors (fds, see initConfig.UserNS), are attached
+// under a private tmpfs (staging, in this mount namespace only) and the
+// overlay is mounted there with userxattr. It returns the agent's
+// listening socket.
+func setupUserNSRootfs(c *initConfig, fds []int) (int, error) {
+	if err := mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		return -1, err
+	}
+	staging := ""
+	for _, d := range []string{"/tmp", "/mnt", "/run"} {
+		if fi, err := os.Stat(d); err == nil && fi.IsDir() {
+			staging = d
+			break
+		}
+	}
+	if staging == "" {
+		return -1, errors.New("no directory to stage the root file system under (/tmp, /mnt, /run)")
+	}
+	if err := mount("tmpfs", staging, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=0700,size=64k"); err != nil {
+		return -1, err
+	}
+	lower, layer, r := filepath.Join(staging, "l"), filepath.Join(staging, "y"), filepath.Join(staging, "r")
+	for _, d := range []string{lower, layer, r} {
+		if err := os.Mkdir(d, 0o700); err != nil {
+			return -1, err
+		}
+	}
+	attach := func(fd int, dst string) error {
+		if err := unix.MoveMount(fd, "", unix.AT_FDCWD, dst, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+			return fmt.Errorf("attach mount on %s: %w", dst, err)
+		}
+		return nil
+	}
+	if err := attach(fds[nsFDLower], lower); err != nil {
+		return -1, err
+	}
+	if err := attach(fds[nsFDLayer], layer); err != nil {
+		return -1, err
+	}
+	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s/%s,workdir=%s/%s,userxattr", lower, layer, "upper", layer, "work")
+	if err := mount("overlay", r, "overlay", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+		return -1, err
+	}
+	if err := addHostsEntry(r, c.Hostname); err != nil {
+		return -1, err
+	}
+	if err := attach(fds[nsFDUsr], filepath.Join(r, "usr")); err != nil {
+		return -1, err
+	}
+	if err := setupProc(r); err != nil {
+		return -1, err
+	}
+	if err := setupDev(r, c.MaxPTYs); err != nil {
+		return -1, err
+	}
+	if err := attach(fds[nsFDAgent], filepath.Join(r, agentMount)); err != nil {
+		return -1, err
+	}
+	for _, i := range []int{nsFDLower, nsFDLayer, nsFDUsr, nsFDAgent} {
+		_ = unix.Close(fds[i])
+	}
+	// The socket is made here, in the sandbox's network namespace (where
+	// spaced-host looks for the listener) and by the agent's process (a
+	// client's SO_PEERCRED is the listener's); it is bound through the
+	// idmapped activation directory, where the init owns what host root
+	// owns, so it lands at <Spec.Dir>/guest.sock on the host.
+	lfd, err := listenUnix(filepath.Join(layer, filepath.Base(c.Socket)))
+	if err != nil {
+		return -1, err
+	}
+	if err := pivot(r); err != nil {
+		return -1, err
+	}
+	return lfd, nil
 }
 
 // listenUnix binds and listens on path (still a host path: we have not

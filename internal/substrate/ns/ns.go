@@ -7,11 +7,16 @@
 // # Isolation
 //
 // Start re-executes the host binary (/proc/self/exe, or Config.InitPath)
-// with argv[0] "space-nsinit" in new mount, pid, network, IPC, UTS and
-// cgroup namespaces. There is NO user namespace: root inside a sandbox is root
-// on the host as far as the kernel's uid checks go (DESIGN.md section 10
-// asks for one; it is left for later). That is
-// why the remaining layers matter:
+// with argv[0] "space-nsinit" in a session of its own (no controlling
+// terminal: nothing in a sandbox can reach the terminal of whoever started
+// the worker) and in new user, mount, pid, network, IPC, UTS and cgroup
+// namespaces. The user namespace (userns.go; Config.NoUserNamespaces or a
+// kernel older than 5.19 turns it off, with a warning) maps the sandbox's
+// ids 0-65535 to a host range leased for the instance: root in a sandbox
+// is an unprivileged uid on the host, per-user kernel limits are counted
+// per sandbox, and sudo works inside (no no_new_privs there). Files keep
+// the owners they have inside, on disk and in snapshots (idmapped mounts).
+// The layers below hold with or without it:
 //
 //   - root filesystem: overlayfs with the template as the read-only lower
 //     layer and Spec.Dir/upper as the writable layer, mounted nosuid,nodev;
@@ -23,10 +28,16 @@
 //   - pivot_root with the old root detached: no host path is reachable;
 //   - network: a new namespace with only lo up (no route anywhere);
 //   - capabilities: bounding, permitted and effective sets cut to Docker's
-//     default set; inheritable and ambient empty; no_new_privs;
+//     default set; inheritable and ambient empty; no_new_privs without a
+//     user namespace;
 //   - seccomp: x86_64 only (x32 refused), mount/namespace/kernel/clock/
 //     keyring/ptrace syscalls fail with EPERM, clone3 with ENOSYS and clone
-//     with CLONE_NEW* flags with EPERM; io_uring is refused too;
+//     with CLONE_NEW* flags with EPERM; io_uring, pidfd_getfd, kcmp and
+//     process_madvise are refused too;
+//   - descriptors: the init marks everything above its own close-on-exec,
+//     so nothing the worker inherited reaches the agent;
+//   - pseudo-terminals: the sandbox's devpts instance holds at most
+//     Config.MaxPTYs (the host's kernel.pty.max is shared);
 //   - cgroups (v1 or pure v2): memory without swap, pids, cpu bandwidth and
 //     the freezer (Pause/Resume), in <CgroupParent>/<sandbox>-<activation>
 //     relative to the root of each hierarchy: the group of the user's
@@ -80,7 +91,7 @@
 //
 // # Known limits
 //
-// No user namespace (see above); no disk quota on Spec.Dir/upper; /sys is
+// No disk quota on Spec.Dir/upper; /sys is
 // absent; the sandbox's /proc/self/mountinfo shows the host paths of the
 // overlay layers; the sandbox's cgroup namespace is rooted at the agent's
 // groups, so user processes see their pids group (v2: their group) as
@@ -106,6 +117,7 @@ import (
 	"github.com/spacesbx/space/internal/procwait"
 	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/substrate/spawner"
+	"github.com/spacesbx/space/internal/substrate/uidlease"
 )
 
 // Names of the entries of an activation directory.
@@ -126,6 +138,8 @@ const cloneFlags = unix.CLONE_NEWNS | unix.CLONE_NEWPID | unix.CLONE_NEWNET |
 type Substrate struct {
 	cfg     Config
 	cgroups *cgroupLayout
+	// userns: sandboxes get user namespaces (userns.go).
+	userns bool
 
 	tmplMu    sync.Mutex
 	tmplReady map[string]bool
@@ -161,7 +175,15 @@ func New(cfg Config) (*Substrate, error) {
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, err
 	}
-	return &Substrate{cfg: cfg, cgroups: layout, tmplReady: map[string]bool{}}, nil
+	s := &Substrate{cfg: cfg, cgroups: layout, tmplReady: map[string]bool{}}
+	if !cfg.NoUserNamespaces {
+		if why := userNamespacesUnsupported(); why != "" {
+			cfg.Logger.Warn("ns: sandboxes run without user namespaces: root in a sandbox is root on the host for uid checks", "reason", why)
+		} else {
+			s.userns = true
+		}
+	}
+	return s, nil
 }
 
 // Name returns identity.SubstrateNS.
@@ -281,11 +303,20 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		Agent:    spec.AgentPath,
 		Env:      spec.AgentEnv,
 	}
+	icfg.MaxPTYs = s.cfg.MaxPTYs
+	var fds []int
+	if inst.uids != nil {
+		icfg.UserNS = true
+		if fds, err = s.usernsFiles(inst.pid, lower, spec); err != nil {
+			return fail(err)
+		}
+		defer closeFDs(fds)
+	}
 	b, err := json.Marshal(icfg)
 	if err != nil {
 		return fail(err)
 	}
-	if _, err := cfgW.Write(b); err != nil {
+	if err := sendConfig(cfgW, b, fds); err != nil {
 		return fail(fmt.Errorf("send config to init: %w", err))
 	}
 	cfgW.Close()
@@ -352,7 +383,10 @@ type instance struct {
 	stopped bool
 
 	// lim are the effective limits; statsMu guards lastCPU (stats.go).
-	lim     substrate.Limits
+	lim substrate.Limits
+	// uids is the host uid range of the sandbox's user namespace (nil
+	// without one); released once the init is gone.
+	uids    *uidlease.Lease
 	statsMu sync.Mutex
 	lastCPU cpuReading
 }
@@ -469,6 +503,7 @@ func (i *instance) Stop(ctx context.Context) error {
 		return errors.Join(errs...)
 	}
 	i.cleanupFiles()
+	i.uids.Release() // the init and every process of the range are gone
 	if i.log != nil {
 		_ = i.log.Close()
 	}

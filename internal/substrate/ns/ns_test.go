@@ -341,9 +341,30 @@ func TestSandboxIsolation(t *testing.T) {
 		mustFail(t, inst, 0, "unshare -n true")
 		mustFail(t, inst, 0, "unshare -U true")
 		mustFail(t, inst, 0, "unshare -m true")
+		// pidfd_getfd on the agent (pid 1: its listener is fd 3), kcmp and
+		// process_madvise are refused with EPERM.
+		const attack = `python3 -c "
+import ctypes
+l = ctypes.CDLL(None, use_errno=True)
+pfd = l.syscall(434, 1, 0)
+r = []
+for nr, args in ((438, (pfd, 3, 0)), (312, (1, 1, 0, 3, 3)), (440, (pfd, 0, 0, 0, 0))):
+    ctypes.set_errno(0)
+    r.append((l.syscall(nr, *args), ctypes.get_errno()))
+print(pfd >= 0, r)
+"`
+		if out := mustOK(t, inst, 0, attack); out != "True [(-1, 1), (-1, 1), (-1, 1)]\n" {
+			t.Fatalf("pidfd_getfd/kcmp/process_madvise: %q", out)
+		}
 		out := mustOK(t, inst, 0, "grep -E '^(CapBnd|CapEff|CapInh|CapAmb|NoNewPrivs|Seccomp):' /proc/self/status")
 		want := fmt.Sprintf("%016x", allowedCapMask())
-		for _, w := range []string{"CapBnd:\t" + want, "CapEff:\t" + want, "CapInh:\t0000000000000000", "CapAmb:\t0000000000000000", "NoNewPrivs:\t1", "Seccomp:\t2"} {
+		// In a user namespace no_new_privs stays off so that sudo works
+		// (a set-uid binary makes a process root in that namespace only).
+		nnp := "NoNewPrivs:\t1"
+		if inst.uids != nil {
+			nnp = "NoNewPrivs:\t0"
+		}
+		for _, w := range []string{"CapBnd:\t" + want, "CapEff:\t" + want, "CapInh:\t0000000000000000", "CapAmb:\t0000000000000000", nnp, "Seccomp:\t2"} {
 			if !strings.Contains(out, w) {
 				t.Errorf("status lacks %q:\n%s", w, out)
 			}

@@ -48,6 +48,10 @@ var deniedSyscalls = []uint32{
 	unix.SYS_BPF, unix.SYS_PERF_EVENT_OPEN,
 	unix.SYS_KEYCTL, unix.SYS_ADD_KEY, unix.SYS_REQUEST_KEY,
 	unix.SYS_PTRACE, unix.SYS_PROCESS_VM_READV, unix.SYS_PROCESS_VM_WRITEV,
+	// Another process's descriptors, memory advice and kernel object
+	// identities: root in a sandbox could otherwise take the agent's
+	// listener and cgroup file with pidfd_getfd.
+	unix.SYS_PIDFD_GETFD, unix.SYS_KCMP, unix.SYS_PROCESS_MADVISE,
 	unix.SYS_UNSHARE, unix.SYS_SETNS,
 	unix.SYS_OPEN_BY_HANDLE_AT, unix.SYS_NAME_TO_HANDLE_AT,
 	unix.SYS_USERFAULTFD, unix.SYS_ACCT,

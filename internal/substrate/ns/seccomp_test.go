@@ -78,6 +78,10 @@ func TestSeccompDecisions(t *testing.T) {
 		want uint32
 	}{
 		{"read", unix.SYS_READ, auditArchX86_64, 0, seccompRetAllow},
+		{"pidfd_getfd", unix.SYS_PIDFD_GETFD, auditArchX86_64, 0, eperm},
+		{"kcmp", unix.SYS_KCMP, auditArchX86_64, 0, eperm},
+		{"process_madvise", unix.SYS_PROCESS_MADVISE, auditArchX86_64, 0, eperm},
+		{"pidfd_open", unix.SYS_PIDFD_OPEN, auditArchX86_64, 0, seccompRetAllow},
 		{"openat", unix.SYS_OPENAT, auditArchX86_64, 0, seccompRetAllow},
 		{"i386 abi", 1, i386, 0, seccompRetKillProcess},
 		{"x32 abi", x32SyscallBit | unix.SYS_READ, auditArchX86_64, 0, eperm},

@@ -8,12 +8,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
+	"io"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/internal/substrate"
 )
@@ -175,35 +177,80 @@ func statField(path, key string) (int64, error) {
 	return 0, fmt.Errorf("%s: no %q", path, key)
 }
 
-// dirBytes sums the sizes of the regular files and symlinks under dir.
-// Entries that vanish during the walk are skipped.
+// dirBytes sums the bytes allocated (st_blocks) to the files,
+// directories and symlinks under dir. dir is a live writable layer that
+// the sandbox changes while this runs, so the walk never resolves a path:
+// each directory is opened relative to its parent's descriptor with
+// O_NOFOLLOW, and a directory swapped for a symlink (renameat2
+// RENAME_EXCHANGE) between listing and opening is not entered. Allocated
+// rather than apparent sizes: a sparse file costs what it uses. Entries
+// that vanish during the walk are skipped.
 func dirBytes(ctx context.Context, dir string) (int64, error) {
-	var n int64
-	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
-		if err != nil {
-			if errors.Is(err, fs.ErrNotExist) {
-				return nil
-			}
-			return err
-		}
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		if !d.Type().IsRegular() && d.Type()&fs.ModeSymlink == 0 {
-			return nil
-		}
-		fi, err := d.Info()
-		if err != nil {
-			if errors.Is(err, fs.ErrNotExist) {
-				return nil
-			}
-			return err
-		}
-		n += fi.Size()
-		return nil
-	})
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return 0, nil
+		}
+		return 0, fmt.Errorf("ns: disk usage: %w", err)
+	}
+	var n int64
+	if err := walkFD(ctx, fd, &n, 0); err != nil {
 		return 0, fmt.Errorf("ns: disk usage: %w", err)
 	}
 	return n, nil
+}
+
+// maxWalkDepth bounds the recursion (and so the descriptors held) of a
+// hostile, deeply nested layer; deeper entries are not counted.
+const maxWalkDepth = 256
+
+// walkFD adds the usage under the directory fd (which it closes) to n.
+func walkFD(ctx context.Context, fd int, n *int64, depth int) error {
+	d := os.NewFile(uintptr(fd), "layer")
+	defer d.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	*n += st.Blocks * 512
+	for {
+		names, err := d.Readdirnames(512)
+		for _, name := range names {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			var st unix.Stat_t
+			if err := unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+				if errors.Is(err, unix.ENOENT) {
+					continue
+				}
+				return err
+			}
+			if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+				*n += st.Blocks * 512
+				continue
+			}
+			if depth >= maxWalkDepth {
+				continue
+			}
+			cfd, err := unix.Openat(fd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+			if err != nil {
+				// Gone, or no longer a directory (now a symlink: ELOOP or
+				// ENOTDIR): not ours to follow.
+				if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
+					continue
+				}
+				return err
+			}
+			if err := walkFD(ctx, cfd, n, depth+1); err != nil {
+				return err
+			}
+		}
+		if err == io.EOF || (err == nil && len(names) == 0) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
 }

@@ -4,8 +4,12 @@ package ns
 
 import (
 	"context"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/internal/substrate"
 )
@@ -63,5 +67,69 @@ func TestStats(t *testing.T) {
 	}
 	if _, err := sr.Stats(ctx); err == nil {
 		t.Error("Stats after Stop succeeded")
+	}
+}
+
+// TestDirBytesDoesNotFollowSwappedSymlinks swaps a directory of the layer
+// with a symlink to a host directory (renameat2 RENAME_EXCHANGE) as fast
+// as it can while the usage is read: no reading may count the host
+// directory's file.
+func TestDirBytesDoesNotFollowSwappedSymlinks(t *testing.T) {
+	layer, host := t.TempDir(), t.TempDir()
+	if err := os.WriteFile(filepath.Join(host, "big"), make([]byte, 8<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Join(layer, "a", "sub"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(layer, "a", "sub", "small"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(host, filepath.Join(layer, "b")); err != nil {
+		t.Fatal(err)
+	}
+	// A sparse file counts what it uses, not its length.
+	f, err := os.Create(filepath.Join(layer, "sparse"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Truncate(2 << 30); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	stop := make(chan struct{})
+	done := make(chan int)
+	go func() {
+		swaps := 0
+		for {
+			select {
+			case <-stop:
+				done <- swaps
+				return
+			default:
+			}
+			if err := unix.Renameat2(unix.AT_FDCWD, filepath.Join(layer, "a"), unix.AT_FDCWD, filepath.Join(layer, "b"), unix.RENAME_EXCHANGE); err == nil {
+				swaps++
+			}
+		}
+	}()
+	var max int64
+	for i := 0; i < 2000; i++ {
+		n, err := dirBytes(context.Background(), layer)
+		if err != nil {
+			close(stop)
+			<-done
+			t.Fatal(err)
+		}
+		if n > max {
+			max = n
+		}
+	}
+	close(stop)
+	if swaps := <-done; swaps < 100 {
+		t.Fatalf("only %d swaps happened: the race was not exercised", swaps)
+	}
+	if max >= 1<<20 {
+		t.Fatalf("usage read %d bytes: the walk followed a symlink out of the layer (or counted the sparse file's length)", max)
 	}
 }

@@ -19,7 +19,7 @@ const TemplateBase = "base"
 
 // baseVersion is stamped into the template; a different stamp on disk makes
 // ensureTemplate rebuild it. Bump it whenever buildBase changes.
-const baseVersion = "base-v2"
+const baseVersion = "base-v3"
 
 // templateStamp is the stamp file inside a template (visible to sandboxes,
 // harmless).
@@ -99,6 +99,14 @@ const (
 	baseNSS   = "passwd:\tfiles\ngroup:\tfiles\nshadow:\tfiles\nhosts:\tfiles dns\n" +
 		"networks:\tfiles\nprotocols:\tfiles\nservices:\tfiles\nethers:\tfiles\nrpc:\tfiles\n"
 	baseOSRelease = "NAME=\"SPACE sandbox\"\nID=space\nPRETTY_NAME=\"SPACE sandbox\"\n"
+	// sudo as E2B's images have it: user may run anything as root without
+	// a password. In a user namespace (userns.go) root is the sandbox's
+	// own root; without one no_new_privs makes sudo refuse to run.
+	baseSudoers = "Defaults\tenv_reset\nDefaults\tsecure_path=\"/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\"\n" +
+		"root\tALL=(ALL:ALL) ALL\nuser\tALL=(ALL:ALL) NOPASSWD: ALL\n"
+	// The sandbox has no passwords: PAM only has to let sudo's account
+	// and session steps through (authentication is skipped: NOPASSWD).
+	basePAMSudo = "#%PAM-1.0\nauth\trequired\tpam_deny.so\naccount\trequired\tpam_permit.so\nsession\trequired\tpam_permit.so\n"
 )
 
 // hostEtcCopies are harmless host configuration files or trees that
@@ -163,10 +171,22 @@ func buildBase(root, usr string) error {
 		"etc/nsswitch.conf": baseNSS,
 		"etc/os-release":    baseOSRelease,
 		"etc/shells":        "/bin/sh\n/bin/bash\n/usr/bin/sh\n/usr/bin/bash\n",
+		"etc/sudoers":       baseSudoers,
+		"etc/pam.d/sudo":    basePAMSudo,
 		templateStamp:       baseVersion,
 	}
+	if err := os.MkdirAll(filepath.Join(root, "etc/pam.d"), 0o755); err != nil {
+		return err
+	}
 	for p, content := range files {
-		if err := os.WriteFile(filepath.Join(root, p), []byte(content), 0o644); err != nil {
+		mode := os.FileMode(0o644)
+		if p == "etc/sudoers" {
+			mode = 0o440 // sudo refuses a sudoers file others may read or write
+		}
+		if err := os.WriteFile(filepath.Join(root, p), []byte(content), mode); err != nil {
+			return err
+		}
+		if err := os.Chmod(filepath.Join(root, p), mode); err != nil {
 			return err
 		}
 	}

@@ -18,10 +18,17 @@ func TestTemplateBase(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, secret := range []string{"etc/shadow", "etc/gshadow", "etc/ssh", "etc/sudoers", "etc/sudoers.d", "etc/machine-id", "etc/ssl/private"} {
+	for _, secret := range []string{"etc/shadow", "etc/gshadow", "etc/ssh", "etc/sudoers.d", "etc/machine-id", "etc/ssl/private"} {
 		if _, err := os.Lstat(filepath.Join(dir, secret)); !os.IsNotExist(err) {
 			t.Errorf("template has %s", secret)
 		}
+	}
+	// The template's own sudoers, never the host's.
+	if b, _ := os.ReadFile(filepath.Join(dir, "etc/sudoers")); string(b) != baseSudoers {
+		t.Errorf("sudoers %q", b)
+	}
+	if fi, err := os.Stat(filepath.Join(dir, "etc/sudoers")); err != nil || fi.Mode().Perm() != 0o440 {
+		t.Errorf("sudoers mode: %v %v", fi, err)
 	}
 	if b, _ := os.ReadFile(filepath.Join(dir, "etc/passwd")); string(b) != basePasswd {
 		t.Errorf("passwd %q", b)

@@ -27,12 +27,25 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/substrate/uidlease"
 )
+
+// socketPair returns the two ends of a Unix stream socket pair (CLOEXEC).
+func socketPair() (a, b *os.File, err error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, nil, fmt.Errorf("ns: socketpair: %w", err)
+	}
+	return os.NewFile(uintptr(fds[0]), "init-config"), os.NewFile(uintptr(fds[1]), "init-config"), nil
+}
 
 // spawned is an init started in its cgroups and waiting for its
 // configuration on cfgW; it reports on stR.
@@ -64,7 +77,9 @@ func (s *Substrate) spawn(name string, lim substrate.Limits, logf *os.File) (_ *
 	if inst.cg, err = createCgroup(s.cgroups, s.cfg.CgroupParent, name, lim); err != nil {
 		return nil, err
 	}
-	cfgR, cfgW, err := os.Pipe()
+	// The configuration travels over a socket so that descriptors (the
+	// user-namespace mounts, userns.go) can go with it.
+	cfgR, cfgW, err := socketPair()
 	if err != nil {
 		return nil, err
 	}
@@ -92,24 +107,58 @@ func (s *Substrate) spawn(name string, lim substrate.Limits, logf *os.File) (_ *
 	if s.cfg.InitPath != "" {
 		initPath = s.cfg.InitPath
 	}
+	// The init is executed through a descriptor: in a user namespace it
+	// cannot search host directories on the way to the binary.
+	initBin, err := os.Open(initPath)
+	if err != nil {
+		return nil, fmt.Errorf("ns: init binary: %w", err)
+	}
+	defer initBin.Close()
+	attr := &syscall.SysProcAttr{
+		Cloneflags: cloneFlags,
+		Pdeathsig:  syscall.SIGKILL,
+		// A session of its own: no controlling terminal, so nothing in
+		// the sandbox can reach the terminal of whoever started the
+		// worker (/dev/tty, TIOCSTI).
+		Setsid: true,
+	}
+	if s.userns {
+		if inst.uids, err = uidlease.Acquire(s.cfg.UIDLockDir, s.cfg.UIDRangeFirst, s.cfg.UIDRangeCount, usernsSize, uint32(time.Now().UnixNano())); err != nil {
+			return nil, fmt.Errorf("ns: %w", err)
+		}
+		base := int(inst.uids.First())
+		attr.Cloneflags |= syscall.CLONE_NEWUSER
+		attr.UidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: base, Size: usernsSize}}
+		attr.GidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: base, Size: usernsSize}}
+		attr.GidMappingsEnableSetgroups = true // su, sudo and the agent set groups
+	}
 	cmd := &exec.Cmd{
-		Path:       initPath,
-		Args:       []string{initArg0},
-		Env:        []string{},
-		Stdout:     inst.log,
-		Stderr:     inst.log,
-		ExtraFiles: []*os.File{cfgR, userProcs, stW}, // fds 3, 4 and 5
-		WaitDelay:  2 * time.Second,
-		SysProcAttr: &syscall.SysProcAttr{
-			Cloneflags: cloneFlags,
-			Pdeathsig:  syscall.SIGKILL,
-		},
+		Path:        "/proc/self/fd/" + strconv.Itoa(initBinaryFD),
+		Args:        []string{initArg0},
+		Env:         []string{},
+		Stdout:      inst.log,
+		Stderr:      inst.log,
+		ExtraFiles:  []*os.File{cfgR, userProcs, stW, initBin}, // fds 3, 4, 5 and 6
+		WaitDelay:   2 * time.Second,
+		SysProcAttr: attr,
 	}
 	var startErr error
-	if err := s.spawner.Do(func() { startErr = cmd.Start() }); err != nil {
+	if err := s.spawner.Do(func() {
+		if inst.uids == nil {
+			startErr = cmd.Start()
+			return
+		}
+		// The namespace's owner is the clone's effective uid: the range's
+		// first uid, so per-user kernel counts are per sandbox.
+		startErr = withThreadEUID(inst.uids.First(), cmd.Start)
+	}); err != nil {
 		return nil, fmt.Errorf("ns: %w", err)
 	}
 	if startErr != nil {
+		if cmd.Process != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
 		return nil, fmt.Errorf("launch init: %w", startErr)
 	}
 	inst.cmd = cmd
@@ -119,6 +168,7 @@ func (s *Substrate) spawn(name string, lim substrate.Limits, logf *os.File) (_ *
 	cfgR.Close()
 	stW.Close()
 	userProcs.Close()
+	initBin.Close()
 
 	// Into the cgroups before the init does anything.
 	if err := inst.cg.add(inst.pid); err != nil {
