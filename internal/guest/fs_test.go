@@ -289,30 +289,37 @@ func TestWatchDirRecursive(t *testing.T) {
 	if !st.Receive() || st.Msg().GetStart() == nil {
 		t.Fatalf("no start event: %v", st.Err())
 	}
-	writeFile(t, e.home()+"/w/sub/a.txt", "a")
-	_ = os.Mkdir(e.home()+"/w/new", 0o755)
-	time.Sleep(100 * time.Millisecond) // the new directory gets watched
-	writeFile(t, e.home()+"/w/new/b.txt", "b")
-	_ = os.Remove(e.home() + "/w/sub/a.txt")
 	want := map[string]bool{"create sub/a.txt": false, "write sub/a.txt": false, "create new": false, "create new/b.txt": false, "remove sub/a.txt": false}
 	types := map[filesystempb.EventType]string{filesystempb.EventType_EVENT_TYPE_CREATE: "create", filesystempb.EventType_EVENT_TYPE_WRITE: "write", filesystempb.EventType_EVENT_TYPE_REMOVE: "remove"}
-	missing := len(want)
-	for missing > 0 && st.Receive() {
-		fe := st.Msg().GetFilesystem()
-		if fe == nil {
-			continue
+	// receive marks wanted events until until has been seen.
+	receive := func(until string) {
+		t.Helper()
+		for !want[until] && st.Receive() {
+			fe := st.Msg().GetFilesystem()
+			if fe == nil {
+				continue
+			}
+			k := types[fe.GetType()] + " " + fe.GetName()
+			if _, ok := want[k]; ok {
+				want[k] = true
+			}
+			if k == "create new/b.txt" && fe.GetEntry().GetPath() != e.home()+"/w/new/b.txt" {
+				t.Errorf("include_entry: %v", fe.GetEntry())
+			}
 		}
-		k := types[fe.GetType()] + " " + fe.GetName()
-		if done, ok := want[k]; ok && !done {
-			want[k] = true
-			missing--
-		}
-		if k == "create new/b.txt" && fe.GetEntry().GetPath() != e.home()+"/w/new/b.txt" {
-			t.Errorf("include_entry: %v", fe.GetEntry())
+		if !want[until] {
+			t.Fatalf("missing %s: %v (err %v)", until, want, st.Err())
 		}
 	}
-	if missing > 0 {
-		t.Fatalf("missing events %v (err %v)", want, st.Err())
+	writeFile(t, e.home()+"/w/sub/a.txt", "a")
+	_ = os.Mkdir(e.home()+"/w/new", 0o755)
+	// The watch reports a new directory once it watches it (not a fixed
+	// sleep: under load that is flaky).
+	receive("create new")
+	writeFile(t, e.home()+"/w/new/b.txt", "b")
+	_ = os.Remove(e.home() + "/w/sub/a.txt")
+	for k := range want {
+		receive(k)
 	}
 	// Uploads (atomic temp file + rename) show up under the final name
 	// only, as envd's in-place write: create and write for a new file,
