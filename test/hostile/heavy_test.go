@@ -77,7 +77,6 @@ func TestEdgeStalledUploads(t *testing.T) {
 			peak = rss
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		t0 := time.Now()
 		_, err := p.client.ListSandboxes(ctx)
 		cancel()
 		if err != nil {
@@ -91,7 +90,6 @@ func TestEdgeStalledUploads(t *testing.T) {
 			t.Errorf("a normal file read failed during the stall: %v", err)
 		}
 		cancel()
-		_ = t0
 	}
 	t.Logf("space up VmRSS: %d MiB before, peak %d MiB with %d stalled 16 MiB uploads", base/mib, peak/mib, conns)
 	if peak > 300*mib {
