@@ -25,10 +25,9 @@ import (
 // is marked close-on-exec. Call it first thing at startup, before any
 // goroutine starts commands.
 func SealFDs(keep ...int) error {
-	if err := closeInherited(keep); err != nil {
-		return err
-	}
-	return cloexecFrom(3)
+	// Marking comes whatever closing did: it needs no /proc (not yet
+	// mounted when the agent starts as a VM's init) when close_range works.
+	return errors.Join(closeInherited(keep), cloexecFrom(3))
 }
 
 // closeInherited closes the descriptors from 3 up that are not
