@@ -24,27 +24,21 @@ import (
 // would leave the agent unprivileged). Instead one OS thread at a time takes
 // the user's filesystem identity: the goroutine locks itself to its thread
 // and sets the thread's supplementary groups, fsgid and fsuid with raw,
-// per-thread system calls. When fsuid leaves 0 the kernel drops the
-// filesystem capabilities (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER,
-// CAP_CHOWN, CAP_FSETID, ...) from the thread's effective set and raises
-// them again when it returns to 0; the switch clears them itself as well, in
-// case securebits turned that fixup off. Files and directories the thread
-// creates belong to the user (owner fsuid, group fsgid), as with envd.
+// per-thread system calls, then clears the thread's effective capabilities.
+// (The kernel itself drops the filesystem ones, CAP_DAC_OVERRIDE,
+// CAP_DAC_READ_SEARCH, CAP_FOWNER, CAP_CHOWN, CAP_FSETID, ..., when fsuid
+// leaves 0; clearing all of them also ends the others' bypasses, such as
+// CAP_SYS_RESOURCE's of quotas, and does not depend on securebits.) The
+// permitted set is kept, so the thread can raise them again: that needs no
+// capability. Files and directories the thread creates belong to the user
+// (owner fsuid, group fsgid), as with envd.
 //
 // A thread is handed back to the Go scheduler only after its credentials
 // were restored and checked against the agent's own; otherwise its
-// goroutine exits still locked and the runtime terminates the thread.
-// Threads the runtime starts while a goroutine is locked are cloned from its
-// template thread, never from a switched one.
-
-// fsCapsMask is the kernel's CAP_FS_SET (plus CAP_LINUX_IMMUTABLE): the
-// capabilities that bypass file permission checks. Bit n of the 64-bit
-// capability set is bit n%32 of word n/32.
-var fsCapsMask = [2]uint32{
-	1<<unix.CAP_CHOWN | 1<<unix.CAP_DAC_OVERRIDE | 1<<unix.CAP_DAC_READ_SEARCH | 1<<unix.CAP_FOWNER |
-		1<<unix.CAP_FSETID | 1<<unix.CAP_LINUX_IMMUTABLE | 1<<unix.CAP_MKNOD,
-	1 << (unix.CAP_MAC_OVERRIDE - 32),
-}
+// goroutine exits still locked and the runtime terminates the thread (or
+// parks it for good, if it is the main thread). Threads the runtime starts
+// while a goroutine is locked are cloned from its template thread, never
+// from a switched one.
 
 // threadCreds is the part of a thread's credentials file access depends on.
 type threadCreds struct {
@@ -165,8 +159,7 @@ func runAs(acct *account, fn func() error) error {
 }
 
 // switchCreds gives the calling (locked) thread uid, gid and groups as its
-// filesystem identity and makes sure no capability that bypasses file
-// permissions stays effective.
+// filesystem identity and no effective capability.
 func switchCreds(uid, gid uint32, groups []int) error {
 	if err := unix.Setgroups(groups); err != nil {
 		return fmt.Errorf("setgroups: %w", err)
@@ -182,13 +175,15 @@ func switchCreds(uid, gid uint32, groups []int) error {
 	if err := capget(&c.caps); err != nil {
 		return err
 	}
-	if uid != 0 && (c.caps[0].Effective&fsCapsMask[0] != 0 || c.caps[1].Effective&fsCapsMask[1] != 0) {
-		// The kernel's setfsuid fixup is off (SECBIT_NO_SETUID_FIXUP).
-		c.caps[0].Effective &^= fsCapsMask[0]
-		c.caps[1].Effective &^= fsCapsMask[1]
-		if err := capset(&c.caps); err != nil {
-			return err
-		}
+	c.caps[0].Effective, c.caps[1].Effective = 0, 0
+	if err := capset(&c.caps); err != nil {
+		return err
+	}
+	if err := capget(&c.caps); err != nil {
+		return err
+	}
+	if c.caps[0].Effective != 0 || c.caps[1].Effective != 0 {
+		return fmt.Errorf("capset: effective capabilities %08x%08x remain", c.caps[1].Effective, c.caps[0].Effective)
 	}
 	return nil
 }
@@ -196,26 +191,19 @@ func switchCreds(uid, gid uint32, groups []int) error {
 // restoreCreds gives the calling thread the agent's credentials back and
 // reports whether it verifiably has them.
 func restoreCreds(base *threadCreds) bool {
+	// Capabilities first: setfsuid(0) and setgroups need CAP_SETUID and
+	// CAP_SETGID, and raising the effective set within the permitted one
+	// needs nothing.
+	if capset(&base.caps) != nil {
+		return false
+	}
 	_, _ = unix.SetfsuidRetUid(base.fsuid)
 	_, _ = unix.SetfsgidRetGid(base.fsgid)
 	if unix.Setgroups(base.groups) != nil {
 		return false
 	}
 	c, err := currentThreadCreds()
-	if err != nil {
-		return false
-	}
-	if c.caps != base.caps {
-		// Raise what setfsuid(0) did not (fixup off): the permitted set is
-		// unchanged, so the agent's effective set is allowed.
-		if capset(&base.caps) != nil {
-			return false
-		}
-		if c, err = currentThreadCreds(); err != nil {
-			return false
-		}
-	}
-	return c.equal(base)
+	return err == nil && c.equal(base)
 }
 
 // agentProcFile reports whether f, opened as a user, is a file of the

@@ -497,7 +497,7 @@ func TestRunAsPanicRestores(t *testing.T) {
 		_ = runAs(user, func() error {
 			c, err := currentThreadCreds()
 			if err != nil || c.fsuid != 1000 || c.fsgid != 1000 || fmt.Sprint(c.groups) != "[1000 1500]" ||
-				c.caps[0].Effective&fsCapsMask[0] != 0 {
+				c.caps[0].Effective != 0 || c.caps[1].Effective != 0 {
 				t.Errorf("inside runAs: %+v %v", c, err)
 			}
 			panic("boom")
