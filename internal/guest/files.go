@@ -438,6 +438,10 @@ func (s *Server) writeFile(path string, r io.Reader, acct *account, md map[strin
 		}
 		if existed == "1" && st.Mode().IsRegular() && errors.Is(err, fs.ErrPermission) {
 			if f, err = os.OpenFile(path, os.O_WRONLY|os.O_TRUNC|syscall.O_NONBLOCK, 0); err == nil {
+				if acct.UID != 0 && agentProcFile(f) {
+					_ = f.Close()
+					return httpErrorf(http.StatusForbidden, "error writing %s: %v", quote(path), syscall.EACCES)
+				}
 				return nil
 			}
 		}

@@ -209,9 +209,10 @@ func restoreCreds(base *threadCreds) bool {
 // agentProcFile reports whether f, opened as a user, is a file of the
 // agent's own /proc/<pid> (or of one of its threads). Within a thread group
 // the kernel's ptrace check always passes, whatever the thread's fsuid, so
-// the mode bits alone guard these files and the world-readable ones (maps,
+// the mode bits alone guard these files: the world-readable ones (maps,
 // smaps, ...) would tell a user the agent's memory layout, which the user's
-// own processes may not read.
+// own processes may not read, and the world-writable ones (attr/*) would
+// take a user's writes for the agent.
 func agentProcFile(f *os.File) bool {
 	var sfs unix.Statfs_t
 	if unix.Fstatfs(int(f.Fd()), &sfs) != nil || sfs.Type != unix.PROC_SUPER_MAGIC {
