@@ -602,16 +602,32 @@ func vmRSS(pid int) (int64, error) {
 	return 0, errors.New("no VmRSS")
 }
 
-// upperDir is the host path of the sandbox's writable layer, from the
-// overlay mount the sandbox itself sees.
+// upperDir is the host path of the sandbox's writable layer: the
+// activation directory's upper/ under the data dir that holds a marker
+// file the sandbox writes now. "" when no host directory holds it (a
+// layer kept elsewhere, e.g. in a disk image).
 func (s *sandbox) upperDir(t *testing.T) string {
 	t.Helper()
-	out := s.mustSh(t, "root", "grep -o 'upperdir=[^,]*' /proc/self/mountinfo | head -1")
-	up := strings.TrimPrefix(strings.TrimSpace(out), "upperdir=")
-	if up == "" || !filepath.IsAbs(up) {
-		t.Fatalf("no upperdir in the sandbox's mountinfo: %q", out)
+	marker := ".hostile-layer-" + randHex(6)
+	s.mustSh(t, "user", "touch /home/user/"+marker)
+	m, _ := filepath.Glob(filepath.Join(s.p.dataDir, "workers", "*", "act", "*", "upper", "home", "user", marker))
+	if len(m) != 1 {
+		t.Logf("sandbox %s: no host directory holds its writable layer (%d matches for its marker)", s.ID, len(m))
+		return ""
 	}
-	return up
+	return strings.TrimSuffix(m[0], "/home/user/"+marker)
+}
+
+// allocated is the bytes allocated to the file at path in the sandbox,
+// seen from the host through its pid 1's root.
+func (s *sandbox) allocated(t *testing.T, path string) int64 {
+	t.Helper()
+	var st unix.Stat_t
+	p := fmt.Sprintf("/proc/%d/root%s", agentPid(t, s.ID), path)
+	if err := unix.Stat(p, &st); err != nil {
+		t.Fatalf("stat %s: %v", p, err)
+	}
+	return st.Blocks * 512
 }
 
 // duBytes is what du reports for dir: allocated bytes of everything under

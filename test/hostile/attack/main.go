@@ -199,8 +199,8 @@ func pidfd(args []string) {
 	r, _, e := unix.Syscall6(unix.SYS_KCMP, uintptr(os.Getpid()), uintptr(pid), kcmpFile, 0, 0, 0)
 	report("kcmp", errnoOrNil(e), strconv.Itoa(int(r)))
 	// The older ways at the agent's descriptors.
-	_, err = os.Readlink(fmt.Sprintf("/proc/%d/fd/3", pid))
-	report("readlink /proc/PID/fd/3", err, "")
+	target, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/3", pid))
+	report("readlink /proc/PID/fd/3", err, target)
 	f, err := os.Open(fmt.Sprintf("/proc/%d/fd/3", pid))
 	report("open /proc/PID/fd/3", err, "")
 	if err == nil {
@@ -209,6 +209,21 @@ func pidfd(args []string) {
 	f, err = os.Open(fmt.Sprintf("/proc/%d/mem", pid))
 	report("open /proc/PID/mem", err, "")
 	if err == nil {
+		f.Close()
+	}
+	// Read and write access to the agent's memory: read its first
+	// mapping's first bytes (a write would be the same open with O_RDWR).
+	f, err = os.OpenFile(fmt.Sprintf("/proc/%d/mem", pid), os.O_RDWR, 0)
+	report("open /proc/PID/mem rw", err, "")
+	if err == nil {
+		var addr uint64
+		if maps, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", pid)); err == nil {
+			start, _, _ := strings.Cut(string(maps), "-")
+			addr, _ = strconv.ParseUint(start, 16, 64)
+		}
+		b := make([]byte, 8)
+		_, err = f.ReadAt(b, int64(addr))
+		report("read /proc/PID/mem", err, fmt.Sprintf("%x at %#x", b, addr))
 		f.Close()
 	}
 	err = unix.PtraceAttach(pid)
