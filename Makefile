@@ -26,10 +26,11 @@ run: build
 
 ## sandbox-deps: what ns sandboxes use from the host's /usr (bind-mounted
 ## read-only into each): sudo (E2B users run `sudo` as `user`; it makes a
-## process root only in the sandbox's user namespace) and python3
+## process root only in the sandbox's user namespace) and python3; and
+## e2fsprogs, whose mkfs.ext4 formats the layer disks (the disk quota)
 sandbox-deps:
-	@dpkg -s sudo python3 >/dev/null 2>&1 || { apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends sudo python3; }
+	@dpkg -s sudo python3 e2fsprogs >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends sudo python3 e2fsprogs; }
 
 ## deps: system packages the tests use
 deps:

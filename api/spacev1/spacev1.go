@@ -114,6 +114,8 @@ type Limits struct {
 	MemoryBytes int64 `json:"memory_bytes,omitempty"`
 	Pids        int64 `json:"pids,omitempty"`
 	CPUMillis   int64 `json:"cpu_millis,omitempty"`
+	// DiskBytes caps the writable layer (the template's diskSizeMB).
+	DiskBytes int64 `json:"disk_bytes,omitempty"`
 }
 
 // InstallRequest is the body of POST /space/node/v1/executions: the control

@@ -138,7 +138,7 @@ func (s *Server) liveWorker(ctx context.Context, id string) (string, bool) {
 }
 
 func limitsOf(rec store.SandboxRecord) spacev1.Limits {
-	return spacev1.Limits{MemoryBytes: int64(rec.MemoryMB) << 20, CPUMillis: int64(rec.CPUCount) * 1000}
+	return spacev1.Limits{MemoryBytes: int64(rec.MemoryMB) << 20, CPUMillis: int64(rec.CPUCount) * 1000, DiskBytes: int64(rec.DiskSizeMB) << 20}
 }
 
 func newSnapshotID() string { return "snap-" + randHex(12) }

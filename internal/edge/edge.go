@@ -196,7 +196,7 @@ func (e *Edge) Serve(ctx context.Context, ln net.Listener) error {
 	if e.closed {
 		e.srvMu.Unlock()
 		ln.Close()
-		return http.ErrServerClosed
+		return nil // closed before it served: a clean stop, as after Serve
 	}
 	e.srv = srv
 	e.srvMu.Unlock()

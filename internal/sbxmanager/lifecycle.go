@@ -48,6 +48,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
@@ -55,8 +57,8 @@ import (
 	"github.com/spacesbx/space/internal/substrate"
 )
 
-// upperDir is the writable layer inside an activation directory
-// (ns.UpperDir; a test keeps them equal).
+// upperDir is the writable layer inside an activation directory of a
+// substrate that is not a substrate.LayerPreparer (test substrates).
 const upperDir = "upper"
 
 // SnapshotStore is where Snapshot archives writable layers and installs
@@ -233,7 +235,14 @@ func (m *Manager) Snapshot(ctx context.Context, route identity.Route, id string)
 	if route.Substrate == identity.SubstrateMicroVM {
 		return m.snapshotState(ctx, route, act, id)
 	}
-	upper := filepath.Join(rec.Dir, upperDir)
+	if _, err := os.Stat(rec.Dir); err != nil {
+		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: activation dir %s missing", route.SandboxID, errdefs.ErrNotFound, rec.Dir)
+	}
+	upper, release, err := m.writableLayer(ctx, route.Substrate, rec.Dir, rec.Limits)
+	if err != nil {
+		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w", route.SandboxID, err)
+	}
+	defer release()
 	if fi, err := os.Lstat(upper); err != nil || !fi.IsDir() {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: writable layer %s missing", route.SandboxID, errdefs.ErrNotFound, upper)
 	}
@@ -355,12 +364,32 @@ func (m *Manager) Installed(sandbox string) (identity.Record, bool) {
 }
 
 // WritableLayer returns the host path of the sandbox's writable layer
-// (measurements and tests).
+// (measurements and tests): valid while its execution runs here (a layer
+// kept on a disk of its own is mounted only then).
 func (m *Manager) WritableLayer(sandbox string) (string, bool) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	rec, ok := m.records[sandbox]
+	if act := m.active[sandbox]; act != nil {
+		if l, ok2 := act.inst.(interface{ LayerDir() string }); ok2 {
+			return l.LayerDir(), ok
+		}
+	}
 	return filepath.Join(rec.Dir, upperDir), ok
+}
+
+// writableLayer makes the writable layer of activation directory dir
+// available on the host (a substrate that keeps it on a disk of its own
+// mounts it, with the sandbox's quota when it makes it) and returns its
+// path and the release to call when done.
+func (m *Manager) writableLayer(ctx context.Context, sub, dir string, lim spacev1.Limits) (string, func() error, error) {
+	if p, ok := m.subs[sub].(substrate.LayerPreparer); ok {
+		return p.PrepareLayer(ctx, dir, substrateLimits(m.withDefaultLimits(lim)))
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return "", nil, err
+	}
+	return filepath.Join(dir, upperDir), func() error { return nil }, nil
 }
 
 // prepareInstall runs under the sandbox lock before Install touches the
@@ -384,12 +413,13 @@ func (m *Manager) prepareInstall(ctx context.Context, req spacev1.InstallRequest
 	if r.Substrate == identity.SubstrateMicroVM {
 		return m.fetchState(ctx, r, req.RestoreSnapshot, dir)
 	}
-	upper := filepath.Join(dir, upperDir)
+	upper, release, err := m.writableLayer(ctx, r.Substrate, dir, req.Limits)
+	if err != nil {
+		return fmt.Errorf("install %s: writable layer: %w", r.SandboxID, err)
+	}
+	defer release()
 	if err := os.RemoveAll(upper); err != nil {
 		return fmt.Errorf("install %s: clear writable layer: %w", r.SandboxID, err)
-	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("install %s: %w", r.SandboxID, err)
 	}
 	if err := os.Mkdir(upper, 0o755); err != nil {
 		return fmt.Errorf("install %s: %w", r.SandboxID, err)
@@ -400,7 +430,11 @@ func (m *Manager) prepareInstall(ctx context.Context, req spacev1.InstallRequest
 		return fmt.Errorf("install %s: restore: %w", r.SandboxID, err)
 	}
 	defer rc.Close()
-	st, err := snapshot.Restore(ctx, rc, upper, snapshot.RestoreOptions{Limits: m.cfg.SnapshotLimits})
+	ropts := snapshot.RestoreOptions{Limits: m.cfg.SnapshotLimits}
+	// A layer on a disk of its own is bounded by that disk: the host's
+	// free-space reserve does not apply to it.
+	ropts.Space.Off = ownFileSystem(upper, dir)
+	st, err := snapshot.Restore(ctx, rc, upper, ropts)
 	if err != nil {
 		os.RemoveAll(upper)
 		return fmt.Errorf("install %s: restore snapshot %s: %w", r.SandboxID, req.RestoreSnapshot, lifecycleErr(ctx, err))
@@ -408,6 +442,13 @@ func (m *Manager) prepareInstall(ctx context.Context, req spacev1.InstallRequest
 	m.log.Info("snapshot restored", "sandbox", r.SandboxID, "generation", r.Generation, "snapshot", req.RestoreSnapshot,
 		"entries", st.Entries, "bytes", st.Bytes, "logical", st.Logical)
 	return nil
+}
+
+// ownFileSystem reports whether path is on another file system than dir
+// (a layer disk mounted in the activation directory).
+func ownFileSystem(path, dir string) bool {
+	var a, b unix.Stat_t
+	return unix.Stat(path, &a) == nil && unix.Stat(dir, &b) == nil && a.Dev != b.Dev
 }
 
 // fetchState copies a VM state snapshot into the new activation's

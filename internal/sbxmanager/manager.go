@@ -282,16 +282,7 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 		m.stopActivation(act, "replaced")
 	}
 
-	limits := req.Limits
-	if limits.MemoryBytes == 0 {
-		limits.MemoryBytes = m.cfg.DefaultLimits.MemoryBytes
-	}
-	if limits.Pids == 0 {
-		limits.Pids = m.cfg.DefaultLimits.Pids
-	}
-	if limits.CPUMillis == 0 {
-		limits.CPUMillis = m.cfg.DefaultLimits.CPUMillis
-	}
+	limits := m.withDefaultLimits(req.Limits)
 	dir := activationDir(m.cfg.StateDir, r)
 	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC()}
 	if req.RestoreSnapshot != "" && r.Substrate == identity.SubstrateMicroVM {
@@ -359,12 +350,34 @@ type installTiming struct {
 	substrate, bridge, gateway, persist time.Duration
 }
 
+// withDefaultLimits fills l's zero fields from the worker's defaults.
+func (m *Manager) withDefaultLimits(l spacev1.Limits) spacev1.Limits {
+	d := m.cfg.DefaultLimits
+	if l.MemoryBytes == 0 {
+		l.MemoryBytes = d.MemoryBytes
+	}
+	if l.Pids == 0 {
+		l.Pids = d.Pids
+	}
+	if l.CPUMillis == 0 {
+		l.CPUMillis = d.CPUMillis
+	}
+	if l.DiskBytes == 0 {
+		l.DiskBytes = d.DiskBytes
+	}
+	return l
+}
+
+func substrateLimits(l spacev1.Limits) substrate.Limits {
+	return substrate.Limits{MemoryBytes: l.MemoryBytes, Pids: l.Pids, CPUMillis: l.CPUMillis, DiskBytes: l.DiskBytes}
+}
+
 func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (*activation, error) {
 	r := rec.Route
 	gcfg, _ := json.Marshal(guestConfig{Identity: r, Env: rec.EnvVars, DefaultUser: "user"})
 	spec := substrate.Spec{
 		Route: r, Template: rec.Template, Dir: rec.Dir, AgentPath: m.cfg.AgentPath,
-		Limits:       substrate.Limits{MemoryBytes: rec.Limits.MemoryBytes, Pids: rec.Limits.Pids, CPUMillis: rec.Limits.CPUMillis},
+		Limits:       substrateLimits(rec.Limits),
 		RestoreState: rec.restoreState,
 	}
 	// The ns agent reads its configuration at start; a VM's agent learns

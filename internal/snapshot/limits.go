@@ -55,6 +55,9 @@ type FreeSpace struct {
 	CheckEvery int64
 	// Statfs replaces unix.Statfs (tests).
 	Statfs func(path string, st *unix.Statfs_t) error
+	// Off: the target is a file system of its own that nothing else
+	// needs (a sandbox's layer disk, bounded by its size): no reserve.
+	Off bool
 }
 
 func (f *FreeSpace) defaults() {
@@ -103,7 +106,7 @@ type spaceGuard struct {
 }
 
 func newSpaceGuard(path string, cfg FreeSpace) *spaceGuard {
-	if path == "" {
+	if path == "" || cfg.Off {
 		return nil
 	}
 	cfg.defaults()

@@ -53,6 +53,19 @@ type Limits struct {
 	Pids int64
 	// CPUMillis caps CPU bandwidth in thousandths of a CPU (1000 = 1 core).
 	CPUMillis int64
+	// DiskBytes caps the writable layer (a substrate without a quota
+	// ignores it).
+	DiskBytes int64
+}
+
+// LayerPreparer is implemented by substrates whose writable layer is a
+// file tree on the host that must be made available (a disk mounted)
+// before it is read or written outside a running instance: snapshots of
+// a paused instance, restores before a start. upper is the layer's root
+// (an overlay upper dir: whiteouts and opaque markers as overlayfs keeps
+// them); release undoes the preparation and is safe to call twice.
+type LayerPreparer interface {
+	PrepareLayer(ctx context.Context, dir string, lim Limits) (upper string, release func() error, err error)
 }
 
 // Instance is one running activation.

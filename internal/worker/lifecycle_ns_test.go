@@ -9,6 +9,7 @@ import (
 	"context"
 	"crypto/ed25519"
 	"crypto/rand"
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -251,7 +252,9 @@ func TestPauseSnapshotResumeElsewhereAndRetire(t *testing.T) {
 		t.Fatalf("process stream: %v", stream.Err())
 	}
 	fsc := filesystempbconnect.NewFilesystemClient(e.client(r7, capability.PurposeFilesystem), a.URL(), connect.WithProtoJSON())
-	watch, err := fsc.WatchDir(sctx, connect.NewRequest(&filesystempb.WatchDirRequest{Path: "/root"}))
+	wreq := connect.NewRequest(&filesystempb.WatchDirRequest{Path: "/root"})
+	wreq.Header().Set("Authorization", "Basic "+base64.StdEncoding.EncodeToString([]byte("root:"))) // /root is root's
+	watch, err := fsc.WatchDir(sctx, wreq)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -24,6 +24,11 @@ const (
 	// every sandbox's devpts (beyond kernel.pty.reserve), so without a cap
 	// one sandbox could take them all.
 	DefaultMaxPTYs = 128
+	// DefaultDiskSizeMB is the writable layer's quota when neither the
+	// sandbox nor Config.Limits names one.
+	DefaultDiskSizeMB = 4096
+	// MinDiskSizeMB is the smallest layer disk (smaller quotas round up).
+	MinDiskSizeMB = 32
 )
 
 // usernsSize is the number of ids each sandbox maps (0..65535: nobody
@@ -53,7 +58,8 @@ type Config struct {
 	// place (empty) so concurrent starts never race its removal.
 	CgroupParent string
 	// Limits are the defaults for zero Spec.Limits fields. Zero fields
-	// here take DefaultMemoryBytes, DefaultPids, DefaultCPUMillis.
+	// here take DefaultMemoryBytes, DefaultPids, DefaultCPUMillis and
+	// DefaultDiskSizeMB (the writable layer's quota).
 	Limits substrate.Limits
 	// UsrDir is the host directory bind-mounted read-only at /usr inside
 	// every sandbox (default "/usr"). It must be a merged-usr tree
@@ -84,6 +90,11 @@ type Config struct {
 	// MaxPTYs is the most pseudo-terminals one sandbox may hold at once
 	// (default DefaultMaxPTYs).
 	MaxPTYs int
+	// NoDiskQuota keeps each sandbox's writable layer in a plain
+	// directory instead of a layer disk of its own (disk.go, layer.go).
+	// By default the layer is a disk of Limits.DiskBytes when the host
+	// can make one (mkfs.ext4, loop devices); New logs why when it cannot.
+	NoDiskQuota bool
 	// NoWarmInit turns off starting each next sandbox's init ahead of time
 	// (warm.go; cgroup v1 only).
 	NoWarmInit bool
@@ -103,6 +114,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.Limits.CPUMillis == 0 {
 		c.Limits.CPUMillis = DefaultCPUMillis
+	}
+	if c.Limits.DiskBytes == 0 {
+		c.Limits.DiskBytes = DefaultDiskSizeMB << 20
 	}
 	if c.UsrDir == "" {
 		c.UsrDir = DefaultUsrDir
@@ -166,6 +180,8 @@ func validateLimits(l substrate.Limits) error {
 		return fmt.Errorf("ns: pids limit %d must be at least 16", l.Pids)
 	case l.CPUMillis < 0 || (l.CPUMillis > 0 && l.CPUMillis < 10):
 		return fmt.Errorf("ns: cpu limit %d must be at least 10 millicores", l.CPUMillis)
+	case l.DiskBytes < 0 || l.DiskBytes > 1<<44:
+		return fmt.Errorf("ns: disk limit %d must be between 0 and 16 TiB", l.DiskBytes)
 	}
 	return nil
 }
@@ -180,6 +196,9 @@ func mergeLimits(l, def substrate.Limits) substrate.Limits {
 	}
 	if l.CPUMillis == 0 {
 		l.CPUMillis = def.CPUMillis
+	}
+	if l.DiskBytes == 0 {
+		l.DiskBytes = def.DiskBytes
 	}
 	return l
 }

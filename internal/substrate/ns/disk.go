@@ -112,10 +112,6 @@ const (
 	// the overlay's upper and work dirs are DiskMountName/upper and
 	// DiskMountName/work.
 	DiskMountName = "layer"
-	// DefaultDiskSizeMB is the quota of a template that names none.
-	DefaultDiskSizeMB = 4096
-	// MinDiskSizeMB is the smallest quota createDisk accepts.
-	MinDiskSizeMB = 32
 
 	diskUpperDir  = "upper"
 	diskWorkDir   = "work"

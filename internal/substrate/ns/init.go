@@ -36,9 +36,11 @@ const (
 // initConfig is what the init needs to build the sandbox.
 type initConfig struct {
 	Hostname string   `json:"hostname"`
-	Lower    string   `json:"lower"`
-	Upper    string   `json:"upper"`
-	Work     string   `json:"work"`
+	Lower string `json:"lower"`
+	// Layer is where the writable layer (upper/ and work/) is attached:
+	// it arrives as a detached mount, the one descriptor sent with the
+	// configuration without a user namespace.
+	Layer    string   `json:"layer"`
 	Rootfs   string   `json:"rootfs"`
 	Usr      string   `json:"usr"`
 	Socket   string   `json:"socket"`
@@ -47,10 +49,11 @@ type initConfig struct {
 	// MaxPTYs is the devpts instance's max=.
 	MaxPTYs int `json:"maxPtys"`
 	// UserNS: the init runs in a user namespace of its own and gets, with
-	// the configuration, four descriptors (userns.go): the template, the
-	// activation directory and /usr as idmapped detached mounts and the
-	// agent binary as a detached bind. Lower, Upper, Work, Rootfs, Usr,
-	// Socket and Agent are then unused.
+	// the configuration, five descriptors (userns.go): the template, the
+	// writable layer, the activation directory (for the agent's socket)
+	// and /usr as idmapped detached mounts and the agent binary as a
+	// detached bind. Lower, Layer, Rootfs, Usr, Socket and Agent are then
+	// unused.
 	UserNS bool `json:"userns"`
 }
 
@@ -58,6 +61,7 @@ type initConfig struct {
 const (
 	nsFDLower = iota
 	nsFDLayer
+	nsFDDir
 	nsFDUsr
 	nsFDAgent
 	nsFDCount
@@ -119,8 +123,8 @@ func runInit() error {
 		if err := becomeNamespaceRoot(); err != nil {
 			return err
 		}
-	} else if len(fds) != 0 {
-		return fmt.Errorf("config came with %d unexpected descriptors", len(fds))
+	} else if len(fds) != 1 {
+		return fmt.Errorf("config came with %d descriptors, want 1", len(fds))
 	}
 	// The parent placed us in the sandbox cgroups only after clone; a fresh
 	// cgroup namespace rooted there hides the host's cgroup paths.
@@ -131,7 +135,7 @@ func runInit() error {
 	if cfg.UserNS {
 		lfd, err = setupUserNSRootfs(&cfg, fds)
 	} else {
-		lfd, err = setupRootfs(&cfg)
+		lfd, err = setupRootfs(&cfg, fds[0])
 	}
 	if err != nil {
 		return err
@@ -208,12 +212,16 @@ func bindRO(src, dst string, flags uintptr) error {
 
 // setupRootfs builds the sandbox's mount tree, binds the agent socket and
 // pivots into the rootfs. It returns the listening socket's fd.
-func setupRootfs(c *initConfig) (int, error) {
+func setupRootfs(c *initConfig, layerFD int) (int, error) {
 	if err := mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return -1, err
 	}
+	if err := unix.MoveMount(layerFD, "", unix.AT_FDCWD, c.Layer, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return -1, fmt.Errorf("attach the writable layer on %s: %w", c.Layer, err)
+	}
+	_ = unix.Close(layerFD)
 	r := c.Rootfs
-	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", c.Lower, c.Upper, c.Work)
+	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s/upper,workdir=%s/work", c.Lower, c.Layer, c.Layer)
 	// nodev everywhere writable: CAP_MKNOD nodes are inert (no device cgroup needed).
 	if err := mount("overlay", r, "overlay", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 		return -1, err
@@ -398,8 +406,8 @@ func setupUserNSRootfs(c *initConfig, fds []int) (int, error) {
 	if err := mount("tmpfs", staging, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=0700,size=64k"); err != nil {
 		return -1, err
 	}
-	lower, layer, r := filepath.Join(staging, "l"), filepath.Join(staging, "y"), filepath.Join(staging, "r")
-	for _, d := range []string{lower, layer, r} {
+	lower, layer, dir, r := filepath.Join(staging, "l"), filepath.Join(staging, "y"), filepath.Join(staging, "d"), filepath.Join(staging, "r")
+	for _, d := range []string{lower, layer, dir, r} {
 		if err := os.Mkdir(d, 0o700); err != nil {
 			return -1, err
 		}
@@ -414,6 +422,9 @@ func setupUserNSRootfs(c *initConfig, fds []int) (int, error) {
 		return -1, err
 	}
 	if err := attach(fds[nsFDLayer], layer); err != nil {
+		return -1, err
+	}
+	if err := attach(fds[nsFDDir], dir); err != nil {
 		return -1, err
 	}
 	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s/%s,workdir=%s/%s,userxattr", lower, layer, "upper", layer, "work")
@@ -435,15 +446,15 @@ func setupUserNSRootfs(c *initConfig, fds []int) (int, error) {
 	if err := attach(fds[nsFDAgent], filepath.Join(r, agentMount)); err != nil {
 		return -1, err
 	}
-	for _, i := range []int{nsFDLower, nsFDLayer, nsFDUsr, nsFDAgent} {
-		_ = unix.Close(fds[i])
+	for _, fd := range fds {
+		_ = unix.Close(fd)
 	}
 	// The socket is made here, in the sandbox's network namespace (where
 	// spaced-host looks for the listener) and by the agent's process (a
 	// client's SO_PEERCRED is the listener's); it is bound through the
 	// idmapped activation directory, where the init owns what host root
 	// owns, so it lands at <Spec.Dir>/guest.sock on the host.
-	lfd, err := listenUnix(filepath.Join(layer, filepath.Base(c.Socket)))
+	lfd, err := listenUnix(filepath.Join(dir, filepath.Base(c.Socket)))
 	if err != nil {
 		return -1, err
 	}

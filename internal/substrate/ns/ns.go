@@ -120,10 +120,9 @@ import (
 	"github.com/spacesbx/space/internal/substrate/uidlease"
 )
 
-// Names of the entries of an activation directory.
+// Names of the entries of an activation directory (DiskMountName and
+// DiskImageName are in disk.go).
 const (
-	UpperDir   = "upper"
-	workDir    = "work"
 	rootfsDir  = "rootfs"
 	SocketName = "guest.sock"
 	LogName    = "agent.log"
@@ -140,6 +139,11 @@ type Substrate struct {
 	cgroups *cgroupLayout
 	// userns: sandboxes get user namespaces (userns.go).
 	userns bool
+	// quota: writable layers are layer disks (disk.go); layers holds the
+	// ones in use (layer.go).
+	quota   bool
+	layerMu sync.Mutex
+	layers  map[string]*layerRef
 
 	tmplMu    sync.Mutex
 	tmplReady map[string]bool
@@ -175,7 +179,14 @@ func New(cfg Config) (*Substrate, error) {
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, err
 	}
-	s := &Substrate{cfg: cfg, cgroups: layout, tmplReady: map[string]bool{}}
+	s := &Substrate{cfg: cfg, cgroups: layout, tmplReady: map[string]bool{}, layers: map[string]*layerRef{}}
+	if !cfg.NoDiskQuota {
+		if why := diskQuotaUnsupported(); why != "" {
+			cfg.Logger.Warn("ns: sandboxes run without a disk quota: one sandbox can fill the host's disk", "reason", why)
+		} else {
+			s.quota = true
+		}
+	}
 	if !cfg.NoUserNamespaces {
 		if why := userNamespacesUnsupported(); why != "" {
 			cfg.Logger.Warn("ns: sandboxes run without user namespaces: root in a sandbox is root on the host for uid checks", "reason", why)
@@ -244,13 +255,18 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	}
 	lim := mergeLimits(spec.Limits, s.cfg.Limits)
 	socket := filepath.Join(spec.Dir, SocketName)
-	if err := os.MkdirAll(spec.Dir, 0o700); err != nil {
-		return nil, fmt.Errorf("ns: activation dir: %w", err)
+	releaseLayer, err := s.acquireLayer(spec.Dir, lim.DiskBytes)
+	if err != nil {
+		return nil, fmt.Errorf("ns: start %s: %w", spec.Route.SandboxID, err)
 	}
-	for _, d := range []string{UpperDir, workDir, rootfsDir} {
-		if err := os.Mkdir(filepath.Join(spec.Dir, d), 0o755); err != nil && !errors.Is(err, os.ErrExist) {
-			return nil, fmt.Errorf("ns: activation dir: %w", err)
+	layerHeld := true
+	defer func() {
+		if layerHeld { // not handed to an instance
+			_ = releaseLayer()
 		}
+	}()
+	if err := os.Mkdir(filepath.Join(spec.Dir, rootfsDir), 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return nil, fmt.Errorf("ns: activation dir: %w", err)
 	}
 	if err := os.Remove(socket); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("ns: stale socket: %w", err)
@@ -273,7 +289,6 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		}
 		if sp, err = s.spawn(cgName, lim, logf); err != nil { // logf closed
 			_ = os.Remove(socket)
-			_ = os.RemoveAll(filepath.Join(spec.Dir, workDir))
 			_ = os.Remove(filepath.Join(spec.Dir, rootfsDir))
 			return nil, err
 		}
@@ -282,6 +297,7 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	defer sp.stR.Close()
 	inst := sp.inst
 	inst.route, inst.dir, inst.socket = spec.Route, spec.Dir, socket
+	inst.releaseLayer, layerHeld = releaseLayer, false
 
 	fail := func(err error) (substrate.Instance, error) {
 		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -295,8 +311,7 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	icfg := initConfig{
 		Hostname: hostnameFor(spec.Route.SandboxID),
 		Lower:    lower,
-		Upper:    filepath.Join(spec.Dir, UpperDir),
-		Work:     filepath.Join(spec.Dir, workDir),
+		Layer:    filepath.Join(spec.Dir, DiskMountName),
 		Rootfs:   filepath.Join(spec.Dir, rootfsDir),
 		Usr:      s.cfg.UsrDir,
 		Socket:   inst.socket,
@@ -307,11 +322,19 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	var fds []int
 	if inst.uids != nil {
 		icfg.UserNS = true
-		if fds, err = s.usernsFiles(inst.pid, lower, spec); err != nil {
-			return fail(err)
+		fds, err = s.usernsFiles(inst.pid, lower, spec)
+	} else {
+		// The layer as a detached mount: a warm init's mount namespace
+		// was copied before the layer disk was mounted.
+		var fd int
+		if fd, err = layerMount(spec.Dir, -1); err == nil {
+			fds = []int{fd}
 		}
-		defer closeFDs(fds)
 	}
+	if err != nil {
+		return fail(err)
+	}
+	defer closeFDs(fds)
 	b, err := json.Marshal(icfg)
 	if err != nil {
 		return fail(err)
@@ -386,7 +409,10 @@ type instance struct {
 	lim substrate.Limits
 	// uids is the host uid range of the sandbox's user namespace (nil
 	// without one); released once the init is gone.
-	uids    *uidlease.Lease
+	uids *uidlease.Lease
+	// releaseLayer lets go of the writable layer (layer.go) once the
+	// init is gone.
+	releaseLayer func() error
 	statsMu sync.Mutex
 	lastCPU cpuReading
 }
@@ -397,6 +423,10 @@ func (i *instance) Route() identity.Route { return i.route }
 func (i *instance) GuestSocket() string   { return i.socket }
 func (i *instance) InitPID() int          { return i.pid }
 func (i *instance) Done() <-chan struct{} { return i.done }
+
+// LayerDir is the host path of the writable layer, mounted while the
+// instance runs.
+func (i *instance) LayerDir() string { return LayerDir(i.dir) }
 
 func (i *instance) wait() {
 	defer i.wg.Done()
@@ -504,6 +534,12 @@ func (i *instance) Stop(ctx context.Context) error {
 	}
 	i.cleanupFiles()
 	i.uids.Release() // the init and every process of the range are gone
+	if i.releaseLayer != nil {
+		if err := i.releaseLayer(); err != nil {
+			return fmt.Errorf("ns: stop: %w", err)
+		}
+		i.releaseLayer = nil
+	}
 	if i.log != nil {
 		_ = i.log.Close()
 	}
@@ -517,7 +553,6 @@ func (i *instance) cleanupFiles() {
 		return // a warm init never claimed: no activation directory
 	}
 	_ = os.Remove(i.socket)
-	_ = os.RemoveAll(filepath.Join(i.dir, workDir))
 	_ = os.Remove(filepath.Join(i.dir, rootfsDir))
 }
 

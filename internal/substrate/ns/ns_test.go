@@ -174,13 +174,21 @@ func stopAndCheck(tb testing.TB, inst *instance) {
 	if _, err := os.Lstat(inst.GuestSocket()); !os.IsNotExist(err) {
 		tb.Errorf("socket left behind: %v", err)
 	}
-	for _, gone := range []string{workDir, rootfsDir} {
+	for _, gone := range []string{rootfsDir} {
 		if _, err := os.Lstat(filepath.Join(inst.dir, gone)); !os.IsNotExist(err) {
 			tb.Errorf("%s left behind: %v", gone, err)
 		}
 	}
-	if fi, err := os.Stat(filepath.Join(inst.dir, UpperDir)); err != nil || !fi.IsDir() {
-		tb.Errorf("upper layer not kept: %v", err)
+	// The writable layer is kept: its disk image, or its directory.
+	kept := LayerDir(inst.dir)
+	if inst.s.quota {
+		kept = filepath.Join(inst.dir, DiskImageName)
+		if ok, _ := isMountPoint(filepath.Join(inst.dir, DiskMountName)); ok {
+			tb.Errorf("layer disk still mounted after Stop")
+		}
+	}
+	if _, err := os.Stat(kept); err != nil {
+		tb.Errorf("writable layer not kept: %v", err)
 	}
 }
 
@@ -280,11 +288,11 @@ func TestSandboxIsolation(t *testing.T) {
 		mustFail(t, inst, 0, "touch /usr/bin/space-x")
 		mustFail(t, inst, 0, "echo 1 > /proc/sys/kernel/panic")
 		mustFail(t, inst, 0, "echo b > /proc/sysrq-trigger")
-		// The writable layer: what root writes lands in Dir/upper.
+		// The writable layer: what root writes lands in LayerDir(Dir).
 		if out := mustOK(t, inst, 0, "echo data > /root/note && stat -c %a /tmp /var/tmp /dev/shm /root"); out != "1777\n1777\n1777\n700\n" {
 			t.Fatalf("modes: %q", out)
 		}
-		if b, err := os.ReadFile(filepath.Join(spec.Dir, UpperDir, "root", "note")); err != nil || string(b) != "data\n" {
+		if b, err := os.ReadFile(filepath.Join(LayerDir(spec.Dir), "root", "note")); err != nil || string(b) != "data\n" {
 			t.Fatalf("upper layer: %q %v", b, err)
 		}
 		// A device node made with CAP_MKNOD is inert (nodev).
@@ -488,7 +496,7 @@ func TestPauseResume(t *testing.T) {
 	mustOK(t, inst, 1000, `setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.02; done' </dev/null >/dev/null 2>&1 & while [ ! -s /tmp/counter ]; do sleep 0.01; done; sleep 0.1`)
 	// The loop renames each value into place: a freeze between truncate and
 	// write would otherwise leave the file empty.
-	counter := filepath.Join(spec.Dir, UpperDir, "tmp", "counter")
+	counter := filepath.Join(LayerDir(spec.Dir), "tmp", "counter")
 	time.Sleep(200 * time.Millisecond)
 	c0 := readCounter(t, counter)
 	ctx := context.Background()
@@ -551,12 +559,21 @@ func TestStartErrors(t *testing.T) {
 	// A failure inside the init comes back as a clear error, and Start
 	// cleans up after itself.
 	spec = newSpec(t, substrate.Limits{})
-	if err := os.WriteFile(filepath.Join(spec.Dir, UpperDir), nil, 0o600); err != nil {
+	// (the sandbox's own layer holds a directory where the init writes
+	// /etc/hosts).
+	upper, release, err := s.PrepareLayer(ctx, spec.Dir, spec.Limits)
+	if err != nil {
 		t.Fatal(err)
 	}
-	_, err := s.Start(ctx, spec)
-	if err == nil || !strings.Contains(err.Error(), "overlay") {
-		t.Fatalf("want an overlay mount error, got %v", err)
+	if err := os.MkdirAll(filepath.Join(upper, "etc", "hosts"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := release(); err != nil {
+		t.Fatal(err)
+	}
+	_, err = s.Start(ctx, spec)
+	if err == nil || !strings.Contains(err.Error(), "/etc/hosts") {
+		t.Fatalf("want the init's /etc/hosts error, got %v", err)
 	}
 	t.Logf("init error: %v", err)
 	cgName := spec.Route.SandboxID + "-" + spec.Route.ActivationID

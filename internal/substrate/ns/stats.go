@@ -97,8 +97,11 @@ func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 		return substrate.Stats{}, err
 	}
 	st.MemUsed, st.MemCache = used, cache
-	if st.DiskUsed, err = dirBytes(ctx, filepath.Join(i.dir, UpperDir)); err != nil {
+	if st.DiskUsed, err = dirBytes(ctx, LayerDir(i.dir)); err != nil {
 		return substrate.Stats{}, err
+	}
+	if i.s.quota {
+		st.DiskTotal = diskSize(i.lim.DiskBytes)
 	}
 	st.Timestamp = time.Now()
 	return st, nil

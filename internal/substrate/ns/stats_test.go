@@ -23,7 +23,11 @@ func TestStats(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s0.CPUCount != 2 || s0.MemTotal != 256<<20 || s0.MemUsed <= 0 || s0.DiskTotal != 0 {
+	wantDisk := int64(0) // no quota: no capacity to report
+	if inst.s.quota {
+		wantDisk = DefaultDiskSizeMB << 20
+	}
+	if s0.CPUCount != 2 || s0.MemTotal != 256<<20 || s0.MemUsed <= 0 || s0.DiskTotal != wantDisk {
 		t.Fatalf("baseline %+v", s0)
 	}
 	if time.Since(s0.Timestamp) > 5*time.Second {

@@ -34,6 +34,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -148,8 +149,8 @@ func kernelVersion(rel string) (major, minor int, ok bool) {
 
 // usernsFiles makes what the init of a user-namespaced sandbox gets as
 // descriptors, in the order of initConfig's documentation: the template,
-// the activation directory (upper/ and work/; the init binds the agent's
-// socket in it), /usr and the agent binary.
+// the writable layer (upper/ and work/), the activation directory (the
+// init binds the agent's socket in it), /usr and the agent binary.
 func (s *Substrate) usernsFiles(pid int, lower string, spec substrate.Spec) (fds []int, err error) {
 	defer func() {
 		if err != nil {
@@ -168,7 +169,8 @@ func (s *Substrate) usernsFiles(pid int, lower string, spec substrate.Spec) (fds
 		attrs  uint64
 	}{
 		{lower, uns, unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV},
-		{spec.Dir, uns, unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV},
+		{filepath.Join(spec.Dir, DiskMountName), uns, unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV},
+		{spec.Dir, uns, unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC},
 		// Set-uid binaries here (sudo) only make a process root in the
 		// sandbox's namespace.
 		{s.cfg.UsrDir, uns, unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NODEV},

@@ -1,0 +1,160 @@
+//go:build linux
+
+package ns
+
+// Writable layers. Every activation directory holds its writable layer at
+// DiskMountName/upper (and the overlay's work dir beside it, at
+// DiskMountName/work): with the disk quota (disk.go) DiskMountName is the
+// mount point of the activation's layer disk, mounted on the host while
+// an instance runs or a caller (PrepareLayer: snapshots, restores) needs
+// the files; without it, a plain directory. The disk is mounted once per
+// activation directory however many hold it (the instance, a snapshot of
+// it taken while paused): two mounts of one image would be two file
+// systems writing the same blocks.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// layerRef is a layer held by refs holders.
+type layerRef struct {
+	disk *layerDisk // nil without the quota
+	refs int
+}
+
+// LayerDir is the writable layer (the overlay's upper dir) of activation
+// directory dir, valid while the layer is held (PrepareLayer, or a
+// running instance).
+func LayerDir(dir string) string { return filepath.Join(dir, DiskMountName, diskUpperDir) }
+
+// diskQuotaUnsupported says why layer disks cannot be used here, or "".
+func diskQuotaUnsupported() string {
+	if _, err := findE2fs("mkfs.ext4"); err != nil {
+		return err.Error()
+	}
+	if _, err := os.Stat("/dev/loop-control"); err != nil {
+		return "no /dev/loop-control (loop devices): " + err.Error()
+	}
+	return ""
+}
+
+// diskSize rounds a quota up to whole MiB, at least MinDiskSizeMB.
+func diskSize(b int64) int64 {
+	if b < MinDiskSizeMB<<20 {
+		b = MinDiskSizeMB << 20
+	}
+	return (b + 1<<20 - 1) &^ (1<<20 - 1)
+}
+
+// acquireLayer makes the writable layer of activation directory dir
+// available at dir/DiskMountName (creating dir, and the disk of size
+// bytes, when missing) and returns its release. A disk that exists with
+// a smaller size is grown when nobody holds it.
+func (s *Substrate) acquireLayer(dir string, size int64) (release func() error, err error) {
+	s.layerMu.Lock()
+	defer s.layerMu.Unlock()
+	if ref := s.layers[dir]; ref != nil {
+		ref.refs++
+		return s.releaser(dir), nil
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("ns: activation dir: %w", err)
+	}
+	mnt := filepath.Join(dir, DiskMountName)
+	ref := &layerRef{refs: 1}
+	if !s.quota {
+		for _, d := range []string{mnt, filepath.Join(mnt, diskUpperDir), filepath.Join(mnt, diskWorkDir)} {
+			if err := os.Mkdir(d, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+				return nil, fmt.Errorf("ns: writable layer: %w", err)
+			}
+		}
+		s.layers[dir] = ref
+		return s.releaser(dir), nil
+	}
+	img := filepath.Join(dir, DiskImageName)
+	size = diskSize(size)
+	switch fi, err := os.Stat(img); {
+	case errors.Is(err, os.ErrNotExist):
+		if err := createDisk(s.cfg.StateDir, img, size); err != nil {
+			return nil, err
+		}
+	case err != nil:
+		return nil, fmt.Errorf("ns: disk quota: %w", err)
+	case fi.Size() < size:
+		if err := growDisk(img, size); err != nil {
+			return nil, err
+		}
+	}
+	// A disk left mounted by a process that died (it held no reference
+	// here) is unmounted first: mounting it twice would corrupt it.
+	if err := unmountDisk(mnt); err != nil {
+		return nil, err
+	}
+	if ref.disk, err = mountDisk(img, mnt); err != nil {
+		return nil, err
+	}
+	s.layers[dir] = ref
+	return s.releaser(dir), nil
+}
+
+// releaser returns a function that drops one reference on dir's layer
+// (unmounting its disk with the last); calling it again does nothing.
+func (s *Substrate) releaser(dir string) func() error {
+	done := false
+	return func() error {
+		s.layerMu.Lock()
+		defer s.layerMu.Unlock()
+		if done {
+			return nil
+		}
+		done = true
+		ref := s.layers[dir]
+		if ref == nil {
+			return nil
+		}
+		if ref.refs--; ref.refs > 0 {
+			return nil
+		}
+		delete(s.layers, dir)
+		if ref.disk != nil {
+			return ref.disk.Unmount()
+		}
+		return nil
+	}
+}
+
+// PrepareLayer implements substrate.LayerPreparer: it makes the writable
+// layer of activation directory dir (with the disk quota lim.DiskBytes,
+// or the default, when it has to be created) available on the host and
+// returns its path (an overlay upper dir) and the release to call when
+// done with it.
+func (s *Substrate) PrepareLayer(ctx context.Context, dir string, lim substrate.Limits) (string, func() error, error) {
+	if !filepath.IsAbs(dir) {
+		return "", nil, fmt.Errorf("ns: activation dir %q is not absolute", dir)
+	}
+	if err := ctx.Err(); err != nil {
+		return "", nil, err
+	}
+	lim = mergeLimits(lim, s.cfg.Limits)
+	release, err := s.acquireLayer(dir, lim.DiskBytes)
+	if err != nil {
+		return "", nil, err
+	}
+	return LayerDir(dir), release, nil
+}
+
+var _ substrate.LayerPreparer = (*Substrate)(nil)
+
+// layerMount returns a detached copy of the layer mount of dir (its disk,
+// or the plain directory), idmapped for usernsFD unless that is -1.
+func layerMount(dir string, usernsFD int) (int, error) {
+	return idmapClone(filepath.Join(dir, DiskMountName), usernsFD, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV)
+}

@@ -1,0 +1,105 @@
+//go:build linux
+
+package ns
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// TestDiskQuotaInSandbox: a sandbox writing past its disk quota gets
+// ENOSPC inside, the host's free space drops by at most the quota, and
+// what it wrote survives a stop and the next activation on the same Dir.
+func TestDiskQuotaInSandbox(t *testing.T) {
+	s := needRoot(t)
+	if !s.quota {
+		t.Skipf("skipping: no disk quota here: %s", diskQuotaUnsupported())
+	}
+	const quota = 96 << 20
+	inst, spec := start(t, substrate.Limits{DiskBytes: quota})
+	var before syscall.Statfs_t
+	if err := syscall.Statfs(spec.Dir, &before); err != nil {
+		t.Fatal(err)
+	}
+	r := sh(t, inst, 1000, "dd if=/dev/zero of=/home/user/fill bs=1M count=400 2>&1; echo rc=$?; sync")
+	if !strings.Contains(r.Out, "No space left on device") || strings.Contains(r.Out, "rc=0") {
+		t.Fatalf("writing 400 MiB into a 96 MiB quota: %s", r.Out)
+	}
+	var after syscall.Statfs_t
+	if err := syscall.Statfs(spec.Dir, &after); err != nil {
+		t.Fatal(err)
+	}
+	used := (int64(before.Bavail) - int64(after.Bavail)) * before.Bsize
+	t.Logf("host free space dropped by %.1f MiB for a %d MiB quota", float64(used)/(1<<20), quota>>20)
+	if used > quota+(8<<20) {
+		t.Fatalf("host free space dropped by %d bytes, more than the %d byte quota", used, quota)
+	}
+	// The sandbox still works (a full disk is the sandbox's problem only),
+	// and frees space by deleting.
+	mustOK(t, inst, 1000, "rm /home/user/fill && echo ok > /home/user/after")
+	st, err := inst.Stats(context.Background())
+	if err != nil || st.DiskTotal != quota {
+		t.Fatalf("stats: %+v %v", st, err)
+	}
+	// Kept across a stop; the next activation on the same Dir sees it.
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	spec.Route.ActivationID = randID(4)
+	in2, err := s.Start(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst2 := in2.(*instance)
+	defer stopAndCheck(t, inst2)
+	if out := mustOK(t, inst2, 1000, "cat /home/user/after"); out != "ok\n" {
+		t.Fatalf("layer not kept: %q", out)
+	}
+	// A paused instance's layer is shared with PrepareLayer, not mounted
+	// twice.
+	upper, release, err := s.PrepareLayer(ctx, spec.Dir, spec.Limits)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(upper, "home/user/after")); err != nil || string(b) != "ok\n" {
+		t.Fatalf("PrepareLayer of a running instance: %q %v", b, err)
+	}
+	if err := release(); err != nil {
+		t.Fatal(err)
+	}
+	mustOK(t, inst2, 1000, "echo still > /home/user/still")
+}
+
+func TestWithoutDiskQuota(t *testing.T) {
+	needRoot(t)
+	s, err := New(Config{StateDir: testState, NoDiskQuota: true, NoWarmInit: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	spec := newSpec(t, substrate.Limits{})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	in, err := s.Start(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst := in.(*instance)
+	defer stopAndCheck(t, inst)
+	mustOK(t, inst, 0, "echo x > /root/x")
+	if b, err := os.ReadFile(filepath.Join(LayerDir(spec.Dir), "root/x")); err != nil || string(b) != "x\n" {
+		t.Fatalf("plain layer: %q %v", b, err)
+	}
+	if _, err := os.Stat(filepath.Join(spec.Dir, DiskImageName)); !os.IsNotExist(err) {
+		t.Fatalf("a disk image was made with the quota off: %v", err)
+	}
+}
