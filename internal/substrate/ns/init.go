@@ -35,17 +35,17 @@ const (
 
 // initConfig is what the init needs to build the sandbox.
 type initConfig struct {
-	Hostname string   `json:"hostname"`
-	Lower string `json:"lower"`
+	Hostname string `json:"hostname"`
+	Lower    string `json:"lower"`
 	// Layer is where the writable layer (upper/ and work/) is attached:
 	// it arrives as a detached mount, the one descriptor sent with the
 	// configuration without a user namespace.
-	Layer    string   `json:"layer"`
-	Rootfs   string   `json:"rootfs"`
-	Usr      string   `json:"usr"`
-	Socket   string   `json:"socket"`
-	Agent    string   `json:"agent"`
-	Env      []string `json:"env"`
+	Layer  string   `json:"layer"`
+	Rootfs string   `json:"rootfs"`
+	Usr    string   `json:"usr"`
+	Socket string   `json:"socket"`
+	Agent  string   `json:"agent"`
+	Env    []string `json:"env"`
 	// MaxPTYs is the devpts instance's max=.
 	MaxPTYs int `json:"maxPtys"`
 	// UserNS: the init runs in a user namespace of its own and gets, with

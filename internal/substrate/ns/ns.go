@@ -413,8 +413,8 @@ type instance struct {
 	// releaseLayer lets go of the writable layer (layer.go) once the
 	// init is gone.
 	releaseLayer func() error
-	statsMu sync.Mutex
-	lastCPU cpuReading
+	statsMu      sync.Mutex
+	lastCPU      cpuReading
 }
 
 var _ substrate.Instance = (*instance)(nil)
