@@ -84,6 +84,12 @@ func (e *ArchiveError) Is(target error) bool {
 
 const xattrPrefix = "SCHILY.xattr."
 
+// The opaque-directory markers of overlayfs without and with userxattr.
+const (
+	opaqueTrusted = "trusted.overlay.opaque"
+	opaqueUser    = "user.overlay.opaque"
+)
+
 // keepXattr is the allowlist of extended attributes an archive carries.
 func keepXattr(name string) bool {
 	switch name {
@@ -661,6 +667,19 @@ func (x *extractor) setAttrsFd(pfd int, base string, hdr *tar.Header, mode uint3
 	for k, v := range xattrs {
 		if err := unix.Fsetxattr(fd, k, []byte(v), 0); err != nil {
 			return fmt.Errorf("set xattr %s: %w", k, err)
+		}
+	}
+	// An opaque directory is marked in both of overlayfs's forms: trusted.*
+	// (an overlay mounted by host root) and user.* (one mounted in a user
+	// namespace with userxattr), so a layer moves between workers with and
+	// without user namespaces intact.
+	if hdr.Typeflag == tar.TypeDir {
+		if xattrs[opaqueTrusted] == "y" || xattrs[opaqueUser] == "y" {
+			for _, k := range []string{opaqueTrusted, opaqueUser} {
+				if err := unix.Fsetxattr(fd, k, []byte("y"), 0); err != nil {
+					return fmt.Errorf("set xattr %s: %w", k, err)
+				}
+			}
 		}
 	}
 	if hdr.Typeflag != tar.TypeDir {

@@ -160,6 +160,10 @@ func TestArchiveRestoreRoundTrip(t *testing.T) {
 	// Dropped xattrs are not expected after restore.
 	must(t, unix.Removexattr(p("etc/hosts"), "trusted.overlay.origin"))
 	must(t, unix.Removexattr(p("etc/hosts"), "security.capability"))
+	// Opaque directories come back marked in both of overlayfs's forms
+	// (with and without userxattr).
+	must(t, unix.Setxattr(p("opaque"), "user.overlay.opaque", []byte("y"), 0))
+	must(t, unix.Setxattr(p("uopaque"), "trusted.overlay.opaque", []byte("y"), 0))
 	setTime(t, p("etc/hosts"), 1700000000, 123456789)
 	setTime(t, p("etc"), 1600000000, 987654321)
 	setTime(t, src, 1, 0)
@@ -167,7 +171,7 @@ func TestArchiveRestoreRoundTrip(t *testing.T) {
 	if want != got {
 		t.Fatalf("round trip differs\nwant:\n%s\ngot:\n%s", want, got)
 	}
-	for _, s := range []string{"xattrs=trusted.overlay.opaque=y", "xattrs=user.overlay.opaque=y", "xattrs=user.note=kept", "dev=0:0", "mode=4755", "mode=1777", "-> /etc/passwd", "hardlinks etc/conf.d/hard=opaque/inner", "uid=1000 gid=1001"} {
+	for _, s := range []string{"xattrs=trusted.overlay.opaque=y,user.overlay.opaque=y", "xattrs=user.note=kept", "dev=0:0", "mode=4755", "mode=1777", "-> /etc/passwd", "hardlinks etc/conf.d/hard=opaque/inner", "uid=1000 gid=1001"} {
 		if !strings.Contains(got, s) {
 			t.Errorf("restored tree lacks %q:\n%s", s, got)
 		}
