@@ -1,6 +1,8 @@
 package guest
 
 import (
+	"golang.org/x/sys/unix"
+
 	"context"
 	"encoding/json"
 	"flag"
@@ -71,6 +73,15 @@ func Main(o MainOptions) int {
 	}
 	if err := SealFDs(keep...); err != nil {
 		logger.Warn("spaced-guest: could not seal inherited file descriptors", "err", err)
+	}
+	// Not dumpable: root in the sandbox has the agent's uid and
+	// capabilities, which is all ptrace's access check asks of it for
+	// /proc/1/mem, /proc/1/fd and the like; a non-dumpable target also
+	// needs CAP_SYS_PTRACE, which no sandbox process has. Commands are
+	// dumpable again after their exec.
+	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
+		logger.Error("spaced-guest: cannot make the agent non-dumpable", "err", err)
+		return 1
 	}
 	// The agent is pid 1: a write to a stderr nobody reads any more must
 	// fail with EPIPE, not end the agent and with it the sandbox (Go exits
