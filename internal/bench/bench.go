@@ -26,6 +26,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"sync"
@@ -64,6 +65,9 @@ type Config struct {
 	// VMIdle idle base-vm sandboxes are held on a one-worker platform for
 	// their host memory (0: not measured).
 	VMIdle int
+	// IsoStarts raw ns starts and IsoIdle idle sandboxes per isolation
+	// mode (user namespaces and disk quota on or off; isolation.go).
+	IsoStarts, IsoIdle int
 	// Log receives progress (default stderr); platform logs at Error only.
 	Log io.Writer
 }
@@ -76,7 +80,7 @@ func DefaultConfig() Config {
 		CreateWarmup: 2, Creates: 50, RawEvery: 2, CreateClients: 8, CreatesPerClient: 10,
 		MemSandboxes: 10, MemSettle: 2 * time.Second,
 		VM:     VMConfig{Creates: 5, NSPerVM: 2, BootBudget: 100 * time.Second, Rounds: 5, Snapshots: 2, Moves: 3},
-		VMIdle: 50,
+		VMIdle: 50, IsoStarts: 40, IsoIdle: 10,
 	}
 }
 
@@ -88,7 +92,7 @@ func QuickConfig() Config {
 		CreateWarmup: 1, Creates: 5, RawEvery: 2, CreateClients: 8, CreatesPerClient: 2,
 		MemSandboxes: 2, MemSettle: 500 * time.Millisecond,
 		VM:     VMConfig{Creates: 1, NSPerVM: 1, Rounds: 1, Snapshots: 1, Moves: 1},
-		VMIdle: 2,
+		VMIdle: 2, IsoStarts: 3, IsoIdle: 2,
 	}
 }
 
@@ -110,6 +114,8 @@ type Report struct {
 	VMErr     error
 	VMIdle    IdleVMResult
 	VMIdleErr error
+	Iso       IsolationResult
+	IsoErr    error
 	Took      time.Duration
 }
 
@@ -136,6 +142,8 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 		return runCreateOnly(ctx, cfg, out, phases, progress, t0)
 	case "vm":
 		return runVMOnly(ctx, cfg, out, progress, t0)
+	case "isolation":
+		return runIsolationOnly(ctx, cfg, out, progress, t0)
 	}
 
 	// 1. Capability verification first, while no platform competes for CPU.
@@ -191,6 +199,9 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	closeOff()
 	closeOn()
 
+	progress("isolation: %d ns starts and %d idle sandboxes per mode (userns+quota, quota only, neither)", cfg.IsoStarts, cfg.IsoIdle)
+	rep.Iso, rep.IsoErr = MeasureIsolation(ctx, filepath.Join(root, "iso"), cfg.BinDir, plog, cfg.IsoStarts, cfg.IsoIdle, cfg.MemSettle)
+
 	measureLifeAndVM(ctx, cfg, root, plog, progress, &rep, true)
 	rep.Took = time.Since(t0)
 	progress("done")
@@ -200,7 +211,24 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	}
 	fmt.Fprintln(out)
 	fmt.Fprint(out, rep.Notes())
-	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr)
+	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.IsoErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr)
+}
+
+// runIsolationOnly measures only the isolation section (-only isolation).
+func runIsolationOnly(ctx context.Context, cfg Config, out io.Writer, progress func(string, ...any), t0 time.Time) error {
+	root, err := os.MkdirTemp("", "space-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(root)
+	progress("isolation: %d ns starts and %d idle sandboxes per mode (userns+quota, quota only, neither)", cfg.IsoStarts, cfg.IsoIdle)
+	res, err := MeasureIsolation(ctx, root, cfg.BinDir, discardLogger(cfg.Log), cfg.IsoStarts, cfg.IsoIdle, cfg.MemSettle)
+	progress("done in %s", time.Since(t0).Round(time.Second))
+	if err != nil {
+		return err
+	}
+	fmt.Fprintln(out)
+	return WriteTable(out, res.rows())
 }
 
 // measureLifeAndVM runs, each on platforms of its own, alone on the
@@ -413,6 +441,11 @@ func (r *Report) Rows() []Row {
 		fail("microvm idle base-vm memory", r.VMIdleErr)
 	} else if r.VMIdle.N > 0 {
 		rows = append(rows, r.VMIdle.Rows()...)
+	}
+	if r.IsoErr != nil {
+		fail("isolation (user namespaces, disk quota)", r.IsoErr)
+	} else if len(r.Iso.Start[IsoAll]) > 0 {
+		rows = append(rows, r.Iso.rows()...)
 	}
 	return rows
 }
