@@ -51,11 +51,17 @@
 //
 // Start creates Spec.Dir (0700) if needed and uses:
 //
-//	upper/      the writable layer: survives Stop (snapshots archive it;
-//	            the next activation on the same Dir continues from it)
-//	work/       overlayfs work dir (removed by Stop)
-//	rootfs/     the overlay mount point (the mount exists only in the
-//	            sandbox's mount namespace; the empty dir is removed by Stop)
+//	layer.img   the layer disk (disk.go): a sparse ext4 image of the
+//	            quota's size holding the writable layer; survives Stop
+//	            (snapshots archive it; the next activation on the same
+//	            Dir continues from it). Absent without the disk quota.
+//	layer/      where the disk is mounted while the layer is held (an
+//	            instance runs, or PrepareLayer); holds upper/ (the
+//	            writable layer, LayerDir) and work/ (overlayfs's). A
+//	            plain directory without the disk quota.
+//	rootfs/     the overlay mount point without a user namespace (the
+//	            mount exists only in the sandbox's mount namespace; the
+//	            empty dir is removed by Stop)
 //	guest.sock  the agent's listening socket (removed by Stop)
 //	agent.log   the agent's stdout/stderr, capped at 4 MiB (kept)
 //
@@ -91,7 +97,7 @@
 //
 // # Known limits
 //
-// No disk quota on Spec.Dir/upper; /sys is
+// /sys is
 // absent; the sandbox's /proc/self/mountinfo shows the host paths of the
 // overlay layers; the sandbox's cgroup namespace is rooted at the agent's
 // groups, so user processes see their pids group (v2: their group) as
