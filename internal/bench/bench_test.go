@@ -362,3 +362,20 @@ func TestVMUnavailable(t *testing.T) {
 		t.Errorf("vmUnavailable = %q", why)
 	}
 }
+
+func TestIsolationRows(t *testing.T) {
+	var r IsolationResult
+	for m, d := range map[int]time.Duration{IsoAll: 10 * time.Millisecond, IsoNoUser: 9 * time.Millisecond, IsoNone: 5 * time.Millisecond} {
+		r.Start[m] = []time.Duration{d, d, d}
+		r.MemPSS[m] = []int64{3 << 20}
+		r.MemCg[m] = []int64{1 << 20}
+	}
+	rows := r.rows()
+	if len(rows) != 4 || rows[0].Verdict != Misses || rows[2].Verdict != Meets || rows[1].Verdict != NotJudged {
+		t.Fatalf("10 vs 9 ms must miss 1.10x, equal memory must meet: %+v", rows)
+	}
+	r.Start[IsoAll] = []time.Duration{9900 * time.Microsecond}
+	if rows := r.rows(); rows[0].Verdict != Meets || rows[0].Ratio != "1.10x" {
+		t.Fatalf("9.9 vs 9 ms: %+v", rows[0])
+	}
+}

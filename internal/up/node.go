@@ -33,6 +33,8 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	snapDir := fs.String("snapshot-dir", "", "snapshot store shared by all workers (required for resume on another worker)")
 	vmKernel := fs.String("vm-kernel-dir", "", "microvm guest kernel dir with vmlinuz and modules/ (make vm-deps); empty: ns only")
 	capacity := fs.Int("capacity", 100, "sandboxes the scheduler may place on this worker (each idle ns sandbox holds about 13 host tasks against kernel.pid_max; a warning says when the host cannot hold them)")
+	noUserNS := fs.Bool("no-user-namespaces", false, "run ns sandboxes without user namespaces (root in a sandbox is then host root for uid checks)")
+	noQuota := fs.Bool("no-disk-quota", false, "keep ns sandboxes' writable layers in plain directories (no per-sandbox disk quota)")
 	vmAccel := fs.String("vm-accel", "", "force the microvm accelerator, kvm or tcg (default: probe kvm, then tcg)")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -59,7 +61,8 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	defer st.Close()
-	sub, err := ns.New(ns.Config{StateDir: filepath.Join(*dataDir, "ns"), InitPath: NSInitPath(*binDir), Logger: log})
+	sub, err := ns.New(ns.Config{StateDir: filepath.Join(*dataDir, "ns"), InitPath: NSInitPath(*binDir), Logger: log,
+		NoUserNamespaces: *noUserNS, NoDiskQuota: *noQuota})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
 		return 1

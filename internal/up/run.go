@@ -25,6 +25,8 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	fs.StringVar(&cfg.VMKernelDir, "vm-kernel-dir", "", "microvm guest kernel dir with vmlinuz and modules/ (default: .cache/vm/kernel of the checkout the binaries were built in; none: ns only)")
 	fs.StringVar(&cfg.VMAccel, "vm-accel", "", "force the microvm accelerator, kvm or tcg (default: boot a probe guest under kvm, then tcg, and use the first that works)")
 	fs.StringVar(&cfg.Domain, "domain", "localhost", "public sandbox domain for <port>-<id>.<domain>")
+	fs.BoolVar(&cfg.NSNoUserNamespaces, "no-user-namespaces", false, "run ns sandboxes without user namespaces (root in a sandbox is then host root for uid checks)")
+	fs.BoolVar(&cfg.NSNoDiskQuota, "no-disk-quota", false, "keep ns sandboxes' writable layers in plain directories (no per-sandbox disk quota)")
 	etcd := fs.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
 	level := fs.String("log-level", "info", "debug, info, warn or error")
 	if err := fs.Parse(args); err != nil {

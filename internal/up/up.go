@@ -75,6 +75,10 @@ type Config struct {
 	// VMNoTemplates boots every microVM cold (no template snapshots); the
 	// benchmark's baseline.
 	VMNoTemplates bool
+	// NSNoUserNamespaces and NSNoDiskQuota turn off the ns substrate's
+	// user namespaces and layer disks (ns.Config; both on by default where
+	// the host supports them).
+	NSNoUserNamespaces, NSNoDiskQuota bool
 	// DefaultLimits apply to sandboxes (zero: substrate defaults).
 	DefaultLimits spacev1.Limits
 	// UnsafeSkipIdentityChecks is the baseline of the on/off benchmark only.
@@ -257,7 +261,8 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	p.APIURL = "http://" + apiLn.Addr().String()
 	p.goRun("control plane", func() error { return p.cp.Serve(rctx, apiLn) })
 
-	p.sub, err = ns.New(ns.Config{StateDir: filepath.Join(cfg.DataDir, "ns"), InitPath: NSInitPath(cfg.BinDir), Logger: log})
+	p.sub, err = ns.New(ns.Config{StateDir: filepath.Join(cfg.DataDir, "ns"), InitPath: NSInitPath(cfg.BinDir), Logger: log,
+		NoUserNamespaces: cfg.NSNoUserNamespaces, NoDiskQuota: cfg.NSNoDiskQuota})
 	if err != nil {
 		return nil, fmt.Errorf("up: ns substrate: %w", err)
 	}
