@@ -179,8 +179,8 @@ func (f *lcFixture) stream(t *testing.T, path string, r identity.Route, p capabi
 }
 
 // readEnvelopes reads Connect envelopes until the end-of-stream message
-// (returned) or an error.
-func readEnvelopes(body io.Reader) (end string, n int, err error) {
+// (returned) or an error; onMsg (if set) runs after every other message.
+func readEnvelopes(body io.Reader, onMsg func()) (end string, n int, err error) {
 	br := bufio.NewReader(body)
 	for {
 		var hdr [5]byte
@@ -195,6 +195,9 @@ func readEnvelopes(body io.Reader) (end string, n int, err error) {
 		if hdr[0]&0x02 != 0 {
 			return string(msg), n, nil
 		}
+		if onMsg != nil {
+			onMsg()
+		}
 	}
 }
 
@@ -206,14 +209,18 @@ type endStream struct {
 }
 
 // expectReplacedEnd checks that a Connect stream ends (soon) with an
-// end-of-stream error "unavailable: execution replaced".
-func expectReplacedEnd(t *testing.T, name string, resp *http.Response, wantMsgs int) <-chan struct{} {
+// end-of-stream error "unavailable: execution replaced". started is
+// closed once the stream's first message arrived (or the stream ended):
+// a replacement before it would cut the stream short of wantMsgs.
+func expectReplacedEnd(t *testing.T, name string, resp *http.Response, wantMsgs int) (done, started <-chan struct{}) {
 	t.Helper()
-	done := make(chan struct{})
+	d, st := make(chan struct{}), make(chan struct{})
+	var once sync.Once
 	go func() {
-		defer close(done)
+		defer close(d)
+		defer once.Do(func() { close(st) })
 		defer resp.Body.Close()
-		end, n, err := readEnvelopes(resp.Body)
+		end, n, err := readEnvelopes(resp.Body, func() { once.Do(func() { close(st) }) })
 		if err != nil {
 			t.Errorf("%s: stream cut without an end-of-stream message: %v", name, err)
 			return
@@ -227,7 +234,7 @@ func expectReplacedEnd(t *testing.T, name string, resp *http.Response, wantMsgs 
 			t.Errorf("%s: %d messages, want %d", name, n, wantMsgs)
 		}
 	}()
-	return done
+	return d, st
 }
 
 func waitDone(t *testing.T, what string, chs ...<-chan struct{}) {
@@ -275,8 +282,9 @@ func TestSeedScenarioAtWorker(t *testing.T) {
 	if proc.StatusCode != 200 || watch.StatusCode != 200 {
 		t.Fatalf("streams: %d %d", proc.StatusCode, watch.StatusCode)
 	}
-	procDone := expectReplacedEnd(t, "process stream", proc, 2)
-	watchDone := expectReplacedEnd(t, "watch stream", watch, 2)
+	procDone, procStarted := expectReplacedEnd(t, "process stream", proc, 2)
+	watchDone, watchStarted := expectReplacedEnd(t, "watch stream", watch, 2)
+	waitDone(t, "first messages of the streams", procStarted, watchStarted)
 	tok7 := f.token(t, r7, capability.PurposeFiles) // unexpired throughout
 
 	if err := f.m.Retire(context.Background(), r7); err != nil {
@@ -480,7 +488,8 @@ func TestLeaseEndsStreams(t *testing.T) {
 	r1 := route("sbxl", 1)
 	f.install(t, r1)
 	proc := f.stream(t, "/process.Process/Start", r1, capability.PurposeProcess)
-	procDone := expectReplacedEnd(t, "process stream", proc, 2)
+	procDone, procStarted := expectReplacedEnd(t, "process stream", proc, 2)
+	waitDone(t, "first message of the stream", procStarted)
 
 	pending := make(chan *http.Response, 1)
 	go func() {
@@ -518,7 +527,8 @@ func TestLeaseEndsStreams(t *testing.T) {
 	if resp.StatusCode != 200 || resp.Header.Get("Content-Type") != "application/connect+json" {
 		t.Fatalf("pending stream: %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
 	}
-	waitDone(t, "pending stream", expectReplacedEnd(t, "pending stream", resp, 1))
+	pendingDone, _ := expectReplacedEnd(t, "pending stream", resp, 1)
+	waitDone(t, "pending stream", pendingDone)
 }
 
 // The lease writer on its own: a non-Connect request whose lease ended

@@ -139,6 +139,28 @@ func start(tb testing.TB, lim substrate.Limits) (*instance, substrate.Spec) {
 	return inst, spec
 }
 
+// startWith starts a sandbox on a substrate of its own made from cfg
+// (closed, with the sandbox stopped and checked, when the test ends).
+func startWith(t *testing.T, cfg Config) (*Substrate, *instance, substrate.Spec) {
+	t.Helper()
+	needRoot(t)
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	spec := newSpec(t, substrate.Limits{})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	in, err := s.Start(ctx, spec)
+	if err != nil {
+		t.Fatalf("Start: %v", err)
+	}
+	inst := in.(*instance)
+	t.Cleanup(func() { stopAndCheck(t, inst) })
+	return s, inst, spec
+}
+
 // stopAndCheck stops inst and verifies that nothing is left behind.
 func stopAndCheck(tb testing.TB, inst *instance) {
 	tb.Helper()
@@ -738,8 +760,25 @@ func TestForkBombKeepsAgentReserve(t *testing.T) {
 	inst, _ := start(t, substrate.Limits{Pids: 64})
 	user := inst.cg.userDir
 	bomb := make(chan error, 1)
+	var bombOut result
 	go func() {
-		_, err := shTimeout(inst, 1000, "f() { f | f & }; f; sleep 6", 6*time.Second)
+		// Forks until the group is full and holds it there: a classic bomb's
+		// population swings as its processes exit (on a loaded machine it
+		// may never sit at the limit while it is sampled), and a shell that
+		// cannot fork exits, taking its group with it.
+		const hold = `python3 -c "
+import os, time
+while True:
+    try:
+        if os.fork() == 0:
+            time.sleep(8)
+            os._exit(0)
+    except OSError:
+        break
+time.sleep(6)
+"`
+		r, err := shTimeout(inst, 1000, hold, 7*time.Second)
+		bombOut = r
 		bomb <- err
 	}()
 	// Generous: on a loaded 2-core machine the bomb grows slowly.
@@ -747,7 +786,7 @@ func TestForkBombKeepsAgentReserve(t *testing.T) {
 	for readCounter(t, filepath.Join(user, "pids.current")) < 64 {
 		select {
 		case err := <-bomb:
-			t.Fatalf("the bomb ended before filling the user group (pids.current %d, err %v)", readCounter(t, filepath.Join(user, "pids.current")), err)
+			t.Fatalf("the bomb ended before filling the user group (pids.current %d, err %v, exit %d, output %.300q)", readCounter(t, filepath.Join(user, "pids.current")), err, bombOut.Code, bombOut.Out)
 		default:
 		}
 		if time.Now().After(deadline) {
@@ -804,20 +843,9 @@ func TestInitPath(t *testing.T) {
 	if out, err := exec.Command("go", "build", "-o", initBin, "github.com/spacesbx/space/cmd/space-nsinit").CombinedOutput(); err != nil {
 		t.Fatalf("build space-nsinit: %v\n%s", err, out)
 	}
-	s, err := New(Config{StateDir: testState, InitPath: initBin})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	spec := newSpec(t, substrate.Limits{})
+	_, inst, spec := startWith(t, Config{StateDir: testState, InitPath: initBin})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	in, err := s.Start(ctx, spec)
-	if err != nil {
-		t.Fatalf("Start: %v", err)
-	}
-	inst := in.(*instance)
-	defer stopAndCheck(t, inst)
 	if out := mustOK(t, inst, 0, "cat /proc/sys/kernel/hostname"); strings.TrimSpace(out) != spec.Route.SandboxID {
 		t.Errorf("hostname %q", out)
 	}

@@ -80,21 +80,7 @@ func TestDiskQuotaInSandbox(t *testing.T) {
 }
 
 func TestWithoutDiskQuota(t *testing.T) {
-	needRoot(t)
-	s, err := New(Config{StateDir: testState, NoDiskQuota: true, NoWarmInit: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	spec := newSpec(t, substrate.Limits{})
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	in, err := s.Start(ctx, spec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	inst := in.(*instance)
-	defer stopAndCheck(t, inst)
+	_, inst, spec := startWith(t, Config{StateDir: testState, NoDiskQuota: true, NoWarmInit: true})
 	mustOK(t, inst, 0, "echo x > /root/x")
 	if b, err := os.ReadFile(filepath.Join(LayerDir(spec.Dir), "root/x")); err != nil || string(b) != "x\n" {
 		t.Fatalf("plain layer: %q %v", b, err)

@@ -3,14 +3,12 @@
 package ns
 
 import (
-	"context"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/spacesbx/space/internal/substrate"
 )
@@ -93,21 +91,7 @@ EOF
 }
 
 func TestWithoutUserNamespaces(t *testing.T) {
-	needRoot(t)
-	s, err := New(Config{StateDir: testState, NoUserNamespaces: true, NoWarmInit: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	spec := newSpec(t, substrate.Limits{})
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	in, err := s.Start(ctx, spec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	inst := in.(*instance)
-	defer stopAndCheck(t, inst)
+	_, inst, _ := startWith(t, Config{StateDir: testState, NoUserNamespaces: true, NoWarmInit: true})
 	if inst.uids != nil {
 		t.Fatal("a uid range was leased with user namespaces off")
 	}
