@@ -37,7 +37,8 @@ const (
 var apiKeyRE = regexp.MustCompile(`^e2b_[0-9a-f]{40}$`)
 
 // Template describes what a template gives a sandbox (reported to E2B
-// clients; CPU and memory are passed to the worker as limits).
+// clients; CPU, memory and disk are passed to the worker as limits: the
+// ns substrate's layer disk is DiskSizeMB).
 type Template struct {
 	CPUCount   int
 	MemoryMB   int
@@ -47,8 +48,9 @@ type Template struct {
 	Substrate string
 }
 
-// DefaultTemplate is the "base" template's size.
-var DefaultTemplate = Template{CPUCount: 2, MemoryMB: 512, DiskSizeMB: 1024}
+// DefaultTemplate is the "base" template's size: a 4 GiB writable layer
+// (sparse: it costs the host what the sandbox writes).
+var DefaultTemplate = Template{CPUCount: 2, MemoryMB: 512, DiskSizeMB: 4096}
 
 // DefaultVMTemplate is "base-vm": the base userland in a microVM (its files
 // live in guest memory, so DiskSizeMB is 0).
