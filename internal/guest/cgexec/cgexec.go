@@ -27,9 +27,12 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"runtime"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -58,13 +61,28 @@ func init() {
 // os.Args[1] with os.Args[2:]. Anything else (EOF: the starter gave up)
 // exits without running anything.
 func wrapper() {
+	// The wrapper is moved into the user group while it waits here, and
+	// that group may be full (a fork bomb at pids.max): from then on clone
+	// fails with EAGAIN, and a Go runtime that wants another thread dies
+	// ("failed to create new OS thread"). So it must not want one: one P
+	// (no idle P for a runnable background goroutine to wake a thread
+	// for), no garbage collection, a raw read (a Go syscall blocked for
+	// over 10 ms has its P handed to another thread), and the starter
+	// moves it only after it said it is ready ('r'): until then the
+	// runtime may still be starting threads of its own.
+	runtime.GOMAXPROCS(1)
+	debug.SetGCPercent(-1)
+	ready := [1]byte{'r'}
+	if _, _, errno := syscall.RawSyscall(syscall.SYS_WRITE, handoffFD, uintptr(unsafe.Pointer(&ready[0])), 1); errno != 0 {
+		os.Exit(exitExecFailed)
+	}
 	var b [1]byte
 	for {
-		n, err := syscall.Read(handoffFD, b[:])
-		if err == syscall.EINTR {
+		n, _, errno := syscall.RawSyscall(syscall.SYS_READ, handoffFD, uintptr(unsafe.Pointer(&b[0])), 1)
+		if errno == syscall.EINTR {
 			continue
 		}
-		if err != nil || n != 1 || b[0] != 'g' {
+		if errno != 0 || n != 1 || b[0] != 'g' {
 			os.Exit(exitExecFailed)
 		}
 		break
@@ -185,6 +203,11 @@ func (h *Handoff) Place(pid int, procs *os.File) error {
 	fail := func(err error) error {
 		_ = syscall.Kill(pid, syscall.SIGKILL)
 		return err
+	}
+	// The wrapper's runtime has started every thread it will ever need.
+	var ready [1]byte
+	if n, err := h.parent.Read(ready[:]); n != 1 || ready[0] != 'r' {
+		return fail(fmt.Errorf("cgexec: wrapper %d did not become ready: %q %v", pid, ready[:n], err))
 	}
 	if _, err := procs.WriteString(strconv.Itoa(pid)); err != nil {
 		return fail(fmt.Errorf("cgexec: move %d into the user cgroup: %w", pid, err))

@@ -111,8 +111,9 @@ func run(req request) response {
 		h.Close()
 	}
 	if err != nil {
+		b, _ := io.ReadAll(io.LimitReader(r, 4096))
 		r.Close()
-		return response{Out: err.Error(), Code: -1}
+		return response{Out: err.Error() + " | wrapper said: " + string(b), Code: -1}
 	}
 	pid := p.Pid
 	p.Release()
