@@ -18,6 +18,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -98,9 +100,13 @@ func (s *Substrate) acquireLayer(dir string, size int64) (release func() error, 
 	if err := unmountDisk(mnt); err != nil {
 		return nil, err
 	}
+	if err := s.waitDiskFree(img); err != nil {
+		return nil, err
+	}
 	if ref.disk, err = mountDisk(img, mnt); err != nil {
 		return nil, err
 	}
+	s.lastLoop[img] = ref.disk.Device()
 	s.layers[dir] = ref
 	return s.releaser(dir), nil
 }
@@ -124,11 +130,61 @@ func (s *Substrate) releaser(dir string) func() error {
 			return nil
 		}
 		delete(s.layers, dir)
-		if ref.disk != nil {
-			return ref.disk.Unmount()
+		if ref.disk == nil {
+			return nil
 		}
+		err := ref.disk.Unmount()
+		if !loopBacks(ref.disk.Device(), ref.disk.img) {
+			delete(s.lastLoop, ref.disk.img) // ended with the unmount
+		}
+		return err
+	}
+}
+
+// Unmounting a disk on the host does not end its file system while a copy
+// of the mount lives on in another mount namespace: every namespace cloned
+// while the disk was mounted has one (a warm init waiting for its
+// configuration, an init that has not pivoted yet), and the loop device
+// stays attached until the last copy goes. Mounting the image again then
+// would make a second file system on the same blocks, each writing over
+// the other. So before a disk is mounted, its previous loop device must be
+// gone: the warm init is discarded (its namespace holds copies for as
+// long as it waits), inits that are starting let go within milliseconds.
+
+// diskFreeWait bounds how long a mount waits for the previous one to end.
+const diskFreeWait = 10 * time.Second
+
+// waitDiskFree waits until no loop device this process attached to img
+// is still attached to it. Called with layerMu held.
+func (s *Substrate) waitDiskFree(img string) error {
+	loop, ok := s.lastLoop[img]
+	if !ok {
 		return nil
 	}
+	deadline := time.Now().Add(diskFreeWait)
+	for dropped := false; loopBacks(loop, img); {
+		if !dropped {
+			s.dropWarm()
+			dropped = true
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("ns: disk quota: %s is still in use through %s (a mount of it outlives its unmount); refusing to mount it twice", img, loop)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	delete(s.lastLoop, img)
+	return nil
+}
+
+// loopBacks reports whether loop device dev (/dev/loopN) is attached to
+// the file img.
+func loopBacks(dev, img string) bool {
+	b, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(dev), "loop", "backing_file"))
+	if err != nil {
+		return false
+	}
+	p := strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), " (deleted)")
+	return p == img
 }
 
 // PrepareLayer implements substrate.LayerPreparer: it makes the writable

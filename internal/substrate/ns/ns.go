@@ -150,6 +150,9 @@ type Substrate struct {
 	quota   bool
 	layerMu sync.Mutex
 	layers  map[string]*layerRef
+	// lastLoop: the loop device each image was last mounted through
+	// (layer.go: an image is never mounted twice at once).
+	lastLoop map[string]string
 
 	tmplMu    sync.Mutex
 	tmplReady map[string]bool
@@ -185,7 +188,7 @@ func New(cfg Config) (*Substrate, error) {
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, err
 	}
-	s := &Substrate{cfg: cfg, cgroups: layout, tmplReady: map[string]bool{}, layers: map[string]*layerRef{}}
+	s := &Substrate{cfg: cfg, cgroups: layout, tmplReady: map[string]bool{}, layers: map[string]*layerRef{}, lastLoop: map[string]string{}}
 	if !cfg.NoDiskQuota {
 		if why := diskQuotaUnsupported(); why != "" {
 			cfg.Logger.Warn("ns: sandboxes run without a disk quota: one sandbox can fill the host's disk", "reason", why)

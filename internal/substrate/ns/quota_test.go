@@ -89,3 +89,68 @@ func TestWithoutDiskQuota(t *testing.T) {
 		t.Fatalf("a disk image was made with the quota off: %v", err)
 	}
 }
+
+// loopsBacking counts the loop devices attached to img.
+func loopsBacking(t *testing.T, img string) int {
+	t.Helper()
+	ents, err := os.ReadDir("/sys/block")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range ents {
+		if loopBacks("/dev/"+e.Name(), img) {
+			n++
+		}
+	}
+	return n
+}
+
+// TestLayerDiskNeverMountedTwice: a warm init started while a sandbox's
+// disk was mounted holds a copy of that mount in its namespace, so the
+// disk's file system outlives the sandbox's Stop. The next activation on
+// the same directory must not mount the image a second time meanwhile
+// (two file systems on one image overwrite each other): it waits for the
+// first to end, and sees every file the first wrote.
+func TestLayerDiskNeverMountedTwice(t *testing.T) {
+	s := needRoot(t)
+	if !s.quota {
+		t.Skipf("skipping: no disk quota here: %s", diskQuotaUnsupported())
+	}
+	inst, spec := start(t, substrate.Limits{})
+	img := filepath.Join(spec.Dir, DiskImageName)
+	mustOK(t, inst, 1000, "head -c 3000000 /dev/urandom > /home/user/data && sha256sum < /home/user/data > /home/user/sum")
+	want := mustOK(t, inst, 1000, "cat /home/user/sum")
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		s.warmMu.Lock()
+		warm := s.warm != nil
+		s.warmMu.Unlock()
+		if warm || s.cgroups.v2 || s.cfg.NoWarmInit {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no warm init after a start")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("loop devices on the image after Stop: %d (a warm init's namespace holds a copy)", loopsBacking(t, img))
+	spec.Route.ActivationID = randID(4)
+	in2, err := s.Start(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst2 := in2.(*instance)
+	defer stopAndCheck(t, inst2)
+	if n := loopsBacking(t, img); n != 1 {
+		t.Fatalf("%d loop devices on %s: the image is mounted twice", n, img)
+	}
+	if got := mustOK(t, inst2, 1000, "sha256sum < /home/user/data"); got != want {
+		t.Fatalf("data written before the stop: %q, want %q", got, want)
+	}
+}

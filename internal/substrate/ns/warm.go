@@ -283,6 +283,20 @@ func (sp *spawned) discard() {
 	_ = sp.inst.Stop(ctx)
 }
 
+// dropWarm discards the warm init, if any, and waits for it to be gone
+// (its mount namespace, copied from the host's when it was started,
+// holds copies of the layer disks mounted then; layer.go). The next Start
+// makes another.
+func (s *Substrate) dropWarm() {
+	s.warmMu.Lock()
+	sp := s.warm
+	s.warm = nil
+	s.warmMu.Unlock()
+	if sp != nil {
+		sp.discard()
+	}
+}
+
 // stopWarm stops the warm init (Close).
 func (s *Substrate) stopWarm() {
 	s.warmMu.Lock()
