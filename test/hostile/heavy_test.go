@@ -7,12 +7,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -435,7 +437,27 @@ func TestDiskQuota(t *testing.T) {
 	if size > quota {
 		t.Errorf("the sandbox wrote %d MiB with a %d MiB disk", size/mib, info.DiskSizeMB)
 	}
-	if free0 > free1 && int64(free0-free1) > quota+64*mib {
+	// What the sandbox costs the host: its layer disk's image, exactly
+	// (the largest image under the data dir is this sandbox's: it is the
+	// only one that was filled).
+	var img string
+	var alloc int64
+	_ = filepath.WalkDir(p.dataDir, func(path string, d fs.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() && d.Name() == "layer.img" {
+			var st syscall.Stat_t
+			if syscall.Stat(path, &st) == nil && st.Blocks*512 > alloc {
+				img, alloc = path, st.Blocks*512
+			}
+		}
+		return nil
+	})
+	t.Logf("layer disk image %s: %d MiB allocated on the host", img, alloc/mib)
+	if img == "" || alloc > quota+16*mib {
+		t.Errorf("the sandbox's layer disk takes %d MiB of the host (%q), more than its %d MiB quota", alloc/mib, img, info.DiskSizeMB)
+	}
+	// Host-wide free space also moves with whatever else runs (make test
+	// runs packages in parallel): allowed a little more slack.
+	if free0 > free1 && int64(free0-free1) > quota+max(128*mib, quota/20) {
 		t.Errorf("host free space dropped by %d MiB, more than the %d MiB quota", (free0-free1)/mib, info.DiskSizeMB)
 	}
 }

@@ -413,8 +413,11 @@ func copyRange(dst, src *os.File, off, n int64) error {
 // layerDisk is a mounted layer disk. Its methods are not safe for
 // concurrent use.
 type layerDisk struct {
-	img  string
-	dir  string
+	img string
+	dir string
+	// mfd is the detached mount's descriptor (openDisk), -1 for a disk
+	// mounted at a directory (mountDisk); dir is then /proc/self/fd/<mfd>.
+	mfd  int
 	loop string // /dev/loopN
 	dev  uint64 // the loop device's number = st_dev of files on the disk
 	// gone is set once Unmount has unmounted dir (or found it gone).
@@ -476,12 +479,90 @@ func mountDisk(img, dir string) (*layerDisk, error) {
 	if err := unix.Mount(loop.Name(), dir, "ext4", diskMountFlags, diskMountData); err != nil {
 		return nil, fmt.Errorf("ns: disk quota: mount %s (%s) on %s: %w", img, loop.Name(), dir, err)
 	}
-	d := &layerDisk{img: img, dir: dir, loop: loop.Name(), dev: dev}
+	d := &layerDisk{img: img, dir: dir, loop: loop.Name(), dev: dev, mfd: -1}
 	if err := d.prepare(); err != nil {
 		_ = d.Unmount()
 		return nil, fmt.Errorf("ns: disk quota: %w", err)
 	}
 	return d, nil
+}
+
+// openDisk is mountDisk without a mount point: the file system is mounted
+// detached (fsopen, fsmount) and belongs to no mount namespace, so no
+// namespace cloned later (a warm init's, another worker's) holds a copy
+// that would keep it alive after Unmount; its files are reached through
+// Dir() (/proc/self/fd/<fd>, in this process) and an init gets a clone of
+// the mount (Clone).
+func openDisk(img string) (*layerDisk, error) {
+	f, err := os.OpenFile(img, os.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("ns: disk quota: %w", err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("ns: disk quota: %w", err)
+	}
+	if !fi.Mode().IsRegular() || checkDiskSize(fi.Size()) != nil {
+		return nil, fmt.Errorf("ns: disk quota: %s is not a layer disk image", img)
+	}
+	loop, dev, err := attachLoop(int(f.Fd()))
+	if err != nil {
+		return nil, fmt.Errorf("ns: disk quota: attach %s: %w", img, err)
+	}
+	defer loop.Close() // the mount holds the device; autoclear after it
+	mfd, err := fsmountExt4(loop.Name())
+	if err != nil {
+		return nil, fmt.Errorf("ns: disk quota: mount %s (%s): %w", img, loop.Name(), err)
+	}
+	// The trailing slash makes lstat of Dir() follow the magic link.
+	d := &layerDisk{img: img, dir: fmt.Sprintf("/proc/self/fd/%d/", mfd), loop: loop.Name(), dev: dev, mfd: mfd}
+	if err := d.prepare(); err != nil {
+		_ = d.Unmount()
+		return nil, fmt.Errorf("ns: disk quota: %w", err)
+	}
+	return d, nil
+}
+
+// fsmountExt4 mounts the ext4 on dev detached, with the flags and data
+// mountDisk uses.
+func fsmountExt4(dev string) (int, error) {
+	fsfd, err := unix.Fsopen("ext4", unix.FSOPEN_CLOEXEC)
+	if err != nil {
+		return -1, fmt.Errorf("fsopen: %w", err)
+	}
+	defer unix.Close(fsfd)
+	if err := unix.FsconfigSetString(fsfd, "source", dev); err != nil {
+		return -1, fmt.Errorf("fsconfig source: %w", err)
+	}
+	for _, opt := range strings.Split(diskMountData, ",") {
+		k, v, ok := strings.Cut(opt, "=")
+		if ok {
+			err = unix.FsconfigSetString(fsfd, k, v)
+		} else {
+			err = unix.FsconfigSetFlag(fsfd, k)
+		}
+		if err != nil {
+			return -1, fmt.Errorf("fsconfig %s: %w", opt, err)
+		}
+	}
+	if err := unix.FsconfigCreate(fsfd); err != nil {
+		return -1, fmt.Errorf("fsconfig create: %w", err)
+	}
+	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOATIME)
+	if err != nil {
+		return -1, fmt.Errorf("fsmount: %w", err)
+	}
+	return mfd, nil
+}
+
+// Clone returns a detached copy of the disk's mount with attrs set and,
+// unless usernsFD is -1, that user namespace's idmapping.
+func (d *layerDisk) Clone(usernsFD int, attrs uint64) (int, error) {
+	if d.mfd < 0 {
+		return idmapClone(d.dir, usernsFD, attrs)
+	}
+	return idmapCloneFD(d.mfd, usernsFD, attrs)
 }
 
 // prepare fixes the disk root's owner and mode and creates upper/ and
@@ -646,6 +727,16 @@ func mountInfoHas(dir string) (bool, error) {
 // somebody else unmounted dir, returns nil; dir itself is left in place.
 func (d *layerDisk) Unmount() error {
 	if d.gone {
+		return nil
+	}
+	if d.mfd >= 0 {
+		// The last reference: the file system ends once the clones given
+		// to inits are gone too (their namespaces die with them).
+		err := unix.Close(d.mfd)
+		d.mfd, d.gone = -1, true
+		if err != nil {
+			return fmt.Errorf("ns: disk quota: unmount %s: %w", d.img, err)
+		}
 		return nil
 	}
 	var st unix.Stat_t

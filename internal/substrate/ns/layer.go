@@ -2,15 +2,17 @@
 
 package ns
 
-// Writable layers. Every activation directory holds its writable layer at
-// DiskMountName/upper (and the overlay's work dir beside it, at
-// DiskMountName/work): with the disk quota (disk.go) DiskMountName is the
-// mount point of the activation's layer disk, mounted on the host while
-// an instance runs or a caller (PrepareLayer: snapshots, restores) needs
-// the files; without it, a plain directory. The disk is mounted once per
-// activation directory however many hold it (the instance, a snapshot of
-// it taken while paused): two mounts of one image would be two file
-// systems writing the same blocks.
+// Writable layers. Every activation directory holds its writable layer as
+// upper/ (and the overlay's work dir beside it, work/) at the root of its
+// layer: with the disk quota (disk.go) the root of the activation's layer
+// disk, mounted detached (no mount namespace has it, so no namespace
+// cloned meanwhile keeps it alive) while an instance runs or a caller
+// (PrepareLayer: snapshots, restores) needs the files, and reached in this
+// process through /proc/self/fd; without the quota, the plain directory
+// DiskMountName. The disk is mounted once per activation directory
+// however many hold it (the instance, a snapshot of it taken while
+// paused): two mounts of one image would be two file systems writing the
+// same blocks.
 
 import (
 	"context"
@@ -32,10 +34,13 @@ type layerRef struct {
 	refs int
 }
 
-// LayerDir is the writable layer (the overlay's upper dir) of activation
-// directory dir, valid while the layer is held (PrepareLayer, or a
-// running instance).
-func LayerDir(dir string) string { return filepath.Join(dir, DiskMountName, diskUpperDir) }
+// root is the layer's root in this process: upper/ and work/ are in it.
+func (r *layerRef) root(dir string) string {
+	if r.disk != nil {
+		return r.disk.Dir()
+	}
+	return filepath.Join(dir, DiskMountName)
+}
 
 // diskQuotaUnsupported says why layer disks cannot be used here, or "".
 func diskQuotaUnsupported() string {
@@ -95,15 +100,20 @@ func (s *Substrate) acquireLayer(dir string, size int64) (release func() error, 
 			return nil, err
 		}
 	}
-	// A disk left mounted by a process that died (it held no reference
-	// here) is unmounted first: mounting it twice would corrupt it.
+	// A disk left mounted at the directory by a process that died is
+	// unmounted first: mounting it twice would corrupt it.
 	if err := unmountDisk(mnt); err != nil {
 		return nil, err
 	}
 	if err := s.waitDiskFree(img); err != nil {
 		return nil, err
 	}
-	if ref.disk, err = mountDisk(img, mnt); err != nil {
+	// The directory stays empty on the host: an init without a user
+	// namespace attaches its clone of the disk there in its own namespace.
+	if err := os.Mkdir(mnt, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+		return nil, fmt.Errorf("ns: disk quota: %w", err)
+	}
+	if ref.disk, err = openDisk(img); err != nil {
 		return nil, err
 	}
 	s.lastLoop[img] = ref.disk.Device()
@@ -204,13 +214,55 @@ func (s *Substrate) PrepareLayer(ctx context.Context, dir string, lim substrate.
 	if err != nil {
 		return "", nil, err
 	}
-	return LayerDir(dir), release, nil
+	return s.layerDir(dir), release, nil
+}
+
+// layerDir is the writable layer (overlay upper dir) of activation
+// directory dir as this process reaches it while the layer is held.
+func (s *Substrate) layerDir(dir string) string {
+	s.layerMu.Lock()
+	defer s.layerMu.Unlock()
+	if ref := s.layers[dir]; ref != nil {
+		return filepath.Join(ref.root(dir), diskUpperDir)
+	}
+	return filepath.Join(dir, DiskMountName, diskUpperDir)
 }
 
 var _ substrate.LayerPreparer = (*Substrate)(nil)
 
-// layerMount returns a detached copy of the layer mount of dir (its disk,
-// or the plain directory), idmapped for usernsFD unless that is -1.
-func layerMount(dir string, usernsFD int) (int, error) {
-	return idmapClone(filepath.Join(dir, DiskMountName), usernsFD, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV)
+// attachLayerDisks makes layerClone take its fallback (tests).
+var attachLayerDisks = false
+
+// layerClone returns a detached copy of the layer of dir (held by the
+// caller), idmapped for usernsFD unless that is -1. A kernel that cannot
+// clone a detached mount (open_tree of one was allowed later than fsmount)
+// gets the disk attached at dir/DiskMountName instead, and a clone of that.
+func (s *Substrate) layerClone(dir string, usernsFD int) (int, error) {
+	s.layerMu.Lock()
+	defer s.layerMu.Unlock()
+	ref := s.layers[dir]
+	if ref == nil {
+		return -1, fmt.Errorf("ns: writable layer of %s is not held", dir)
+	}
+	const attrs = unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV
+	if ref.disk == nil {
+		return idmapClone(ref.root(dir), usernsFD, attrs)
+	}
+	fd, err := -1, error(unix.EINVAL)
+	if !attachLayerDisks {
+		fd, err = ref.disk.Clone(usernsFD, attrs)
+	}
+	if err == nil || ref.disk.mfd < 0 || !errors.Is(err, unix.EINVAL) {
+		return fd, err
+	}
+	mnt := filepath.Join(dir, DiskMountName)
+	if err := os.Mkdir(mnt, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+		return -1, fmt.Errorf("ns: disk quota: %w", err)
+	}
+	if err := unix.MoveMount(ref.disk.mfd, "", unix.AT_FDCWD, mnt, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return -1, fmt.Errorf("ns: disk quota: attach %s: %w", mnt, err)
+	}
+	unix.Close(ref.disk.mfd)
+	ref.disk.mfd, ref.disk.dir = -1, mnt
+	return ref.disk.Clone(usernsFD, attrs)
 }

@@ -55,10 +55,11 @@
 //	            quota's size holding the writable layer; survives Stop
 //	            (snapshots archive it; the next activation on the same
 //	            Dir continues from it). Absent without the disk quota.
-//	layer/      where the disk is mounted while the layer is held (an
-//	            instance runs, or PrepareLayer); holds upper/ (the
-//	            writable layer, LayerDir) and work/ (overlayfs's). A
-//	            plain directory without the disk quota.
+//	layer/      without the disk quota, the writable layer: upper/ and
+//	            work/ (overlayfs's). With it, an empty directory: the
+//	            disk is mounted detached while the layer is held (an
+//	            instance runs, or PrepareLayer; layer.go), and an init
+//	            without a user namespace attaches its copy here.
 //	rootfs/     the overlay mount point without a user namespace (the
 //	            mount exists only in the sandbox's mount namespace; the
 //	            empty dir is removed by Stop)
@@ -336,7 +337,7 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		// The layer as a detached mount: a warm init's mount namespace
 		// was copied before the layer disk was mounted.
 		var fd int
-		if fd, err = layerMount(spec.Dir, -1); err == nil {
+		if fd, err = s.layerClone(spec.Dir, -1); err == nil {
 			fds = []int{fd}
 		}
 	}
@@ -435,7 +436,7 @@ func (i *instance) Done() <-chan struct{} { return i.done }
 
 // LayerDir is the host path of the writable layer, mounted while the
 // instance runs.
-func (i *instance) LayerDir() string { return LayerDir(i.dir) }
+func (i *instance) LayerDir() string { return i.s.layerDir(i.dir) }
 
 func (i *instance) wait() {
 	defer i.wg.Done()

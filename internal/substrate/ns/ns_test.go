@@ -202,7 +202,7 @@ func stopAndCheck(tb testing.TB, inst *instance) {
 		}
 	}
 	// The writable layer is kept: its disk image, or its directory.
-	kept := LayerDir(inst.dir)
+	kept := filepath.Join(inst.dir, DiskMountName, diskUpperDir)
 	if inst.s.quota {
 		kept = filepath.Join(inst.dir, DiskImageName)
 		if ok, _ := isMountPoint(filepath.Join(inst.dir, DiskMountName)); ok {
@@ -310,11 +310,11 @@ func TestSandboxIsolation(t *testing.T) {
 		mustFail(t, inst, 0, "touch /usr/bin/space-x")
 		mustFail(t, inst, 0, "echo 1 > /proc/sys/kernel/panic")
 		mustFail(t, inst, 0, "echo b > /proc/sysrq-trigger")
-		// The writable layer: what root writes lands in LayerDir(Dir).
+		// The writable layer: what root writes lands in the layer.
 		if out := mustOK(t, inst, 0, "echo data > /root/note && stat -c %a /tmp /var/tmp /dev/shm /root"); out != "1777\n1777\n1777\n700\n" {
 			t.Fatalf("modes: %q", out)
 		}
-		if b, err := os.ReadFile(filepath.Join(LayerDir(spec.Dir), "root", "note")); err != nil || string(b) != "data\n" {
+		if b, err := os.ReadFile(filepath.Join(inst.LayerDir(), "root", "note")); err != nil || string(b) != "data\n" {
 			t.Fatalf("upper layer: %q %v", b, err)
 		}
 		// A device node made with CAP_MKNOD is inert (nodev).
@@ -514,11 +514,11 @@ func readCounter(t *testing.T, path string) int {
 }
 
 func TestPauseResume(t *testing.T) {
-	inst, spec := start(t, substrate.Limits{})
+	inst, _ := start(t, substrate.Limits{})
 	mustOK(t, inst, 1000, `setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.02; done' </dev/null >/dev/null 2>&1 & while [ ! -s /tmp/counter ]; do sleep 0.01; done; sleep 0.1`)
 	// The loop renames each value into place: a freeze between truncate and
 	// write would otherwise leave the file empty.
-	counter := filepath.Join(LayerDir(spec.Dir), "tmp", "counter")
+	counter := filepath.Join(inst.LayerDir(), "tmp", "counter")
 	time.Sleep(200 * time.Millisecond)
 	c0 := readCounter(t, counter)
 	ctx := context.Background()

@@ -82,7 +82,7 @@ func TestDiskQuotaInSandbox(t *testing.T) {
 func TestWithoutDiskQuota(t *testing.T) {
 	_, inst, spec := startWith(t, Config{StateDir: testState, NoDiskQuota: true, NoWarmInit: true})
 	mustOK(t, inst, 0, "echo x > /root/x")
-	if b, err := os.ReadFile(filepath.Join(LayerDir(spec.Dir), "root/x")); err != nil || string(b) != "x\n" {
+	if b, err := os.ReadFile(filepath.Join(spec.Dir, DiskMountName, diskUpperDir, "root/x")); err != nil || string(b) != "x\n" {
 		t.Fatalf("plain layer: %q %v", b, err)
 	}
 	if _, err := os.Stat(filepath.Join(spec.Dir, DiskImageName)); !os.IsNotExist(err) {
@@ -106,17 +106,21 @@ func loopsBacking(t *testing.T, img string) int {
 	return n
 }
 
-// TestLayerDiskNeverMountedTwice: a warm init started while a sandbox's
-// disk was mounted holds a copy of that mount in its namespace, so the
-// disk's file system outlives the sandbox's Stop. The next activation on
-// the same directory must not mount the image a second time meanwhile
-// (two file systems on one image overwrite each other): it waits for the
-// first to end, and sees every file the first wrote.
+// TestLayerDiskNeverMountedTwice: with the disk attached at a directory
+// (the fallback of kernels that cannot clone a detached mount), a warm
+// init started while a sandbox's disk was mounted holds a copy of that
+// mount in its namespace, so the disk's file system outlives the
+// sandbox's Stop. The next activation on the same directory must not
+// mount the image a second time meanwhile (two file systems on one image
+// overwrite each other): it waits for the first to end, and sees every
+// file the first wrote.
 func TestLayerDiskNeverMountedTwice(t *testing.T) {
 	s := needRoot(t)
 	if !s.quota {
 		t.Skipf("skipping: no disk quota here: %s", diskQuotaUnsupported())
 	}
+	attachLayerDisks = true
+	defer func() { attachLayerDisks = false }()
 	inst, spec := start(t, substrate.Limits{})
 	img := filepath.Join(spec.Dir, DiskImageName)
 	mustOK(t, inst, 1000, "head -c 3000000 /dev/urandom > /home/user/data && sha256sum < /home/user/data > /home/user/sum")
@@ -152,5 +156,41 @@ func TestLayerDiskNeverMountedTwice(t *testing.T) {
 	}
 	if got := mustOK(t, inst2, 1000, "sha256sum < /home/user/data"); got != want {
 		t.Fatalf("data written before the stop: %q, want %q", got, want)
+	}
+}
+
+// TestLayerDiskAttachedFallback: on a kernel that cannot clone a detached
+// mount, the disk is attached at the activation dir's layer/ and cloned
+// from there; a sandbox works the same and its files survive a restart.
+func TestLayerDiskAttachedFallback(t *testing.T) {
+	s := needRoot(t)
+	if !s.quota {
+		t.Skipf("skipping: no disk quota here: %s", diskQuotaUnsupported())
+	}
+	attachLayerDisks = true
+	defer func() { attachLayerDisks = false }()
+	inst, spec := start(t, substrate.Limits{})
+	mnt := filepath.Join(spec.Dir, DiskMountName)
+	if ok, _ := isMountPoint(mnt); !ok {
+		t.Fatal("the fallback did not attach the disk at layer/")
+	}
+	mustOK(t, inst, 1000, "echo kept > /home/user/kept")
+	if b, err := os.ReadFile(filepath.Join(inst.LayerDir(), "home/user/kept")); err != nil || string(b) != "kept\n" {
+		t.Fatalf("layer through the attached disk: %q %v", b, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	spec.Route.ActivationID = randID(4)
+	in2, err := s.Start(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst2 := in2.(*instance)
+	defer stopAndCheck(t, inst2)
+	if out := mustOK(t, inst2, 1000, "cat /home/user/kept"); out != "kept\n" {
+		t.Fatalf("after a restart: %q", out)
 	}
 }

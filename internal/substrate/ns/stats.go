@@ -97,7 +97,7 @@ func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 		return substrate.Stats{}, err
 	}
 	st.MemUsed, st.MemCache = used, cache
-	if st.DiskUsed, err = dirBytes(ctx, LayerDir(i.dir)); err != nil {
+	if st.DiskUsed, err = dirBytes(ctx, i.LayerDir()); err != nil {
 		return substrate.Stats{}, err
 	}
 	if i.s.quota {

@@ -34,7 +34,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -90,6 +89,21 @@ func idmapClone(path string, usernsFD int, attrs uint64) (int, error) {
 	if err != nil {
 		return -1, fmt.Errorf("open_tree %s: %w", path, err)
 	}
+	return setMountAttrs(fd, path, usernsFD, attrs)
+}
+
+// idmapCloneFD is idmapClone of the mount open at mfd (a detached one).
+func idmapCloneFD(mfd, usernsFD int, attrs uint64) (int, error) {
+	fd, err := unix.OpenTree(mfd, "", unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_EMPTY_PATH)
+	if err != nil {
+		return -1, fmt.Errorf("open_tree of a detached mount: %w", err)
+	}
+	return setMountAttrs(fd, "a detached mount", usernsFD, attrs)
+}
+
+// setMountAttrs applies attrs (and the idmapping of usernsFD unless -1) to
+// the detached mount fd, closing it on error.
+func setMountAttrs(fd int, path string, usernsFD int, attrs uint64) (int, error) {
 	attr := unix.MountAttr{Attr_set: attrs}
 	if usernsFD >= 0 {
 		attr.Attr_set |= unix.MOUNT_ATTR_IDMAP
@@ -169,14 +183,20 @@ func (s *Substrate) usernsFiles(pid int, lower string, spec substrate.Spec) (fds
 		attrs  uint64
 	}{
 		{lower, uns, unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV},
-		{filepath.Join(spec.Dir, DiskMountName), uns, unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV},
+		{"", uns, 0}, // the writable layer: s.layerClone
 		{spec.Dir, uns, unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC},
 		// Set-uid binaries here (sudo) only make a process root in the
 		// sandbox's namespace.
 		{s.cfg.UsrDir, uns, unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NODEV},
 		{spec.AgentPath, -1, unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV},
 	} {
-		fd, err := idmapClone(m.path, m.userns, m.attrs)
+		var fd int
+		var err error
+		if m.path == "" {
+			fd, err = s.layerClone(spec.Dir, m.userns)
+		} else {
+			fd, err = idmapClone(m.path, m.userns, m.attrs)
+		}
 		if err != nil {
 			return fds, fmt.Errorf("ns: %w", err)
 		}

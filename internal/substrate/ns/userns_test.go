@@ -18,7 +18,7 @@ func TestUserNamespace(t *testing.T) {
 	if !s.userns {
 		t.Skipf("skipping: user namespaces unavailable here: %s", userNamespacesUnsupported())
 	}
-	a, spec := start(t, substrate.Limits{})
+	a, _ := start(t, substrate.Limits{})
 	base := a.uids.First()
 
 	// Sandbox root is the range's first uid on the host.
@@ -41,7 +41,7 @@ func TestUserNamespace(t *testing.T) {
 	mustOK(t, a, 1000, "echo u > /home/user/u")
 	for rel, want := range map[string]uint32{"root/r": 0, "home/user/u": 1000, "srv/d": 0} {
 		var fi syscall.Stat_t
-		if err := syscall.Lstat(filepath.Join(LayerDir(spec.Dir), rel), &fi); err != nil {
+		if err := syscall.Lstat(filepath.Join(a.LayerDir(), rel), &fi); err != nil {
 			t.Fatal(err)
 		}
 		if fi.Uid != want || fi.Gid != want {
@@ -50,11 +50,11 @@ func TestUserNamespace(t *testing.T) {
 	}
 	// Whiteouts and opaque directories in the overlay's userxattr form.
 	var wh syscall.Stat_t
-	if err := syscall.Lstat(filepath.Join(LayerDir(spec.Dir), "etc/hostname"), &wh); err != nil || wh.Mode&syscall.S_IFMT != syscall.S_IFCHR || wh.Rdev != 0 {
+	if err := syscall.Lstat(filepath.Join(a.LayerDir(), "etc/hostname"), &wh); err != nil || wh.Mode&syscall.S_IFMT != syscall.S_IFCHR || wh.Rdev != 0 {
 		t.Errorf("no whiteout for a deleted file: %+v %v", wh, err)
 	}
 	buf := make([]byte, 8)
-	if n, err := syscall.Getxattr(filepath.Join(LayerDir(spec.Dir), "var/log"), "user.overlay.opaque", buf); err != nil || string(buf[:n]) != "y" {
+	if n, err := syscall.Getxattr(filepath.Join(a.LayerDir(), "var/log"), "user.overlay.opaque", buf); err != nil || string(buf[:n]) != "y" {
 		t.Errorf("recreated dir is not opaque: %q %v", buf, err)
 	}
 	// Root inside cannot act on host-owned things the namespace does not map.
