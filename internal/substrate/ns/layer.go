@@ -144,12 +144,16 @@ func (s *Substrate) releaser(dir string) func() error {
 			return nil
 		}
 		err := ref.disk.Unmount()
+		// The file system ends (journal flushed, loop device released)
+		// once the last clone is gone too, asynchronously; the next mount
+		// of the image waits for that (waitDiskFree), nothing else needs to.
 		if !loopBacks(ref.disk.Device(), ref.disk.img) {
 			delete(s.lastLoop, ref.disk.img) // ended with the unmount
 		}
 		return err
 	}
 }
+
 
 // Unmounting a disk on the host does not end its file system while a copy
 // of the mount lives on in another mount namespace: every namespace cloned
