@@ -154,7 +154,6 @@ func (s *Substrate) releaser(dir string) func() error {
 	}
 }
 
-
 // Unmounting a disk on the host does not end its file system while a copy
 // of the mount lives on in another mount namespace: every namespace cloned
 // while the disk was mounted has one (a warm init waiting for its
