@@ -150,6 +150,16 @@ func (s *Substrate) releaser(dir string) func() error {
 		if !loopBacks(ref.disk.Device(), ref.disk.img) {
 			delete(s.lastLoop, ref.disk.img) // ended with the unmount
 		}
+		if len(s.lastLoop) > maxLastLoops {
+			// Disks of sandboxes that never come back: forget the ones
+			// that have ended, so the map stays as small as the number of
+			// disks still ending.
+			for img, loop := range s.lastLoop {
+				if !loopBacks(loop, img) {
+					delete(s.lastLoop, img)
+				}
+			}
+		}
 		return err
 	}
 }
@@ -163,6 +173,10 @@ func (s *Substrate) releaser(dir string) func() error {
 // the other. So before a disk is mounted, its previous loop device must be
 // gone: the warm init is discarded (its namespace holds copies for as
 // long as it waits), inits that are starting let go within milliseconds.
+
+// maxLastLoops is how many ending disks lastLoop holds before a release
+// prunes the ones that have ended.
+const maxLastLoops = 256
 
 // diskFreeWait bounds how long a mount waits for the previous one to end.
 const diskFreeWait = 10 * time.Second
