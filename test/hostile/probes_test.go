@@ -605,3 +605,44 @@ func TestEdgeSlowloris(t *testing.T) {
 		t.Errorf("%d of %d slowloris connections still open after %v", conns-closed, conns, time.Since(t0).Round(time.Second))
 	}
 }
+
+// hostUIDs returns the real, effective, saved and filesystem uids of a
+// host process.
+func hostUIDs(t *testing.T, pid int) []string {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(l); len(f) == 5 && f[0] == "Uid:" {
+			return f[1:]
+		}
+	}
+	t.Fatalf("pid %d: no Uid line", pid)
+	return nil
+}
+
+// Escape: root in a sandbox (its agent, and what sudo gives user) is an
+// unprivileged uid on the host, a different one in each sandbox.
+func TestRootIsNobodyOnHost(t *testing.T) {
+	p := shared(t)
+	t.Parallel()
+	a, b := p.sandbox(t, false), p.sandbox(t, false)
+	ua, ub := hostUIDs(t, agentPid(t, a.ID)), hostUIDs(t, agentPid(t, b.ID))
+	for _, u := range append(append([]string{}, ua...), ub...) {
+		if u == "0" {
+			t.Fatalf("a sandbox's root is host root: agent uids %v and %v", ua, ub)
+		}
+	}
+	if ua[0] == ub[0] {
+		t.Fatalf("two sandboxes' roots share host uid %s", ua[0])
+	}
+	if out := a.mustSh(t, "root", "id -u; awk '{print $1, $2}' /proc/self/uid_map"); out != "0\n0 "+ua[0]+"\n" {
+		t.Fatalf("root inside a: %q (host uid %s)", out, ua[0])
+	}
+	// sudo as user: root inside, the same unprivileged range outside.
+	if out := a.mustSh(t, "user", "sudo -n sh -c 'id -u; awk \"{print \\$2}\" /proc/self/uid_map'"); out != "0\n"+ua[0]+"\n" {
+		t.Fatalf("sudo as user: %q", out)
+	}
+}
