@@ -378,4 +378,10 @@ func TestIsolationRows(t *testing.T) {
 	if rows := r.rows(); rows[0].Verdict != Meets || rows[0].Ratio != "1.10x" {
 		t.Fatalf("9.9 vs 9 ms: %+v", rows[0])
 	}
+	// With the platforms' figures: create 30 vs 25 ms misses, memory meets.
+	r.Create = [2][]time.Duration{{30 * time.Millisecond}, {25 * time.Millisecond}}
+	r.PSS = [2][]int64{{5 << 20}, {5 << 20}}
+	if rows := r.rows(); len(rows) != 6 || rows[0].Verdict != Misses || rows[1].Verdict != Meets {
+		t.Fatalf("platform rows: %+v", rows)
+	}
 }
