@@ -449,18 +449,11 @@ func (d *layerDisk) Device() string { return d.loop }
 // system caches them already); a host file system that cannot do direct
 // I/O gets buffered I/O.
 func mountDisk(img, dir string) (*layerDisk, error) {
-	f, err := os.OpenFile(img, os.O_RDWR|unix.O_CLOEXEC, 0)
+	f, err := openImage(img)
 	if err != nil {
-		return nil, fmt.Errorf("ns: disk quota: %w", err)
+		return nil, err
 	}
 	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("ns: disk quota: %w", err)
-	}
-	if !fi.Mode().IsRegular() || checkDiskSize(fi.Size()) != nil {
-		return nil, fmt.Errorf("ns: disk quota: %s is not a layer disk image", img)
-	}
 	if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
 		return nil, fmt.Errorf("ns: disk quota: %w", err)
 	}
@@ -487,6 +480,23 @@ func mountDisk(img, dir string) (*layerDisk, error) {
 	return d, nil
 }
 
+// openImage opens img, a layer disk image, for the loop device.
+func openImage(img string) (*os.File, error) {
+	f, err := os.OpenFile(img, os.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("ns: disk quota: %w", err)
+	}
+	fi, err := f.Stat()
+	if err == nil && (!fi.Mode().IsRegular() || checkDiskSize(fi.Size()) != nil) {
+		err = fmt.Errorf("%s is not a layer disk image", img)
+	}
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("ns: disk quota: %w", err)
+	}
+	return f, nil
+}
+
 // openDisk is mountDisk without a mount point: the file system is mounted
 // detached (fsopen, fsmount) and belongs to no mount namespace, so no
 // namespace cloned later (a warm init's, another worker's) holds a copy
@@ -494,18 +504,11 @@ func mountDisk(img, dir string) (*layerDisk, error) {
 // Dir() (/proc/self/fd/<fd>, in this process) and an init gets a clone of
 // the mount (Clone).
 func openDisk(img string) (*layerDisk, error) {
-	f, err := os.OpenFile(img, os.O_RDWR|unix.O_CLOEXEC, 0)
+	f, err := openImage(img)
 	if err != nil {
-		return nil, fmt.Errorf("ns: disk quota: %w", err)
+		return nil, err
 	}
 	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("ns: disk quota: %w", err)
-	}
-	if !fi.Mode().IsRegular() || checkDiskSize(fi.Size()) != nil {
-		return nil, fmt.Errorf("ns: disk quota: %s is not a layer disk image", img)
-	}
 	loop, dev, err := attachLoop(int(f.Fd()))
 	if err != nil {
 		return nil, fmt.Errorf("ns: disk quota: attach %s: %w", img, err)

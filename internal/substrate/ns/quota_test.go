@@ -49,18 +49,9 @@ func TestDiskQuotaInSandbox(t *testing.T) {
 		t.Fatalf("stats: %+v %v", st, err)
 	}
 	// Kept across a stop; the next activation on the same Dir sees it.
+	inst2 := restartOnSameDir(t, s, inst, spec)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	if err := inst.Stop(ctx); err != nil {
-		t.Fatal(err)
-	}
-	spec.Route.ActivationID = randID(4)
-	in2, err := s.Start(ctx, spec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	inst2 := in2.(*instance)
-	defer stopAndCheck(t, inst2)
 	if out := mustOK(t, inst2, 1000, "cat /home/user/after"); out != "ok\n" {
 		t.Fatalf("layer not kept: %q", out)
 	}
@@ -88,6 +79,25 @@ func TestWithoutDiskQuota(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(spec.Dir, DiskImageName)); !os.IsNotExist(err) {
 		t.Fatalf("a disk image was made with the quota off: %v", err)
 	}
+}
+
+// restartOnSameDir stops inst and starts the next activation of spec on
+// the same directory (stopped and checked when the test ends).
+func restartOnSameDir(t *testing.T, s *Substrate, inst *instance, spec substrate.Spec) *instance {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	spec.Route.ActivationID = randID(4)
+	in, err := s.Start(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next := in.(*instance)
+	t.Cleanup(func() { stopAndCheck(t, next) })
+	return next
 }
 
 // loopsBacking counts the loop devices attached to img.
@@ -178,18 +188,7 @@ func TestLayerDiskAttachedFallback(t *testing.T) {
 	if b, err := os.ReadFile(filepath.Join(inst.LayerDir(), "home/user/kept")); err != nil || string(b) != "kept\n" {
 		t.Fatalf("layer through the attached disk: %q %v", b, err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := inst.Stop(ctx); err != nil {
-		t.Fatal(err)
-	}
-	spec.Route.ActivationID = randID(4)
-	in2, err := s.Start(ctx, spec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	inst2 := in2.(*instance)
-	defer stopAndCheck(t, inst2)
+	inst2 := restartOnSameDir(t, s, inst, spec)
 	if out := mustOK(t, inst2, 1000, "cat /home/user/kept"); out != "kept\n" {
 		t.Fatalf("after a restart: %q", out)
 	}
