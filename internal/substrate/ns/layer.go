@@ -90,6 +90,16 @@ func (s *Substrate) acquireLayer(dir string, size int64) (release func() error, 
 	size = diskSize(size)
 	switch fi, err := os.Stat(img); {
 	case errors.Is(err, os.ErrNotExist):
+		if d := s.takeSpare(dir, size); d != nil {
+			if err := os.Mkdir(mnt, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+				_ = d.Unmount()
+				return nil, fmt.Errorf("ns: disk quota: %w", err)
+			}
+			ref.disk = d
+			s.lastLoop[img] = d.Device()
+			s.layers[dir] = ref
+			return s.releaser(dir), nil
+		}
 		if err := createDisk(s.cfg.StateDir, img, size); err != nil {
 			return nil, err
 		}

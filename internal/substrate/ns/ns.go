@@ -154,6 +154,10 @@ type Substrate struct {
 	// lastLoop: the loop device each image was last mounted through
 	// (layer.go: an image is never mounted twice at once).
 	lastLoop map[string]string
+	// The spare layer disk (spare.go).
+	spareMu sync.Mutex
+	spare   *spareDisk
+	sparing bool
 
 	tmplMu    sync.Mutex
 	tmplReady map[string]bool
@@ -195,6 +199,7 @@ func New(cfg Config) (*Substrate, error) {
 			cfg.Logger.Warn("ns: sandboxes run without a disk quota: one sandbox can fill the host's disk", "reason", why)
 		} else {
 			s.quota = true
+			s.clearSpares()
 		}
 	}
 	if !cfg.NoUserNamespaces {
@@ -213,7 +218,8 @@ func (s *Substrate) Name() string { return identity.SubstrateNS }
 // Close stops the spawner thread. Sandboxes still running are killed (their
 // parent-death signal fires), so Stop them first. Start fails afterwards.
 func (s *Substrate) Close() error {
-	s.stopWarm()
+	s.stopWarm() // also waits for a spare disk being made
+	s.stopSpares()
 	s.spawner.Close()
 	return nil
 }
@@ -395,6 +401,9 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	}
 	s.cfg.Logger.Debug("ns: sandbox started", "route", spec.Route.String(), "pid", inst.pid, "warm", sp.warm, "took", time.Since(t0))
 	s.prewarm(lim)
+	if s.quota && !s.cfg.NoWarmInit {
+		s.prewarmDisk(diskSize(lim.DiskBytes))
+	}
 	return inst, nil
 }
 

@@ -1,0 +1,59 @@
+//go:build linux
+
+package ns
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// TestSpareDisk: after a start, a layer disk is made ahead of time; the
+// next new activation directory takes it (its image linked there, the
+// spare's name gone), with nothing of another sandbox in it, and Close
+// leaves no spare image behind.
+func TestSpareDisk(t *testing.T) {
+	s, first, _ := startWith(t, Config{StateDir: filepath.Join(t.TempDir(), "state")})
+	if !s.quota {
+		t.Skipf("skipping: no disk quota here: %s", diskQuotaUnsupported())
+	}
+	mustOK(t, first, 0, "echo first > /root/f")
+	var spareImg string
+	for deadline := time.Now().Add(10 * time.Second); spareImg == ""; {
+		s.spareMu.Lock()
+		if s.spare != nil {
+			spareImg = s.spare.disk.img
+		}
+		s.spareMu.Unlock()
+		if time.Now().After(deadline) {
+			t.Fatal("no spare disk was made after a start")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	spec := newSpec(t, first.lim)
+	release, err := s.acquireLayer(spec.Dir, first.lim.DiskBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(spareImg); !os.IsNotExist(err) {
+		t.Fatalf("the spare's image is still at %s (not taken): %v", spareImg, err)
+	}
+	upper := s.layerDir(spec.Dir)
+	if _, err := os.Stat(filepath.Join(upper, "root/f")); !os.IsNotExist(err) {
+		t.Fatalf("the taken disk holds another sandbox's file: %v", err)
+	}
+	if err := os.WriteFile(filepath.Join(upper, "x"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := release(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(spec.Dir, DiskImageName)); err != nil {
+		t.Fatalf("the taken disk's image is not in the activation dir: %v", err)
+	}
+	s.Close()
+	if ents, _ := os.ReadDir(s.spareDir()); len(ents) != 0 {
+		t.Fatalf("spare images left after Close: %v", ents)
+	}
+}
