@@ -67,3 +67,30 @@ func TestOnlyStoreImportsEtcd(t *testing.T) {
 		}
 	}
 }
+
+// Every package says what it holds (a package doc comment), tests-only
+// packages included.
+func TestEveryPackageHasADocComment(t *testing.T) {
+	out, err := exec.Command("go", "list", "-test=false", "-f", `{{.ImportPath}}|{{.Doc}}|{{len .GoFiles}}|{{len .TestGoFiles}}|{{len .XTestGoFiles}}`, mod+"...").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		f := strings.Split(line, "|")
+		if len(f) != 5 {
+			t.Fatalf("go list line %q", line)
+		}
+		if f[1] == "" {
+			t.Errorf("%s has no package doc comment", f[0])
+		}
+	}
+}
+
+// uidlease is shared by both substrates and depends on nothing internal.
+func TestUIDLeaseIsALeaf(t *testing.T) {
+	for _, d := range deps(t, "internal/substrate/uidlease") {
+		if strings.HasPrefix(d, mod) && d != mod+"internal/substrate/uidlease" {
+			t.Errorf("internal/substrate/uidlease imports %s", d)
+		}
+	}
+}

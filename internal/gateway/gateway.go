@@ -331,7 +331,7 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	stop := context.AfterFunc(ad.lease, cancel)
 	defer stop()
 	if ad.lease.Err() != nil {
-		writeJSON(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")
+		writeJSON(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, spacev1.ReasonExecutionReplaced)
 		return
 	}
 	g.streams.Add(1)
