@@ -275,13 +275,13 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	t, herr := classify(r, sandbox, port)
 	if herr != nil {
-		e.metrics.requests.WithLabelValues("none", itoa(herr.status)).Inc()
+		e.metrics.requests.WithLabelValues("none", statusLabel(herr.status)).Inc()
 		dropUnreadBody(w, r)
 		writeError(w, herr)
 		return
 	}
 	sw := &statusWriter{ResponseWriter: w}
-	defer func() { e.metrics.requests.WithLabelValues(string(t.purpose), itoa(sw.code())).Inc() }()
+	defer func() { e.metrics.requests.WithLabelValues(string(t.purpose), statusLabel(sw.code())).Inc() }()
 
 	callerToken := r.Header.Get(spacev1.HeaderAccessToken)
 	if t.purpose == capability.PurposeServicePort {
@@ -502,10 +502,11 @@ func (s *statusWriter) code() int {
 	return s.status
 }
 
-func itoa(n int) string {
-	const digits = "0123456789"
+// statusLabel is the metrics label of HTTP status n: the code itself, or
+// "other" outside 100-999 (a bounded label set).
+func statusLabel(n int) string {
 	if n >= 100 && n <= 999 {
-		return string([]byte{digits[n/100], digits[n/10%10], digits[n%10]})
+		return strconv.Itoa(n)
 	}
 	return "other"
 }
