@@ -341,24 +341,7 @@ func (h *harness) sandbox(sb string) identity.Route {
 
 func (h *harness) envd(method, sb, path, body string, hdr ...string) *http.Response {
 	h.t.Helper()
-	var rd io.Reader
-	if body != "" {
-		rd = strings.NewReader(body)
-	}
-	req, err := http.NewRequest(method, h.srv.URL+path, rd)
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	req.Header.Set(HeaderSandboxID, sb)
-	req.Header.Set(HeaderSandboxPort, "49983")
-	for i := 0; i+1 < len(hdr); i += 2 {
-		req.Header.Set(hdr[i], hdr[i+1])
-	}
-	res, err := h.cl.Do(req)
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	return res
+	return h.envdAt(strings.TrimPrefix(h.srv.URL, "http://"), method, sb, path, body, hdr...)
 }
 
 func readAll(t *testing.T, res *http.Response) string {

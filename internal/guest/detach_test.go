@@ -189,20 +189,9 @@ func TestOrphanedOutputIsDrained(t *testing.T) {
 				}
 			})
 			e := newEnv(t)
-			ctx := ctxT(t)
 			pidFile := filepath.Join(e.home(), "child.pid")
 			script := `sh -c 'echo $$ > ` + pidFile + `.tmp; mv ` + pidFile + `.tmp ` + pidFile + `; while true; do echo child; sleep ` + tc.pause + `; done' & echo parent`
-			st, err := e.proc.Start(ctx, connect.NewRequest(sh(script)))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer st.Close()
-			r := collect(t, func() (*processpb.ProcessEvent, bool) {
-				if !st.Receive() {
-					return nil, false
-				}
-				return st.Msg().GetEvent(), true
-			}, st.Err)
+			r := e.run("", sh(script))
 			if r.end.GetExitCode() != 0 || !strings.Contains(r.stdout, "parent") {
 				t.Fatalf("end %v stdout %q", r.end, r.stdout)
 			}

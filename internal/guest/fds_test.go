@@ -76,17 +76,7 @@ func TestCommandsGetOnlyStdio(t *testing.T) {
 	}
 	in := sh("ls -l /proc/self/fd")
 	in.Stdin = ptr(true)
-	st, err := e.proc.Start(ctxT(t), connect.NewRequest(in))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer st.Close()
-	rin := collect(t, func() (*processpb.ProcessEvent, bool) {
-		if !st.Receive() {
-			return nil, false
-		}
-		return st.Msg().GetEvent(), true
-	}, st.Err)
+	rin := e.run("", in)
 	if x := extraFDs(rin.stdout); len(x) > 0 {
 		t.Fatalf("command with stdin got descriptors besides 0, 1, 2: %v", x)
 	}
