@@ -88,20 +88,18 @@ func (s *Substrate) acquireLayer(dir string, size int64) (release func() error, 
 	}
 	img := filepath.Join(dir, DiskImageName)
 	size = diskSize(size)
+	// The directory stays empty on the host: an init without a user
+	// namespace attaches its clone of the disk there in its own namespace.
+	if err := os.Mkdir(mnt, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+		return nil, fmt.Errorf("ns: disk quota: %w", err)
+	}
 	switch fi, err := os.Stat(img); {
 	case errors.Is(err, os.ErrNotExist):
-		if d := s.takeSpare(dir, size); d != nil {
-			if err := os.Mkdir(mnt, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
-				_ = d.Unmount()
-				return nil, fmt.Errorf("ns: disk quota: %w", err)
+		// A new layer: the disk made ahead of time (spare.go), or one now.
+		if ref.disk = s.takeSpare(dir, size); ref.disk == nil {
+			if err := createDisk(s.cfg.StateDir, img, size); err != nil {
+				return nil, err
 			}
-			ref.disk = d
-			s.lastLoop[img] = d.Device()
-			s.layers[dir] = ref
-			return s.releaser(dir), nil
-		}
-		if err := createDisk(s.cfg.StateDir, img, size); err != nil {
-			return nil, err
 		}
 	case err != nil:
 		return nil, fmt.Errorf("ns: disk quota: %w", err)
@@ -110,21 +108,18 @@ func (s *Substrate) acquireLayer(dir string, size int64) (release func() error, 
 			return nil, err
 		}
 	}
-	// A disk left mounted at the directory by a process that died is
-	// unmounted first: mounting it twice would corrupt it.
-	if err := unmountDisk(mnt); err != nil {
-		return nil, err
-	}
-	if err := s.waitDiskFree(img); err != nil {
-		return nil, err
-	}
-	// The directory stays empty on the host: an init without a user
-	// namespace attaches its clone of the disk there in its own namespace.
-	if err := os.Mkdir(mnt, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
-		return nil, fmt.Errorf("ns: disk quota: %w", err)
-	}
-	if ref.disk, err = openDisk(img); err != nil {
-		return nil, err
+	if ref.disk == nil {
+		// A disk left mounted at the directory by a process that died is
+		// unmounted first: mounting it twice would corrupt it.
+		if err := unmountDisk(mnt); err != nil {
+			return nil, err
+		}
+		if err := s.waitDiskFree(img); err != nil {
+			return nil, err
+		}
+		if ref.disk, err = openDisk(img); err != nil {
+			return nil, err
+		}
 	}
 	s.lastLoop[img] = ref.disk.Device()
 	s.layers[dir] = ref
