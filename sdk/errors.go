@@ -8,25 +8,30 @@ import (
 	"net/http"
 
 	"connectrpc.com/connect"
+
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 // Error classes. Every error returned for a server answer is an *Error that
 // wraps one of them, so callers can test with errors.Is(err, sdk.ErrNotFound).
+// Where a class is one of the platform's own (internal/errdefs) it is that
+// very value, so errors.Is agrees on both sides; the others are the
+// client's view of an answer (a status, not a server-side class).
 var (
 	ErrBadRequest   = errors.New("bad request")
 	ErrUnauthorized = errors.New("unauthorized")
 	ErrForbidden    = errors.New("forbidden")
-	ErrNotFound     = errors.New("not found")
-	ErrConflict     = errors.New("conflict")
-	ErrTooLarge     = errors.New("request too large")
+	ErrNotFound     = errdefs.ErrNotFound
+	ErrConflict     = errdefs.ErrConflict
+	ErrTooLarge     = errdefs.ErrTooLarge
 	ErrRateLimited  = errors.New("rate limited")
 	// ErrRouteRefresh means the request reached an execution the control
 	// plane no longer selects and the edge's one rebuilt attempt failed too
 	// (HTTP 421). Retrying later is safe.
 	ErrRouteRefresh = errors.New("route refresh required")
-	ErrUnavailable  = errors.New("service unavailable")
+	ErrUnavailable  = errdefs.ErrUnavailable
 	ErrServer       = errors.New("server error")
-	ErrTimeout      = errors.New("timeout")
+	ErrTimeout      = errdefs.ErrTimeout
 )
 
 // Error is a server's answer: HTTP status (or Connect code) and the JSON

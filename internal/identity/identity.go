@@ -7,9 +7,10 @@
 package identity
 
 import (
-	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 // Substrate names.
@@ -18,8 +19,9 @@ const (
 	SubstrateMicroVM = "microvm"
 )
 
-// ErrInvalid marks a route that cannot identify an execution.
-var ErrInvalid = errors.New("invalid route identity")
+// ErrInvalidRoute marks a route that cannot identify an execution; it is
+// an errdefs.ErrInvalid.
+var ErrInvalidRoute = fmt.Errorf("%w: route identity", errdefs.ErrInvalid)
 
 // Route is the identity of one selected runtime incarnation of a sandbox and
 // its placement. Addresses locate endpoints; a Route decides whether an
@@ -49,15 +51,15 @@ func (r Route) Validate() error {
 	}
 	switch {
 	case r.Generation == 0:
-		return fmt.Errorf("%w: generation must be positive", ErrInvalid)
+		return fmt.Errorf("%w: generation must be positive", ErrInvalidRoute)
 	case r.ExecutionID == "":
-		return fmt.Errorf("%w: empty execution id", ErrInvalid)
+		return fmt.Errorf("%w: empty execution id", ErrInvalidRoute)
 	case r.WorkerID == "":
-		return fmt.Errorf("%w: empty worker id", ErrInvalid)
+		return fmt.Errorf("%w: empty worker id", ErrInvalidRoute)
 	case r.Substrate == "":
-		return fmt.Errorf("%w: empty substrate", ErrInvalid)
+		return fmt.Errorf("%w: empty substrate", ErrInvalidRoute)
 	case r.ActivationID == "":
-		return fmt.Errorf("%w: empty activation id", ErrInvalid)
+		return fmt.Errorf("%w: empty activation id", ErrInvalidRoute)
 	}
 	return nil
 }
@@ -93,14 +95,14 @@ func (r Route) Epoch() Epoch {
 // digits (hyphens allowed inside), 1..63 characters.
 func ValidateSandboxID(id string) error {
 	if len(id) == 0 || len(id) > 63 {
-		return fmt.Errorf("%w: sandbox id must be 1..63 characters", ErrInvalid)
+		return fmt.Errorf("%w: sandbox id must be 1..63 characters", ErrInvalidRoute)
 	}
 	for i, c := range id {
 		switch {
 		case c >= 'a' && c <= 'z', c >= '0' && c <= '9':
 		case c == '-' && i > 0 && i < len(id)-1:
 		default:
-			return fmt.Errorf("%w: sandbox id %q is not a lowercase DNS label", ErrInvalid, id)
+			return fmt.Errorf("%w: sandbox id %q is not a lowercase DNS label", ErrInvalidRoute, id)
 		}
 	}
 	return nil

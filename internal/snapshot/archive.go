@@ -63,7 +63,7 @@ var ErrHostileArchive = errors.New("snapshot: archive rejected")
 
 // ArchiveError rejects one entry of an archive given to Restore. It
 // matches ErrHostileArchive and errdefs.ErrInvalid, and Err when set (an
-// archive over the restore's Limits is also ErrTooLarge).
+// archive over the restore's Limits is also ErrOverLimit).
 type ArchiveError struct {
 	Entry  string
 	Reason string
@@ -111,7 +111,7 @@ type ArchiveOptions struct {
 
 // Archive writes the tree under dir to w as described above. The tree must
 // be quiescent (a paused or stopped sandbox); Archive never follows
-// symbolic links. It stops with an error matching ErrTooLarge before the
+// symbolic links. It stops with an error matching ErrOverLimit before the
 // archive would exceed opts' Limits, and with one matching ErrNoSpace when
 // opts.SpaceDir's file system runs short; w then holds a partial archive
 // the caller discards (a store's Put does when its reader fails).
@@ -130,7 +130,7 @@ func Archive(ctx context.Context, dir string, w io.Writer, opts ArchiveOptions) 
 	links := map[inode]string{}
 	buf := make([]byte, 256<<10)
 	tooLarge := func(name, what string, limit int64) error {
-		return fmt.Errorf("%w: %s exceeds %d at %q", ErrTooLarge, what, limit, name)
+		return fmt.Errorf("%w: %s exceeds %d at %q", ErrOverLimit, what, limit, name)
 	}
 	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
@@ -217,7 +217,7 @@ func Archive(ctx context.Context, dir string, w io.Writer, opts ArchiveOptions) 
 			return nil
 		}
 		if st.Entries+1 > opts.MaxEntries {
-			return fmt.Errorf("%w: more than %d entries at %q", ErrTooLarge, opts.MaxEntries, name)
+			return fmt.Errorf("%w: more than %d entries at %q", ErrOverLimit, opts.MaxEntries, name)
 		}
 		if hdr.Typeflag == tar.TypeDir || f != nil {
 			xa, err := readXattrs(p)
@@ -328,7 +328,7 @@ type RestoreOptions struct {
 //   - extended attributes outside the allowlist, GNU.sparse.* records,
 //     SPACE.* records other than a valid SPACE.sparse on a TypeSparse
 //     entry (see sparse.go);
-//   - archives over opts' Limits (these also match ErrTooLarge).
+//   - archives over opts' Limits (these also match ErrOverLimit).
 //
 // Sparse entries are restored sparse: only their data extents are
 // written. Restore refuses to start, and stops, when the target's file
@@ -377,13 +377,13 @@ func Restore(ctx context.Context, r io.Reader, dir string, opts RestoreOptions) 
 		}
 		st.Entries++
 		if st.Entries > opts.MaxEntries {
-			return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("more than %d entries", opts.MaxEntries), Err: ErrTooLarge}
+			return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("more than %d entries", opts.MaxEntries), Err: ErrOverLimit}
 		}
 		var sp *sparseFile
 		switch hdr.Typeflag {
 		case tar.TypeReg, TypeSparse:
 			if hdr.Size < 0 || st.Bytes+hdr.Size > opts.MaxBytes {
-				return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("content exceeds %d bytes", opts.MaxBytes), Err: ErrTooLarge}
+				return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("content exceeds %d bytes", opts.MaxBytes), Err: ErrOverLimit}
 			}
 			logical := hdr.Size
 			if hdr.Typeflag == TypeSparse {
@@ -398,7 +398,7 @@ func Restore(ctx context.Context, r io.Reader, dir string, opts RestoreOptions) 
 				sp, logical = &sparseFile{size, ext}, size
 			}
 			if st.Logical+logical > opts.MaxLogical {
-				return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("logical file sizes exceed %d bytes", opts.MaxLogical), Err: ErrTooLarge}
+				return st, &ArchiveError{Entry: hdr.Name, Reason: fmt.Sprintf("logical file sizes exceed %d bytes", opts.MaxLogical), Err: ErrOverLimit}
 			}
 			st.Logical += logical
 		}

@@ -86,10 +86,10 @@ func (s *sentinel) Error() string { return s.msg }
 func (s *sentinel) Unwrap() error { return s.class }
 
 var (
-	// ErrTooLarge is matched (errors.Is) by an archive or restore that
+	// ErrOverLimit is matched (errors.Is) by an archive or restore that
 	// would exceed its Limits. It is an errdefs.ErrInvalid: retrying the
 	// same snapshot cannot succeed.
-	ErrTooLarge error = &sentinel{"snapshot too large", errdefs.ErrInvalid}
+	ErrOverLimit error = &sentinel{"snapshot too large", errdefs.ErrInvalid}
 	// ErrNoSpace is matched by an archive or restore refused because its
 	// destination file system would drop below its free-space reserve. It
 	// is an errdefs.ErrUnavailable: another worker or a later try may

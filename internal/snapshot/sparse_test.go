@@ -387,7 +387,7 @@ func TestRestoreRejectsBadSparseMaps(t *testing.T) {
 	}
 }
 
-// Exceeding a limit while archiving fails with ErrTooLarge, and a store
+// Exceeding a limit while archiving fails with ErrOverLimit, and a store
 // fed by the failed archive keeps nothing of it.
 func TestArchiveTooLarge(t *testing.T) {
 	src := t.TempDir()
@@ -407,8 +407,8 @@ func TestArchiveTooLarge(t *testing.T) {
 			l, err := NewLocal(t.TempDir())
 			must(t, err)
 			_, _, err = archiveToStore(t, l, "s", src, ArchiveOptions{Limits: lim})
-			if !errors.Is(err, ErrTooLarge) || !errors.Is(err, errdefs.ErrInvalid) {
-				t.Fatalf("want ErrTooLarge, got %v", err)
+			if !errors.Is(err, ErrOverLimit) || !errors.Is(err, errdefs.ErrInvalid) {
+				t.Fatalf("want ErrOverLimit, got %v", err)
 			}
 			t.Log(err)
 			if ents, _ := os.ReadDir(l.Dir()); len(ents) != 0 {
@@ -445,8 +445,8 @@ func TestRestoreTooLarge(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			dst := t.TempDir()
 			st, err := Restore(context.Background(), bytes.NewReader(buf.Bytes()), dst, RestoreOptions{Limits: lim})
-			if !errors.Is(err, ErrTooLarge) || !errors.Is(err, ErrHostileArchive) || !errors.Is(err, errdefs.ErrInvalid) {
-				t.Fatalf("want ErrTooLarge, got %v", err)
+			if !errors.Is(err, ErrOverLimit) || !errors.Is(err, ErrHostileArchive) || !errors.Is(err, errdefs.ErrInvalid) {
+				t.Fatalf("want ErrOverLimit, got %v", err)
 			}
 			t.Log(err)
 			if alloc := allocated(t, dst); st.Bytes > lim.MaxBytes && lim.MaxBytes > 0 || alloc > 2<<20 {
