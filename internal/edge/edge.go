@@ -42,11 +42,13 @@ import (
 	"sync"
 	"time"
 
+	"github.com/hashicorp/golang-lru/v2/simplelru"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 // Edge is a space-edge instance. It is safe for concurrent use.
@@ -61,7 +63,7 @@ type Edge struct {
 	budget bodyBudget
 
 	mu       sync.Mutex
-	cache    map[cacheKey]*entry
+	cache    *simplelru.LRU[cacheKey, *entry]
 	inflight map[cacheKey]*flight
 
 	srvMu  sync.Mutex
@@ -125,15 +127,15 @@ func newMetrics() *metrics {
 
 // New returns an Edge for cfg.
 func New(cfg Config) (*Edge, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	cfg = cfg.withDefaults()
 	e := &Edge{
 		cfg:      cfg,
 		log:      cfg.Logger.With("component", "space-edge"),
 		metrics:  newMetrics(),
-		cache:    make(map[cacheKey]*entry),
+		cache:    newRouteCache(cfg.MaxEntries),
 		inflight: make(map[cacheKey]*flight),
 
 		reattachBackoff: defaultReattachBackoff,
@@ -154,8 +156,8 @@ func New(cfg Config) (*Edge, error) {
 		_, _ = io.WriteString(w, "ok\n")
 	})
 	e.own.HandleFunc("/", func(w http.ResponseWriter, _ *http.Request) {
-		writeError(w, &httpError{status: http.StatusBadRequest, reason: "no_sandbox",
-			msg: "request names no sandbox: set " + HeaderSandboxID + " and " + HeaderSandboxPort + " or use host <port>-<sandbox>." + cfg.Domain})
+		writeError(w, answer(errdefs.ErrInvalid, "no_sandbox",
+			"request names no sandbox: set "+HeaderSandboxID+" and "+HeaderSandboxPort+" or use host <port>-<sandbox>."+cfg.Domain))
 	})
 	e.handler = http.HandlerFunc(e.serveHTTP)
 	return e, nil
@@ -258,14 +260,14 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 				panic(v)
 			}
 			e.log.Error("panic serving request", "panic", v)
-			writeError(w, &httpError{status: http.StatusInternalServerError, reason: "internal", msg: "internal error"})
+			writeError(w, errors.New("internal error")) // unclassified: 500 "internal"
 		}
 	}()
-	sandbox, port, ok, herr := parseSandboxPort(r, e.cfg.Domain)
-	if herr != nil {
+	sandbox, port, ok, err := parseSandboxPort(r, e.cfg.Domain)
+	if err != nil {
 		e.metrics.requests.WithLabelValues("none", "400").Inc()
 		dropUnreadBody(w, r)
-		writeError(w, herr)
+		writeError(w, err)
 		return
 	}
 	if !ok {
@@ -273,11 +275,11 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		e.own.ServeHTTP(w, r)
 		return
 	}
-	t, herr := classify(r, sandbox, port)
-	if herr != nil {
-		e.metrics.requests.WithLabelValues("none", statusLabel(herr.status)).Inc()
+	t, err := classify(r, sandbox, port)
+	if err != nil {
+		e.metrics.requests.WithLabelValues("none", statusLabel(errdefs.HTTPStatus(err))).Inc()
 		dropUnreadBody(w, r)
-		writeError(w, herr)
+		writeError(w, err)
 		return
 	}
 	sw := &statusWriter{ResponseWriter: w}
@@ -303,25 +305,23 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	// must not make the edge buffer (or even wait for) its body.
 	ent, err := e.resolve(r.Context(), st.key, t, callerToken)
 	if err != nil {
-		var he *httpError
-		if errors.As(err, &he) {
+		if !contextEnded(err) {
 			dropUnreadBody(w, r)
-			writeError(sw, he)
+			writeError(sw, err)
 		}
 		return // context cancelled: the client is gone
 	}
 	defer e.releaseBody(st)
-	if herr := e.holdBody(w, r, st); herr != nil {
-		writeError(sw, herr)
+	if err := e.holdBody(w, r, st); err != nil {
+		writeError(sw, err)
 		return
 	}
 	if st.held && len(st.body) > 0 && !e.usable(ent) {
 		// Receiving the body took long enough that the route's
 		// authorization or capability is due: resolve it again.
 		if ent, err = e.resolve(r.Context(), st.key, t, callerToken); err != nil {
-			var he *httpError
-			if errors.As(err, &he) {
-				writeError(sw, he)
+			if !contextEnded(err) {
+				writeError(sw, err)
 			}
 			return
 		}
@@ -357,11 +357,10 @@ func (e *Edge) modifyResponse(res *http.Response) error {
 	if st != nil && isPausedAnswer(res) {
 		// node-api refused because the execution is frozen: answer what
 		// the control plane's refusal becomes (pausedError).
-		pe := pausedError(st.t.sandbox)
-		b, _ := json.Marshal(spacev1.Error{Code: pe.status, Message: pe.msg, Reason: pe.reason})
+		status, h, b := errorResponse(pausedError(st.t.sandbox))
 		res.Body.Close()
-		res.StatusCode, res.Status = pe.status, ""
-		res.Header = http.Header{"Content-Type": {"application/json"}, "Cache-Control": {"no-store"}}
+		res.StatusCode, res.Status = status, ""
+		res.Header = h
 		res.Body = io.NopCloser(bytes.NewReader(b))
 		res.ContentLength = int64(len(b))
 		return nil
@@ -374,15 +373,14 @@ func (e *Edge) modifyResponse(res *http.Response) error {
 }
 
 func (e *Edge) proxyError(w http.ResponseWriter, r *http.Request, err error) {
-	var he *httpError
 	switch {
-	case errors.As(err, &he):
-		writeError(w, he)
+	case classified(err):
+		writeError(w, err)
 	case r.Context().Err() != nil:
 		// Client went away; nothing to answer.
 	default:
 		e.log.Warn("forwarding to node failed", "err", err)
-		writeError(w, &httpError{status: http.StatusBadGateway, reason: "node_unreachable", msg: "sandbox node unreachable"})
+		writeError(w, answer(errdefs.ErrUpstream, "node_unreachable", "sandbox node unreachable"))
 	}
 }
 
