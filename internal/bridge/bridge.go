@@ -135,20 +135,35 @@ type Config struct {
 	noSockDiag bool
 }
 
-// Validate checks the configuration and fills defaults.
-func (c *Config) Validate() error {
+// withDefaults returns a copy of c with unset fields replaced by the
+// documented defaults (a non-positive timeout is unset).
+func (c Config) withDefaults() Config {
+	if c.DialTimeout <= 0 {
+		c.DialTimeout = 5 * time.Second
+	}
+	if c.Channel == "" {
+		c.Channel = ChannelUnix
+	}
+	if c.BootTimeout <= 0 {
+		c.BootTimeout = 60 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// Validate checks the configuration; it fills nothing (New applies the
+// defaults first).
+func (c Config) Validate() error {
 	if c.GuestSocket == "" || c.GuestPID <= 0 {
 		return errors.New("bridge: guest socket and pid are required")
 	}
 	if err := c.Expected.Validate(); err != nil {
 		return fmt.Errorf("bridge: expected identity: %w", err)
 	}
-	if c.DialTimeout <= 0 {
-		c.DialTimeout = 5 * time.Second
-	}
 	switch c.Channel {
 	case "", ChannelUnix:
-		c.Channel = ChannelUnix
 		if len(c.Activation) > 0 {
 			return errors.New("bridge: an activation is only sent over a vm channel")
 		}
@@ -162,14 +177,8 @@ func (c *Config) Validate() error {
 		if d := identity.Diff(act.Identity, c.Expected); len(d) > 0 {
 			return fmt.Errorf("bridge: activation identity differs from the expected one in %s", strings.Join(d, ","))
 		}
-		if c.BootTimeout <= 0 {
-			c.BootTimeout = 60 * time.Second
-		}
 	default:
 		return fmt.Errorf("bridge: unknown channel %q (want %s or %s)", c.Channel, ChannelUnix, ChannelVM)
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
 	}
 	return nil
 }
@@ -223,6 +232,7 @@ type guestConn struct {
 // New records the agent process identity and verifies one guest
 // connection, so a bridge that starts is known to reach the right agent.
 func New(cfg Config) (*Bridge, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
