@@ -87,7 +87,9 @@ func (e *Edge) doFetch(ctx context.Context, t target, callerToken string, repair
 		if json.Unmarshal(raw, &ae) == nil {
 			msg = ae.Message
 		}
-		if res.StatusCode >= 500 {
+		// A non-200 success or redirect is no answer either: errdefs has no
+		// class for it, and the client must not get it as one.
+		if res.StatusCode >= 500 || res.StatusCode < 400 {
 			e.log.Warn("control plane error", "sandbox", t.sandbox, "status", res.StatusCode, "message", msg)
 			return nil, controlPlaneError("control plane error: " + orDefault(msg, http.StatusText(res.StatusCode)))
 		}
