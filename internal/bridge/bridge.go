@@ -49,15 +49,11 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"golang.org/x/sys/unix"
-
-	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/procid"
 	"github.com/spacesbx/space/internal/vmchan"
@@ -135,20 +131,35 @@ type Config struct {
 	noSockDiag bool
 }
 
-// Validate checks the configuration and fills defaults.
-func (c *Config) Validate() error {
+// withDefaults returns a copy of c with unset fields replaced by the
+// documented defaults (a non-positive timeout is unset).
+func (c Config) withDefaults() Config {
+	if c.DialTimeout <= 0 {
+		c.DialTimeout = 5 * time.Second
+	}
+	if c.Channel == "" {
+		c.Channel = ChannelUnix
+	}
+	if c.BootTimeout <= 0 {
+		c.BootTimeout = 60 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// Validate checks the configuration; it fills nothing (New applies the
+// defaults first).
+func (c Config) Validate() error {
 	if c.GuestSocket == "" || c.GuestPID <= 0 {
 		return errors.New("bridge: guest socket and pid are required")
 	}
 	if err := c.Expected.Validate(); err != nil {
 		return fmt.Errorf("bridge: expected identity: %w", err)
 	}
-	if c.DialTimeout <= 0 {
-		c.DialTimeout = 5 * time.Second
-	}
 	switch c.Channel {
 	case "", ChannelUnix:
-		c.Channel = ChannelUnix
 		if len(c.Activation) > 0 {
 			return errors.New("bridge: an activation is only sent over a vm channel")
 		}
@@ -162,14 +173,8 @@ func (c *Config) Validate() error {
 		if d := identity.Diff(act.Identity, c.Expected); len(d) > 0 {
 			return fmt.Errorf("bridge: activation identity differs from the expected one in %s", strings.Join(d, ","))
 		}
-		if c.BootTimeout <= 0 {
-			c.BootTimeout = 60 * time.Second
-		}
 	default:
 		return fmt.Errorf("bridge: unknown channel %q (want %s or %s)", c.Channel, ChannelUnix, ChannelVM)
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
 	}
 	return nil
 }
@@ -223,6 +228,7 @@ type guestConn struct {
 // New records the agent process identity and verifies one guest
 // connection, so a bridge that starts is known to reach the right agent.
 func New(cfg Config) (*Bridge, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -323,169 +329,8 @@ func (b *Bridge) release() {
 	})
 }
 
-// record takes what later connections are compared with: the agent
-// process, the path's inode and the listening socket bound at it.
-func (b *Bridge) record() error {
-	pid := b.cfg.GuestPID
-	h, err := procid.Open(pid)
-	if err != nil {
-		return fmt.Errorf("bridge: guest process: %w", err)
-	}
-	b.guest = h
-	var st unix.Stat_t
-	if err := unix.Stat(b.cfg.GuestSocket, &st); err != nil {
-		return fmt.Errorf("bridge: guest socket: %w", err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFSOCK {
-		return fmt.Errorf("bridge: guest socket %s is not a socket", b.cfg.GuestSocket)
-	}
-	b.pathDev, b.pathIno = uint64(st.Dev), st.Ino
-	if b.diagGuest, err = procid.NewDiagInNetns(pid); err != nil {
-		return fmt.Errorf("bridge: sock_diag: %w", err)
-	}
-	if same, err := procid.SameNetns(pid); err != nil {
-		return fmt.Errorf("bridge: %w", err)
-	} else if same {
-		b.diagSelf = b.diagGuest
-	} else if b.diagSelf, err = procid.NewDiag(); err != nil {
-		return fmt.Errorf("bridge: sock_diag: %w", err)
-	}
-	socks, err := b.diagGuest.Dump(1<<procid.StateListen, procid.UDiagShowVFS)
-	if err != nil {
-		return fmt.Errorf("bridge: sock_diag: %w", err)
-	}
-	for _, s := range socks {
-		if b.boundAtPath(s) {
-			if b.listener != 0 {
-				return verr(CheckListener, "%w: two listeners at %s", ErrListener, b.cfg.GuestSocket)
-			}
-			b.listener = s.Ino
-		}
-	}
-	if b.listener == 0 {
-		return verr(CheckListener, "%w: no listener bound at %s in the agent's network namespace", ErrListener, b.cfg.GuestSocket)
-	}
-	fd, err := procid.FindSocketFD(pid, b.listener, -1)
-	if err != nil {
-		return verr(CheckListener, "%w: %v", ErrListener, err)
-	}
-	b.listenerFD.Store(int32(fd))
-	// The fds read above were the recorded process's if it is alive now.
-	if err := h.Check(); err != nil {
-		return verr(CheckPeerProcess, "%w", err)
-	}
-	return nil
-}
-
-func (b *Bridge) boundAtPath(s procid.UnixSocket) bool {
-	return s.HasVFS && s.VFSIno == uint32(b.pathIno) && s.VFSDev == procid.KernelDev(b.pathDev)
-}
-
-// verifyTransport runs the transport checks (1-4) on a new guest connection.
-func (b *Bridge) verifyTransport(c net.Conn) error {
-	pid := b.cfg.GuestPID
-	fd, err := procid.FindSocketFD(pid, b.listener, int(b.listenerFD.Load()))
-	if err != nil {
-		return verr(CheckListener, "%w: %v", ErrListener, err)
-	}
-	b.listenerFD.Store(int32(fd))
-	if !b.cfg.noSockDiag {
-		if err := b.verifyPeerSocket(c); err != nil {
-			return err
-		}
-	}
-	if err := b.guest.VerifyPeer(c); err != nil {
-		return &VerifyError{Check: CheckPeerProcess, Err: err}
-	}
-	return nil
-}
-
-// verifyPeerSocket asks sock_diag whether c went through the recorded
-// listener: either our socket waits in its accept queue, or the agent has
-// accepted it and our peer is bound at the recorded path inode and names
-// our socket as its peer.
-func (b *Bridge) verifyPeerSocket(c net.Conn) error {
-	own, err := procid.ConnInode(c)
-	if err != nil {
-		return verr(CheckPeerSocket, "%w", err)
-	}
-	for attempt := 0; ; attempt++ {
-		ls, err := b.diagGuest.Lookup(b.listener, procid.UDiagShowVFS|procid.UDiagShowIcons)
-		if err != nil {
-			return verr(CheckListener, "%w: listener %d: %v", ErrListener, b.listener, err)
-		}
-		if ls.State != procid.StateListen || !b.boundAtPath(ls) {
-			return verr(CheckListener, "%w: socket %d no longer listens at the recorded path inode", ErrListener, b.listener)
-		}
-		if slices.Contains(ls.Icons, own) {
-			return nil
-		}
-		me, err := b.diagSelf.Lookup(own, procid.UDiagShowPeer)
-		if err != nil || !me.HasPeer {
-			return verr(CheckPeerSocket, "%w: own socket %d: %v", ErrListener, own, err)
-		}
-		if me.Peer != 0 {
-			// The kernel creates the server side of a Unix connection in
-			// the connecting socket's network namespace (ours), not the
-			// listener's; look there first.
-			p, err := b.diagSelf.Lookup(me.Peer, procid.UDiagShowVFS|procid.UDiagShowPeer)
-			if err != nil {
-				p, err = b.diagGuest.Lookup(me.Peer, procid.UDiagShowVFS|procid.UDiagShowPeer)
-			}
-			if err != nil && attempt < 50 {
-				// Between dequeue and graft by accept(2): not yet findable.
-				time.Sleep(100 * time.Microsecond)
-				continue
-			}
-			if err != nil {
-				return verr(CheckPeerSocket, "%w: peer socket %d not found: %v", ErrListener, me.Peer, err)
-			}
-			if !b.boundAtPath(p) || p.Peer != own {
-				return verr(CheckPeerSocket, "%w: peer socket %d is bound at %d:%d, not at the recorded path inode", ErrListener, me.Peer, p.VFSDev, p.VFSIno)
-			}
-			return nil
-		}
-		// Dequeued but not yet given an inode by accept(2): a moment.
-		if attempt == 50 {
-			return verr(CheckPeerSocket, "%w: connection neither queued nor accepted", ErrListener)
-		}
-		time.Sleep(100 * time.Microsecond)
-	}
-}
-
 // Shutdown stops accepting and waits for in-flight requests until ctx ends.
 func (b *Bridge) Shutdown(ctx context.Context) error { return b.srv.Shutdown(ctx) }
-
-// checkPath is the path-inode check.
-func (b *Bridge) checkPath() error {
-	var st unix.Stat_t
-	if err := unix.Stat(b.cfg.GuestSocket, &st); err != nil {
-		return verr(CheckPathInode, "%w: %v", ErrSocketPath, err)
-	}
-	if uint64(st.Dev) != b.pathDev || st.Ino != b.pathIno {
-		return verr(CheckPathInode, "%w: %s is inode %d:%d, recorded %d:%d",
-			ErrSocketPath, b.cfg.GuestSocket, st.Dev, st.Ino, b.pathDev, b.pathIno)
-	}
-	return nil
-}
-
-// dialVerified dials the guest socket and runs the transport checks on
-// the new connection.
-func (b *Bridge) dialVerified(ctx context.Context) (net.Conn, error) {
-	if err := b.checkPath(); err != nil {
-		return nil, err
-	}
-	var d net.Dialer
-	c, err := d.DialContext(ctx, "unix", b.cfg.GuestSocket)
-	if err != nil {
-		return nil, fmt.Errorf("bridge: dial guest: %w", err)
-	}
-	if err := b.verifyTransport(c); err != nil {
-		c.Close()
-		return nil, err
-	}
-	return c, nil
-}
 
 // openChannel (ChannelVM) makes the one connection to the VMM's socket,
 // verifies it like a guest connection (the VMM is the recorded process),
@@ -583,143 +428,6 @@ func (b *Bridge) dialGuest(ctx context.Context) (*guestConn, error) {
 	c.SetDeadline(time.Time{})
 	b.verified.Add(1)
 	return gc, nil
-}
-
-var hopHeaders = []string{"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
-	"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade"}
-
-func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	gc, _ := r.Context().Value(connKey{}).(*guestConn)
-	if gc == nil {
-		http.Error(w, "no connection state", http.StatusInternalServerError)
-		return
-	}
-	// The guest may answer (and the stream's headers be flushed) before
-	// the caller's body is fully sent; without full duplex the server
-	// would close the unread body and cut the stream.
-	_ = http.NewResponseController(w).EnableFullDuplex()
-	// In full duplex the handler must close an unread body itself before
-	// returning, or the server's next read panics (golang/go#68560).
-	defer r.Body.Close()
-	gc.mu.Lock()
-	defer gc.mu.Unlock()
-	if gc.broken != nil {
-		b.fail(w, gc.broken)
-		return
-	}
-	if gc.conn == nil {
-		ctx, cancel := context.WithTimeout(r.Context(), b.cfg.DialTimeout)
-		c, err := b.dialGuest(ctx)
-		cancel()
-		if err != nil {
-			gc.broken = err
-			b.cfg.Logger.Warn("bridge: guest connection refused", "sandbox", b.cfg.Expected.SandboxID, "err", err)
-			b.fail(w, err)
-			return
-		}
-		gc.conn, gc.br = c.conn, c.br
-	}
-	if err := b.forward(w, r, gc); err != nil {
-		gc.broken = err
-		gc.conn.Close()
-		if b.vm != nil && errors.Is(err, errGuestBodyCut) {
-			// The response's headers are out: abort the manager's
-			// connection so the cut stream cannot look complete.
-			panic(http.ErrAbortHandler)
-		}
-	}
-}
-
-// errGuestBodyCut: the guest's response body failed midway.
-var errGuestBodyCut = errors.New("guest response cut")
-
-func (b *Bridge) fail(w http.ResponseWriter, err error) {
-	w.Header().Set("Connection", "close")
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(http.StatusBadGateway)
-	json.NewEncoder(w).Encode(spacev1.Error{Code: http.StatusBadGateway, Message: "sandbox bridge: " + err.Error(), Reason: "bridge"})
-}
-
-// forward sends r over the dedicated guest connection and streams the
-// response back, flushing as bytes arrive. An error means the guest
-// connection can no longer be trusted to be in sync and must be dropped.
-func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) error {
-	out := r.Clone(r.Context())
-	out.RequestURI = ""
-	out.URL.Scheme, out.URL.Host = "http", "guest"
-	out.Close = false
-	for _, h := range hopHeaders {
-		out.Header.Del(h)
-	}
-	out.Header.Del(spacev1.HeaderCapability)
-	if r.ContentLength == 0 {
-		out.Body = nil
-	}
-	writeErr := make(chan error, 1)
-	go func() { writeErr <- out.Write(gc.conn) }()
-	stop := context.AfterFunc(r.Context(), func() { gc.conn.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
-	resp, err := http.ReadResponse(gc.br, out)
-	if err != nil {
-		// The writer goroutine may still be blocked reading the caller's
-		// body; it ends when the server closes that body after this
-		// handler returns.
-		gc.conn.Close()
-		b.fail(w, fmt.Errorf("guest connection dropped: %w", err))
-		return err
-	}
-	defer resp.Body.Close()
-	for _, h := range hopHeaders {
-		resp.Header.Del(h)
-	}
-	for k, v := range resp.Header {
-		w.Header()[k] = v
-	}
-	w.Header().Set(spacev1.HeaderExecution, b.label)
-	if resp.Close {
-		// The guest ends this connection: end the manager's too, so the
-		// next request arrives on a new connection that is checked anew.
-		w.Header().Set("Connection", "close")
-	}
-	w.WriteHeader(resp.StatusCode)
-	fl, _ := w.(http.Flusher)
-	if fl != nil {
-		fl.Flush() // a stream's headers must not wait for its first event
-	}
-	buf := make([]byte, 32*1024)
-	var copyErr error
-	for {
-		n, rerr := resp.Body.Read(buf)
-		if n > 0 {
-			if _, werr := w.Write(buf[:n]); werr != nil {
-				copyErr = werr
-				break
-			}
-			if fl != nil {
-				fl.Flush()
-			}
-		}
-		if rerr == io.EOF {
-			break
-		}
-		if rerr != nil {
-			copyErr = rerr
-			if b.vm != nil {
-				copyErr = fmt.Errorf("%w: %w", errGuestBodyCut, rerr)
-			}
-			break
-		}
-	}
-	if werr := <-writeErr; werr != nil && copyErr == nil {
-		copyErr = werr
-	}
-	if copyErr != nil {
-		return copyErr
-	}
-	if resp.Close {
-		return errors.New("guest closed the connection")
-	}
-	return nil
 }
 
 // withEntropy returns the activation payload (a JSON object) with fresh

@@ -8,6 +8,8 @@ import (
 	"os"
 	"sync/atomic"
 	"time"
+
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 // Request bodies. The edge reads no body byte before the caller is
@@ -47,16 +49,6 @@ func (b *bodyBudget) tryAcquire(n int64) bool {
 }
 
 func (b *bodyBudget) release(n int64) { b.used.Add(-n) }
-
-func budgetError() *httpError {
-	return &httpError{status: http.StatusServiceUnavailable, reason: "body_budget_exhausted", retryAfter: "1",
-		msg: "the edge is holding too many request bodies; retry shortly"}
-}
-
-func bodyTimeoutError() *httpError {
-	return &httpError{status: http.StatusRequestTimeout, reason: "body_timeout",
-		msg: "request body was not received in time"}
-}
 
 // hasUnreadBody reports whether r carries a body nobody has read yet. For
 // an HTTP/1 server request, net/http starts its background read (which a
@@ -110,7 +102,7 @@ func (p *progressReader) Close() error { return p.body.Close() }
 // MaxBufferedBody into memory, within the budget, so that a rebuilt attempt
 // can resend them. Bodies of client-streaming calls and larger bodies are
 // streamed (not retryable) and cost no budget.
-func (e *Edge) holdBody(w http.ResponseWriter, r *http.Request, st *reqState) *httpError {
+func (e *Edge) holdBody(w http.ResponseWriter, r *http.Request, st *reqState) error {
 	if !hasUnreadBody(r) || r.ContentLength == 0 {
 		st.held = true
 		return nil
@@ -134,17 +126,17 @@ func (e *Edge) holdBody(w http.ResponseWriter, r *http.Request, st *reqState) *h
 		return nil
 	}
 	pr.end = time.Now().Add(e.cfg.BodyReadTimeout)
-	var herr *httpError
+	var err error
 	if r.ContentLength > 0 {
-		herr = e.readKnown(pr, r.ContentLength, st)
+		err = e.readKnown(pr, r.ContentLength, st)
 	} else {
-		herr = e.readUnknown(pr, st)
+		err = e.readUnknown(pr, st)
 	}
-	if herr != nil {
-		if herr.status == http.StatusServiceUnavailable {
+	if err != nil {
+		if errors.Is(err, errdefs.ErrUnavailable) {
 			dropUnreadBody(w, r)
 		}
-		return herr
+		return err
 	}
 	if !pr.done {
 		// The body is in memory; the response may stream for long.
@@ -154,7 +146,7 @@ func (e *Edge) holdBody(w http.ResponseWriter, r *http.Request, st *reqState) *h
 }
 
 // readKnown holds a body of declared length n (n <= MaxBufferedBody).
-func (e *Edge) readKnown(pr *progressReader, n int64, st *reqState) *httpError {
+func (e *Edge) readKnown(pr *progressReader, n int64, st *reqState) error {
 	if !e.budget.tryAcquire(n) {
 		return e.overBudget(st, n)
 	}
@@ -170,7 +162,7 @@ func (e *Edge) readKnown(pr *progressReader, n int64, st *reqState) *httpError {
 // readUnknown holds a body of unknown length, reserving budget as the
 // buffer grows. Beyond MaxBufferedBody it streams what was read and the
 // rest, as a large body of known length does.
-func (e *Edge) readUnknown(pr *progressReader, st *reqState) *httpError {
+func (e *Edge) readUnknown(pr *progressReader, st *reqState) error {
 	limit := e.cfg.MaxBufferedBody
 	var buf []byte
 	for {
@@ -218,16 +210,16 @@ func (e *Edge) releaseBody(st *reqState) {
 	}
 }
 
-func (e *Edge) overBudget(st *reqState, n int64) *httpError {
+func (e *Edge) overBudget(st *reqState, n int64) error {
 	e.metrics.bodyRejects.WithLabelValues("budget").Inc()
 	e.log.Warn("request body refused: buffered-body budget in use", "sandbox", st.t.sandbox,
 		"purpose", st.t.purpose, "bytes", n, "budget", e.budget.max)
 	return budgetError()
 }
 
-func bodyReadError(err error) *httpError {
+func bodyReadError(err error) error {
 	if errors.Is(err, os.ErrDeadlineExceeded) {
 		return bodyTimeoutError()
 	}
-	return &httpError{status: http.StatusBadRequest, reason: "bad_request", msg: "reading request body failed"}
+	return badRequest("reading request body failed")
 }

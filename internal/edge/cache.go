@@ -6,6 +6,8 @@ import (
 	"net/url"
 	"time"
 
+	"github.com/hashicorp/golang-lru/v2/simplelru"
+
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/identity"
@@ -51,23 +53,30 @@ func capAuthorization(bound time.Time, cr *spacev1.CapabilityResponse) time.Time
 	return bound
 }
 
+// newRouteCache is the route cache: at most max entries, the least
+// recently used evicted first (entries nobody asks for, expired ones among
+// them, age out). It is not safe for concurrent use: e.mu guards it,
+// because replaceIf, deleteIf and resolve compare and act under one lock.
+func newRouteCache(max int) *simplelru.LRU[cacheKey, *entry] {
+	c, err := simplelru.NewLRU[cacheKey, *entry](max, nil)
+	if err != nil {
+		panic(err) // max > 0: Validate and the default ensure it
+	}
+	return c
+}
+
 func (e *Edge) load(k cacheKey) *entry {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return e.cache[k]
+	ent, _ := e.cache.Peek(k)
+	return ent
 }
 
 // store installs ent unconditionally (a fresh caller authorization).
 func (e *Edge) store(k cacheKey, ent *entry) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if len(e.cache) >= e.cfg.MaxEntries {
-		e.sweepLocked()
-	}
-	if len(e.cache) >= e.cfg.MaxEntries {
-		return // still full of live entries: serve without caching
-	}
-	e.cache[k] = ent
+	e.cache.Add(k, ent)
 }
 
 // replaceIf installs ent only if the cache still holds an entry for the
@@ -77,29 +86,19 @@ func (e *Edge) store(k cacheKey, ent *entry) {
 func (e *Edge) replaceIf(k cacheKey, old, ent *entry) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	cur := e.cache[k]
-	if cur == nil || cur.route != old.route {
+	cur, ok := e.cache.Peek(k)
+	if !ok || cur.route != old.route {
 		return false
 	}
-	e.cache[k] = ent
+	e.cache.Add(k, ent)
 	return true
 }
 
 func (e *Edge) deleteIf(k cacheKey, old *entry) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.cache[k] == old {
-		delete(e.cache, k)
-	}
-}
-
-// sweepLocked drops entries whose authorization or capability has passed.
-func (e *Edge) sweepLocked() {
-	now := e.cfg.Clock()
-	for k, v := range e.cache {
-		if !now.Before(v.authorizedUntil) || !now.Before(v.expires) {
-			delete(e.cache, k)
-		}
+	if cur, ok := e.cache.Peek(k); ok && cur == old {
+		e.cache.Remove(k)
 	}
 }
 
@@ -124,7 +123,7 @@ func (e *Edge) usable(ent *entry) bool {
 func (e *Edge) resolve(ctx context.Context, k cacheKey, t target, callerToken string) (*entry, error) {
 	now := e.cfg.Clock()
 	e.mu.Lock()
-	ent := e.cache[k]
+	ent, _ := e.cache.Get(k)
 	if ent != nil && e.usable(ent) {
 		e.mu.Unlock()
 		return ent, nil

@@ -1,6 +1,7 @@
 package edge
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -96,7 +97,9 @@ type Config struct {
 	// RenewBefore: a cached capability that expires within this window is
 	// renewed before use. Default 20s.
 	RenewBefore time.Duration
-	// MaxEntries bounds the route cache. Default 65536.
+	// MaxEntries bounds the route cache; beyond it the least recently used
+	// route is dropped (its next request is authorized anew). Default
+	// 65536.
 	MaxEntries int
 	// ControlPlaneClient sends capability requests. Default: a client with
 	// a DefaultControlPlaneTimeout timeout.
@@ -121,7 +124,8 @@ type Config struct {
 	ReattachWindow time.Duration
 }
 
-// withDefaults returns cfg with zero values replaced by defaults.
+// withDefaults returns a copy of cfg with zero fields replaced by the
+// documented defaults (and Domain, ControlPlaneURL normalized).
 func (cfg Config) withDefaults() Config {
 	if cfg.Addr == "" {
 		cfg.Addr = DefaultAddr
@@ -179,9 +183,9 @@ func (cfg Config) withDefaults() Config {
 	return cfg
 }
 
-// Validate reports configuration errors (after defaults are applied).
+// Validate reports configuration errors. It only checks: a zero field that
+// has a default is valid (New applies the defaults first).
 func (cfg Config) Validate() error {
-	cfg = cfg.withDefaults()
 	var errs []error
 	if cfg.ControlPlaneURL == "" {
 		errs = append(errs, errors.New("edge: ControlPlaneURL is required"))
@@ -196,8 +200,8 @@ func (cfg Config) Validate() error {
 	}
 	if cfg.BufferedBodyBudget < 0 {
 		errs = append(errs, errors.New("edge: BufferedBodyBudget must not be negative"))
-	} else if cfg.MaxBufferedBody > cfg.BufferedBodyBudget {
-		errs = append(errs, fmt.Errorf("edge: BufferedBodyBudget (%d) must be at least MaxBufferedBody (%d)", cfg.BufferedBodyBudget, cfg.MaxBufferedBody))
+	} else if maxBody, budget := cmp.Or(cfg.MaxBufferedBody, DefaultMaxBufferedBody), cmp.Or(cfg.BufferedBodyBudget, DefaultBufferedBodyBudget); maxBody > budget {
+		errs = append(errs, fmt.Errorf("edge: BufferedBodyBudget (%d) must be at least MaxBufferedBody (%d)", budget, maxBody))
 	}
 	for _, d := range []struct {
 		name string

@@ -28,25 +28,22 @@
 package edge
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httputil"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
+	"github.com/hashicorp/golang-lru/v2/simplelru"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 // Edge is a space-edge instance. It is safe for concurrent use.
@@ -61,7 +58,7 @@ type Edge struct {
 	budget bodyBudget
 
 	mu       sync.Mutex
-	cache    map[cacheKey]*entry
+	cache    *simplelru.LRU[cacheKey, *entry]
 	inflight map[cacheKey]*flight
 
 	srvMu  sync.Mutex
@@ -73,67 +70,17 @@ type Edge struct {
 	reattachBackoff time.Duration
 }
 
-type metrics struct {
-	reg         *prometheus.Registry
-	requests    *prometheus.CounterVec
-	repairs     *prometheus.CounterVec
-	denies      *prometheus.CounterVec
-	retries     prometheus.Counter
-	renewals    prometheus.Counter
-	capFetches  *prometheus.CounterVec
-	reattaches  *prometheus.CounterVec
-	heldBytes   prometheus.Gauge
-	bodyRejects *prometheus.CounterVec
-}
-
-func newMetrics() *metrics {
-	m := &metrics{
-		reg: prometheus.NewRegistry(),
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "space_edge_requests_total", Help: "Sandbox requests by purpose and response status.",
-		}, []string{"purpose", "code"}),
-		repairs: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "space_edge_route_repairs_total", Help: "RefreshRoute answers and what the edge did with them.",
-		}, []string{"result"}),
-		denies: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "space_edge_denies_total", Help: "Deny answers from receivers, by purpose.",
-		}, []string{"purpose"}),
-		retries: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "space_edge_transport_retries_total", Help: "Idempotent reads retried after a transport failure.",
-		}),
-		renewals: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "space_edge_capability_renewals_total", Help: "Capabilities renewed before expiry.",
-		}),
-		capFetches: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "space_edge_capability_requests_total", Help: "Capability requests to the control plane.",
-		}, []string{"kind", "result"}),
-		reattaches: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "space_edge_stream_reattaches_total",
-			Help: "Process streams whose execution was replaced, by outcome (reattached, process_gone, failed, client_gone).",
-		}, []string{"result"}),
-	}
-	m.heldBytes = prometheus.NewGauge(prometheus.GaugeOpts{
-		Name: "space_edge_held_body_bytes", Help: "Request-body bytes reserved in the buffered-body budget.",
-	})
-	m.bodyRejects = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "space_edge_body_rejections_total",
-		Help: "Request bodies refused or cut, by reason (budget: no budget left; timeout: stalled or too slow).",
-	}, []string{"reason"})
-	m.reg.MustRegister(m.requests, m.repairs, m.denies, m.retries, m.renewals, m.capFetches, m.reattaches, m.heldBytes, m.bodyRejects)
-	return m
-}
-
 // New returns an Edge for cfg.
 func New(cfg Config) (*Edge, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	cfg = cfg.withDefaults()
 	e := &Edge{
 		cfg:      cfg,
 		log:      cfg.Logger.With("component", "space-edge"),
 		metrics:  newMetrics(),
-		cache:    make(map[cacheKey]*entry),
+		cache:    newRouteCache(cfg.MaxEntries),
 		inflight: make(map[cacheKey]*flight),
 
 		reattachBackoff: defaultReattachBackoff,
@@ -154,8 +101,8 @@ func New(cfg Config) (*Edge, error) {
 		_, _ = io.WriteString(w, "ok\n")
 	})
 	e.own.HandleFunc("/", func(w http.ResponseWriter, _ *http.Request) {
-		writeError(w, &httpError{status: http.StatusBadRequest, reason: "no_sandbox",
-			msg: "request names no sandbox: set " + HeaderSandboxID + " and " + HeaderSandboxPort + " or use host <port>-<sandbox>." + cfg.Domain})
+		writeError(w, answer(errdefs.ErrInvalid, "no_sandbox",
+			"request names no sandbox: set "+HeaderSandboxID+" and "+HeaderSandboxPort+" or use host <port>-<sandbox>."+cfg.Domain))
 	})
 	e.handler = http.HandlerFunc(e.serveHTTP)
 	return e, nil
@@ -258,14 +205,14 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 				panic(v)
 			}
 			e.log.Error("panic serving request", "panic", v)
-			writeError(w, &httpError{status: http.StatusInternalServerError, reason: "internal", msg: "internal error"})
+			writeError(w, errors.New("internal error")) // unclassified: 500 "internal"
 		}
 	}()
-	sandbox, port, ok, herr := parseSandboxPort(r, e.cfg.Domain)
-	if herr != nil {
+	sandbox, port, ok, err := parseSandboxPort(r, e.cfg.Domain)
+	if err != nil {
 		e.metrics.requests.WithLabelValues("none", "400").Inc()
 		dropUnreadBody(w, r)
-		writeError(w, herr)
+		writeError(w, err)
 		return
 	}
 	if !ok {
@@ -273,11 +220,11 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		e.own.ServeHTTP(w, r)
 		return
 	}
-	t, herr := classify(r, sandbox, port)
-	if herr != nil {
-		e.metrics.requests.WithLabelValues("none", statusLabel(herr.status)).Inc()
+	t, err := classify(r, sandbox, port)
+	if err != nil {
+		e.metrics.requests.WithLabelValues("none", statusLabel(errdefs.HTTPStatus(err))).Inc()
 		dropUnreadBody(w, r)
-		writeError(w, herr)
+		writeError(w, err)
 		return
 	}
 	sw := &statusWriter{ResponseWriter: w}
@@ -303,25 +250,23 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	// must not make the edge buffer (or even wait for) its body.
 	ent, err := e.resolve(r.Context(), st.key, t, callerToken)
 	if err != nil {
-		var he *httpError
-		if errors.As(err, &he) {
+		if !contextEnded(err) {
 			dropUnreadBody(w, r)
-			writeError(sw, he)
+			writeError(sw, err)
 		}
 		return // context cancelled: the client is gone
 	}
 	defer e.releaseBody(st)
-	if herr := e.holdBody(w, r, st); herr != nil {
-		writeError(sw, herr)
+	if err := e.holdBody(w, r, st); err != nil {
+		writeError(sw, err)
 		return
 	}
 	if st.held && len(st.body) > 0 && !e.usable(ent) {
 		// Receiving the body took long enough that the route's
 		// authorization or capability is due: resolve it again.
 		if ent, err = e.resolve(r.Context(), st.key, t, callerToken); err != nil {
-			var he *httpError
-			if errors.As(err, &he) {
-				writeError(sw, he)
+			if !contextEnded(err) {
+				writeError(sw, err)
 			}
 			return
 		}
@@ -333,200 +278,4 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		_ = http.NewResponseController(w).EnableFullDuplex()
 	}
 	e.proxy.ServeHTTP(sw, r.WithContext(context.WithValue(r.Context(), stateKey{}, st)))
-}
-
-// rewrite prepares the outbound request; the forwarder sets the node URL
-// and capability per attempt.
-func (e *Edge) rewrite(pr *httputil.ProxyRequest) {
-	pr.SetXForwarded()
-	pr.Out.Header.Del(spacev1.HeaderAccessToken)
-	pr.Out.Header.Del(spacev1.HeaderCapability)
-	pr.Out.Header.Del(spacev1.HeaderAPIKey)
-	pr.Out.Header.Del(HeaderTrafficAccessToken)
-	if st, _ := pr.In.Context().Value(stateKey{}).(*reqState); st != nil && st.t.purpose == capability.PurposeServicePort {
-		// Whether the client addressed the port by Host or by header,
-		// node-api and netgtw learn it from these (client values replaced).
-		pr.Out.Header.Set(HeaderSandboxID, st.t.sandbox)
-		pr.Out.Header.Set(HeaderSandboxPort, strconv.Itoa(st.t.port))
-	}
-	pr.Out.Host = ""
-}
-
-func (e *Edge) modifyResponse(res *http.Response) error {
-	st, _ := res.Request.Context().Value(stateKey{}).(*reqState)
-	if st != nil && isPausedAnswer(res) {
-		// node-api refused because the execution is frozen: answer what
-		// the control plane's refusal becomes (pausedError).
-		pe := pausedError(st.t.sandbox)
-		b, _ := json.Marshal(spacev1.Error{Code: pe.status, Message: pe.msg, Reason: pe.reason})
-		res.Body.Close()
-		res.StatusCode, res.Status = pe.status, ""
-		res.Header = http.Header{"Content-Type": {"application/json"}, "Cache-Control": {"no-store"}}
-		res.Body = io.NopCloser(bytes.NewReader(b))
-		res.ContentLength = int64(len(b))
-		return nil
-	}
-	if res.StatusCode == http.StatusForbidden && res.Header.Get(spacev1.HeaderRouteOutcome) == spacev1.OutcomeDeny && st != nil {
-		e.metrics.denies.WithLabelValues(string(st.t.purpose)).Inc()
-		e.log.Warn("receiver denied capability", "sandbox", st.t.sandbox, "purpose", st.t.purpose, "route", st.entry.route.String())
-	}
-	return nil
-}
-
-func (e *Edge) proxyError(w http.ResponseWriter, r *http.Request, err error) {
-	var he *httpError
-	switch {
-	case errors.As(err, &he):
-		writeError(w, he)
-	case r.Context().Err() != nil:
-		// Client went away; nothing to answer.
-	default:
-		e.log.Warn("forwarding to node failed", "err", err)
-		writeError(w, &httpError{status: http.StatusBadGateway, reason: "node_unreachable", msg: "sandbox node unreachable"})
-	}
-}
-
-// forwarder is the proxy's transport: it addresses the selected node-api,
-// attaches the capability and performs route repair and transport retries.
-type forwarder struct{ e *Edge }
-
-func (f *forwarder) RoundTrip(out *http.Request) (*http.Response, error) {
-	e := f.e
-	st, _ := out.Context().Value(stateKey{}).(*reqState)
-	if st == nil {
-		return nil, errors.New("edge: request without route state")
-	}
-	ctx := out.Context()
-	res, err := f.send(out, st, st.entry)
-	if err != nil && st.t.idempotent && st.held && ctx.Err() == nil {
-		e.metrics.retries.Inc()
-		e.log.Info("retrying idempotent read after transport failure", "sandbox", st.t.sandbox, "path", out.URL.Path, "err", err)
-		res, err = f.send(out, st, st.entry)
-	}
-	if err != nil {
-		return nil, err
-	}
-	if res.StatusCode != http.StatusMisdirectedRequest || res.Header.Get(spacev1.HeaderRouteOutcome) != spacev1.OutcomeRefreshRoute {
-		return e.watchProcess(out, st, st.entry, res), nil
-	}
-	if !st.held {
-		e.metrics.repairs.WithLabelValues("not_replayable").Inc()
-		e.log.Warn("refresh-route for a streamed body; returned to client", "sandbox", st.t.sandbox)
-		// The entry is stale anyway: the next request re-resolves it.
-		e.deleteIf(st.key, st.entry)
-		return res, nil
-	}
-	_, _ = io.Copy(io.Discard, io.LimitReader(res.Body, 64<<10))
-	res.Body.Close()
-	ne, err := e.repair(ctx, st.key, st.t, st.entry)
-	if err != nil {
-		e.metrics.repairs.WithLabelValues("resolve_failed").Inc()
-		return nil, err
-	}
-	e.metrics.repairs.WithLabelValues("rebuilt").Inc()
-	// Exactly one rebuilt attempt: its answer, even another 421, goes to
-	// the client.
-	res, err = f.send(out, st, ne)
-	if err != nil {
-		return nil, err
-	}
-	return e.watchProcess(out, st, ne, res), nil
-}
-
-// send makes one attempt against ent's node with ent's capability.
-func (f *forwarder) send(out *http.Request, st *reqState, ent *entry) (*http.Response, error) {
-	req := out.Clone(out.Context())
-	u := *ent.node
-	u.Path = joinPath(ent.node.Path, out.URL.Path)
-	u.RawPath = ""
-	u.RawQuery = out.URL.RawQuery
-	req.URL = &u
-	req.Host = ""
-	req.Header.Set(spacev1.HeaderCapability, ent.token)
-	switch {
-	case st.held && len(st.body) > 0:
-		req.Body = io.NopCloser(bytes.NewReader(st.body))
-		req.ContentLength = int64(len(st.body))
-		req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(st.body)), nil }
-	case st.held:
-		req.Body = nil
-		req.ContentLength = 0
-	default:
-		req.Body = st.streamBody
-		st.held = false
-	}
-	return f.e.cfg.NodeTransport.RoundTrip(req)
-}
-
-func joinPath(base, p string) string {
-	if base == "" || base == "/" {
-		return p
-	}
-	if base[len(base)-1] == '/' {
-		return base + p[1:]
-	}
-	return base + p
-}
-
-// statusWriter records the response status for metrics. It unwraps for
-// http.ResponseController (flush, hijack, full duplex).
-type statusWriter struct {
-	http.ResponseWriter
-	status int
-}
-
-func (s *statusWriter) WriteHeader(code int) {
-	if s.status == 0 {
-		s.status = code
-	}
-	s.ResponseWriter.WriteHeader(code)
-}
-
-func (s *statusWriter) Write(b []byte) (int, error) {
-	if s.status == 0 {
-		s.status = http.StatusOK
-	}
-	return s.ResponseWriter.Write(b)
-}
-
-func (s *statusWriter) Flush() {
-	_ = http.NewResponseController(s.ResponseWriter).Flush()
-}
-
-func (s *statusWriter) Unwrap() http.ResponseWriter { return s.ResponseWriter }
-
-func (s *statusWriter) code() int {
-	if s.status == 0 {
-		return 499 // client closed before an answer
-	}
-	return s.status
-}
-
-// statusLabel is the metrics label of HTTP status n: the code itself, or
-// "other" outside 100-999 (a bounded label set).
-func statusLabel(n int) string {
-	if n >= 100 && n <= 999 {
-		return strconv.Itoa(n)
-	}
-	return "other"
-}
-
-// isPausedAnswer reports whether res is node-api's 409 for a paused
-// execution (a small JSON error with reason "paused"). It reads at most a
-// few KiB and restores the body when the answer is something else.
-func isPausedAnswer(res *http.Response) bool {
-	if res.StatusCode != http.StatusConflict || !strings.HasPrefix(res.Header.Get("Content-Type"), "application/json") {
-		return false
-	}
-	const max = 4 << 10
-	b, err := io.ReadAll(io.LimitReader(res.Body, max+1))
-	res.Body = struct {
-		io.Reader
-		io.Closer
-	}{io.MultiReader(bytes.NewReader(b), res.Body), res.Body}
-	if err != nil || len(b) > max {
-		return false
-	}
-	var ae spacev1.Error
-	return json.Unmarshal(b, &ae) == nil && ae.Reason == spacev1.ReasonPaused
 }

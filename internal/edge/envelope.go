@@ -1,17 +1,13 @@
 package edge
 
-// Connect streaming envelopes as the edge sees them on process streams
-// (connectrpc.com/docs/protocol): 1 flag byte, 4 bytes big-endian length,
-// payload. Flag 0x01 marks a compressed payload, 0x02 the end-of-stream
-// message, whose payload is always JSON ({"error":{...},"metadata":{...}}
-// or {}).
+// What the edge reads inside the Connect envelopes of process streams
+// (internal/envelope frames and parses them): the codec, StartEvent pids,
+// the pid a Connect request selects, and the end-of-stream errors that
+// decide a reattach.
 
 import (
 	"bytes"
 	"compress/gzip"
-	"encoding/binary"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"mime"
@@ -22,12 +18,10 @@ import (
 
 	processpb "github.com/spacesbx/space/api/envd/process"
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/envelope"
 )
 
 const (
-	flagCompressed = 0x01
-	flagEndStream  = 0x02
-	envelopeHeader = 5
 	// maxInspect bounds a message the edge decodes (a StartEvent, an
 	// end-of-stream message, a Connect request). Larger ones are forwarded
 	// without being looked at.
@@ -79,20 +73,11 @@ func (c codec) marshal(m proto.Message) ([]byte, error) {
 	return protojson.Marshal(m)
 }
 
-// envelope frames payload as one Connect message with flags.
-func envelope(flags byte, payload []byte) []byte {
-	b := make([]byte, envelopeHeader+len(payload))
-	b[0] = flags
-	binary.BigEndian.PutUint32(b[1:envelopeHeader], uint32(len(payload)))
-	copy(b[envelopeHeader:], payload)
-	return b
-}
-
 // payloadOf returns a message's uncompressed payload. Only gzip (the one
 // encoding connect-go servers offer by default) is decoded; ok is false for
 // payloads the edge cannot read.
 func payloadOf(flags byte, payload []byte, encoding string) ([]byte, bool) {
-	if flags&flagCompressed == 0 {
+	if flags&envelope.FlagCompressed == 0 {
 		return payload, true
 	}
 	if encoding != "gzip" {
@@ -127,14 +112,11 @@ func startPid(c codec, payload []byte) (uint32, bool) {
 // selectedPid returns the pid a Connect request body (one envelope)
 // selects; ok is false for a tag selector or an unreadable body.
 func selectedPid(c codec, body []byte, encoding string) (uint32, bool) {
-	if len(body) < envelopeHeader {
+	h, payload, err := envelope.Single(body, maxInspect)
+	if err != nil {
 		return 0, false
 	}
-	n := binary.BigEndian.Uint32(body[1:envelopeHeader])
-	if uint64(len(body)-envelopeHeader) != uint64(n) || n > maxInspect {
-		return 0, false
-	}
-	payload, ok := payloadOf(body[0], body[envelopeHeader:], encoding)
+	payload, ok := payloadOf(h.Flags, payload, encoding)
 	if !ok {
 		return 0, false
 	}
@@ -156,37 +138,15 @@ func connectRequestBody(c codec, pid uint32) ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("encoding connect request: %w", err)
 	}
-	return envelope(0, b), nil
+	return envelope.Frame(0, b), nil
 }
 
-// endError is the error of an end-of-stream message; Code is empty for a
-// stream that ended without error.
-type endError struct {
-	Code    string `json:"code"`
-	Message string `json:"message"`
-}
-
-func parseEnd(payload []byte) (endError, error) {
-	var m struct {
-		Error *endError `json:"error"`
-	}
-	if err := json.Unmarshal(payload, &m); err != nil {
-		return endError{}, err
-	}
-	if m.Error == nil {
-		return endError{}, nil
-	}
-	if m.Error.Code == "" {
-		return endError{}, errors.New("end-of-stream error without code")
-	}
-	return *m.Error, nil
-}
-
-// replaced reports whether the stream ended because its execution was
-// replaced (sbx-manager's leaseWriter, spacev1.ReasonExecutionReplaced).
-func (e endError) replaced() bool {
+// executionReplaced reports whether the stream ended because its execution
+// was replaced (sbx-manager's leaseWriter, spacev1.ReasonExecutionReplaced).
+func executionReplaced(e envelope.EndError) bool {
 	return e.Code != "" && strings.HasPrefix(e.Message, spacev1.ReasonExecutionReplaced)
 }
 
-// notFound reports a Connect not_found: the process does not exist there.
-func (e endError) notFound() bool { return e.Code == "not_found" }
+// processNotFound reports a Connect not_found: the process does not exist
+// there.
+func processNotFound(e envelope.EndError) bool { return e.Code == "not_found" }

@@ -1,17 +1,22 @@
 package edge
 
 // processStream: the client-facing body of a process Start/Connect stream
-// and its Connect envelope parser. What it does on an "execution replaced"
-// end is in reattach.go.
+// and its incremental envelope tracking. Headers are parsed by
+// internal/envelope; envelope.Splitter does not serve here because the
+// edge must hold or capture the payloads of some messages (the first, the
+// end-of-stream) and decide per message. What it does on an "execution
+// replaced" end is in reattach.go.
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"io"
 	"net/http"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
+
+	"github.com/spacesbx/space/internal/envelope"
 	"github.com/spacesbx/space/internal/identity"
 )
 
@@ -48,7 +53,7 @@ type processStream struct {
 	clientStarted bool
 
 	// Envelope parser state for cur.
-	hdr   [envelopeHeader]byte
+	hdr   [envelope.HeaderLen]byte
 	hdrN  int
 	flags byte
 	left  uint32
@@ -63,7 +68,7 @@ type processStream struct {
 	fromRoute     identity.Route
 	deadline      time.Time
 	attempts      int
-	backoff       time.Duration
+	backoff       *backoff.ExponentialBackOff
 	lastFailure   string
 
 	pending  []byte
@@ -147,11 +152,11 @@ func (s *processStream) feed(p []byte) {
 			s.pending = append(s.pending, p...)
 			return
 		}
-		if s.hdrN < envelopeHeader {
+		if s.hdrN < envelope.HeaderLen {
 			k := copy(s.hdr[s.hdrN:], p)
 			s.hdrN += k
 			p = p[k:]
-			if s.hdrN == envelopeHeader {
+			if s.hdrN == envelope.HeaderLen {
 				s.begin()
 			}
 			continue
@@ -180,14 +185,15 @@ func (s *processStream) feed(p []byte) {
 
 // begin starts a message whose header is complete.
 func (s *processStream) begin() {
-	flags, n := s.hdr[0], binary.BigEndian.Uint32(s.hdr[1:])
-	if flags&^(flagCompressed|flagEndStream) != 0 {
+	h, err := envelope.ParseHeader(s.hdr[:])
+	if err != nil {
 		// Not a Connect envelope: stop parsing, pass everything.
 		s.raw = true
 		s.pending = append(s.pending, s.hdr[:]...)
 		return
 	}
-	s.flags, s.left, s.held = flags, n, s.held[:0]
+	n := h.Len
+	s.flags, s.left, s.held = h.Flags, n, s.held[:0]
 	s.msgs++
 	first := s.msgs == 1
 	switch {
@@ -197,7 +203,7 @@ func (s *processStream) begin() {
 		return
 	case n > maxInspect:
 		s.mode = modeForward
-	case flags&flagEndStream != 0, first && s.pendingAttach:
+	case h.EndStream(), first && s.pendingAttach:
 		s.mode = modeHold
 	case first && !s.havePid:
 		s.mode = modeCapture
@@ -217,7 +223,7 @@ func (s *processStream) begin() {
 func (s *processStream) complete() {
 	s.hdrN = 0
 	switch {
-	case s.mode != modeForward && s.flags&flagEndStream != 0:
+	case s.mode != modeForward && s.flags&envelope.FlagEndStream != 0:
 		s.onEnd()
 	case s.pendingAttach && s.msgs == 1:
 		s.onReattachStart()

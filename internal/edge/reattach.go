@@ -27,15 +27,18 @@ package edge
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"strconv"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
+
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/envelope"
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 const (
@@ -87,20 +90,20 @@ func (e *Edge) watchProcess(out *http.Request, st *reqState, ent *entry, res *ht
 }
 
 func (s *processStream) onEnd() {
-	frame := envelope(s.flags, s.held)
-	var ee endError
+	frame := envelope.Frame(s.flags, s.held)
+	var ee envelope.EndError
 	pl, ok := payloadOf(s.flags, s.held, s.curEnc)
 	if ok {
 		var err error
-		ee, err = parseEnd(pl)
+		ee, err = envelope.ParseEnd(pl)
 		ok = err == nil
 	}
 	if s.pendingAttach {
 		switch {
-		case ok && ee.notFound():
+		case ok && processNotFound(ee):
 			s.lastFailure = "process not found: " + ee.Message
 			s.finish(reattachGone)
-		case ok && ee.replaced():
+		case ok && executionReplaced(ee):
 			// Moved again before the stream got going: wait for a route
 			// other than this one.
 			s.lastFailure = "replaced again"
@@ -112,7 +115,7 @@ func (s *processStream) onEnd() {
 		}
 		return
 	}
-	if !ok || !ee.replaced() || !s.havePid || !s.withinTimeout() {
+	if !ok || !executionReplaced(ee) || !s.havePid || !s.withinTimeout() {
 		s.pending = append(s.pending, frame...)
 		return
 	}
@@ -120,7 +123,7 @@ func (s *processStream) onEnd() {
 	s.fromRoute = s.ent.route
 	s.deadline = time.Now().Add(s.e.cfg.ReattachWindow)
 	s.attempts = 0
-	s.backoff = s.e.reattachBackoff
+	s.backoff = reattachBackOff(s.e.reattachBackoff)
 	s.lastFailure = ""
 	s.e.log.Info("process stream's execution replaced; reattaching", "sandbox", s.st.t.sandbox, "pid", s.pid,
 		"generation", s.fromRoute.Generation, "execution", s.fromRoute.ExecutionID, "worker", s.fromRoute.WorkerID)
@@ -153,7 +156,7 @@ func (s *processStream) onReattachStart() {
 		// The replaced stream ended before its first message (a Connect
 		// call whose pid came from the request): this is the client's
 		// StartEvent.
-		s.pending = append(s.pending, envelope(s.flags, s.held)...)
+		s.pending = append(s.pending, envelope.Frame(s.flags, s.held)...)
 		s.clientStarted = true
 	}
 	s.e.metrics.reattaches.WithLabelValues(reattachOK).Inc()
@@ -291,10 +294,15 @@ func (s *processStream) switchTo(res *http.Response, cancel context.CancelFunc, 
 	s.switched = true
 }
 
-// wait sleeps the current backoff (bounded by the window) and doubles it.
+// reattachBackOff doubles from first up to maxReattachBackoff, without
+// jitter: one stream's tries need spacing, not spreading.
+func reattachBackOff(first time.Duration) *backoff.ExponentialBackOff {
+	return &backoff.ExponentialBackOff{InitialInterval: first, Multiplier: 2, MaxInterval: maxReattachBackoff}
+}
+
+// wait sleeps the next backoff (bounded by the window).
 func (s *processStream) wait() {
-	d := min(s.backoff, time.Until(s.deadline))
-	s.backoff = min(2*s.backoff, maxReattachBackoff)
+	d := min(s.backoff.NextBackOff(), time.Until(s.deadline))
 	if d <= 0 {
 		return
 	}
@@ -353,11 +361,10 @@ func (e *Edge) reattachRoute(ctx context.Context, st *reqState, old *entry) (*en
 // moving reports a control-plane answer that may change while a move
 // completes (the caller waits and asks again).
 func moving(err error) bool {
-	var he *httpError
-	if !errors.As(err, &he) || he.reason == reasonSandboxNotFound {
+	if !classified(err) || isNotFound(err) {
 		return false
 	}
-	return retryableStatus(he.status)
+	return retryableStatus(errdefs.HTTPStatus(err))
 }
 
 // retryableStatus: paused, refresh-route, and unavailable answers.

@@ -20,6 +20,7 @@ import (
 	"github.com/spacesbx/space/api/envd/process/processpbconnect"
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/envelope"
 	"github.com/spacesbx/space/internal/identity"
 )
 
@@ -476,10 +477,10 @@ func TestReattachParsesSplitEnvelopes(t *testing.T) {
 		var stream []byte
 		for _, ev := range []*processpb.ProcessEvent{startEv(testPid), stdoutEv("a\n")} {
 			b, _ := c2(c).marshal(&processpb.StartResponse{Event: ev})
-			stream = append(stream, envelope(0, b)...)
+			stream = append(stream, envelope.Frame(0, b)...)
 		}
 		end := []byte(`{"error":{"code":"unavailable","message":"` + replacedErr(r1).(*connect.Error).Message() + `"}}`)
-		stream = append(stream, envelope(flagEndStream, end)...)
+		stream = append(stream, envelope.Frame(envelope.FlagEndStream, end)...)
 		h.cp.move(sb, movedRoute(sb), node2)
 		rc := http.NewResponseController(w)
 		for i := range stream {
@@ -516,8 +517,8 @@ func TestEnvelopeHelpers(t *testing.T) {
 		`{"error":{"code":"unavailable","message":"other"}}`:                 false,
 		`{}`: false,
 	} {
-		ee, err := parseEnd([]byte(in))
-		if err != nil || ee.replaced() != want {
+		ee, err := envelope.ParseEnd([]byte(in))
+		if err != nil || executionReplaced(ee) != want {
 			t.Fatalf("%s: %+v %v", in, ee, err)
 		}
 	}
@@ -593,14 +594,14 @@ func TestPayloadOfGzip(t *testing.T) {
 	b, _ := codecProto.marshal(&processpb.StartResponse{Event: startEv(9)})
 	_, _ = zw.Write(b)
 	_ = zw.Close()
-	pl, ok := payloadOf(flagCompressed, buf.Bytes(), "gzip")
+	pl, ok := payloadOf(envelope.FlagCompressed, buf.Bytes(), "gzip")
 	if !ok {
 		t.Fatal("gzip payload not decoded")
 	}
 	if pid, ok := startPid(codecProto, pl); !ok || pid != 9 {
 		t.Fatalf("pid %d %v", pid, ok)
 	}
-	if _, ok := payloadOf(flagCompressed, buf.Bytes(), "br"); ok {
+	if _, ok := payloadOf(envelope.FlagCompressed, buf.Bytes(), "br"); ok {
 		t.Fatal("unknown encoding decoded")
 	}
 }

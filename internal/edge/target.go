@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 )
 
@@ -90,7 +91,7 @@ func (s fileSignature) cacheToken() string {
 // parseSandboxPort extracts sandbox id and port from the E2B headers or the
 // Host. ok is false when the request addresses no sandbox at all (the edge's
 // own endpoints); err is set for malformed sandbox addressing.
-func parseSandboxPort(r *http.Request, domain string) (sandbox string, port int, ok bool, err *httpError) {
+func parseSandboxPort(r *http.Request, domain string) (sandbox string, port int, ok bool, err error) {
 	id, ph := r.Header.Get(HeaderSandboxID), r.Header.Get(HeaderSandboxPort)
 	if id != "" || ph != "" {
 		if id == "" || ph == "" {
@@ -129,7 +130,7 @@ func parseSandboxPort(r *http.Request, domain string) (sandbox string, port int,
 	return id, p, true, nil
 }
 
-func parsePort(s string) (int, *httpError) {
+func parsePort(s string) (int, error) {
 	if len(s) == 0 || len(s) > 5 {
 		return 0, badRequest("invalid sandbox port")
 	}
@@ -146,7 +147,7 @@ func parsePort(s string) (int, *httpError) {
 }
 
 // classify maps a request for (sandbox, port) to a capability purpose.
-func classify(r *http.Request, sandbox string, port int) (target, *httpError) {
+func classify(r *http.Request, sandbox string, port int) (target, error) {
 	t := target{sandbox: sandbox, port: port}
 	if port != EnvdPort {
 		t.purpose = capability.PurposeServicePort
@@ -179,7 +180,7 @@ func classify(r *http.Request, sandbox string, port int) (target, *httpError) {
 		t.purpose = capability.PurposeFiles
 		t.idempotent = r.Method == http.MethodGet || r.Method == http.MethodHead
 	default:
-		return t, &httpError{status: http.StatusNotFound, reason: "not_found", msg: "no such envd endpoint"}
+		return t, answer(errdefs.ErrNotFound, "not_found", "no such envd endpoint")
 	}
 	return t, nil
 }

@@ -113,9 +113,34 @@ type Config struct {
 	Verifier *capability.Verifier
 	// Dial reaches a port inside the sandbox's network namespace.
 	Dial DialFunc
-	// DialTimeout bounds one guest dial. Default 10s.
+	// DialTimeout bounds one guest dial. Default 10s (also for a negative
+	// value).
 	DialTimeout time.Duration
-	Logger      *slog.Logger
+	// Logger receives the gateway's logs. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// withDefaults returns a copy of cfg with unset fields replaced by the
+// documented defaults.
+func (cfg Config) withDefaults() Config {
+	if cfg.DialTimeout <= 0 {
+		cfg.DialTimeout = 10 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return cfg
+}
+
+// Validate checks cfg; it fills nothing.
+func (cfg Config) Validate() error {
+	if err := cfg.Route.Validate(); err != nil {
+		return fmt.Errorf("gateway: %w", err)
+	}
+	if cfg.Verifier == nil || cfg.Dial == nil {
+		return errors.New("gateway: verifier and dialer are required")
+	}
+	return nil
 }
 
 // Admission is the outcome of the gateway's checks on one request.
@@ -150,17 +175,9 @@ type Gateway struct {
 
 // New returns a gateway serving cfg.Route.
 func New(cfg Config) (*Gateway, error) {
-	if err := cfg.Route.Validate(); err != nil {
-		return nil, fmt.Errorf("gateway: %w", err)
-	}
-	if cfg.Verifier == nil || cfg.Dial == nil {
-		return nil, errors.New("gateway: verifier and dialer are required")
-	}
-	if cfg.DialTimeout <= 0 {
-		cfg.DialTimeout = 10 * time.Second
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
+	cfg = cfg.withDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
 	}
 	g := &Gateway{ver: cfg.Verifier, dial: cfg.Dial, dialTO: cfg.DialTimeout, sandbox: cfg.Route.SandboxID,
 		route: cfg.Route, log: cfg.Logger.With("component", "netgtw", "sandbox", cfg.Route.SandboxID)}

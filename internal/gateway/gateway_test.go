@@ -23,6 +23,7 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 func testRoute() identity.Route {
@@ -326,9 +327,7 @@ func TestControlChannel(t *testing.T) {
 // TestNetnsDialer enters a real network namespace: a listener exists only
 // inside it, and the host's listener on the same port is not reachable.
 func TestNetnsDialer(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root (network namespaces)")
-	}
+	testenv.RequireRoot(t, "network namespaces")
 	// A helper process in a new netns (unshare -n) running a tiny server.
 	if _, err := exec.LookPath("python3"); err != nil {
 		t.Skip("python3 not available")

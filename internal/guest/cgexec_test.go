@@ -14,6 +14,7 @@ import (
 	"connectrpc.com/connect"
 
 	processpb "github.com/spacesbx/space/api/envd/process"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // testUserCgroup creates a pids cgroup for the test (v2: in the unified
@@ -80,7 +81,7 @@ func selfCgroupLine(text string) string {
 }
 
 func TestUserCgroupWrapper(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t, "runs processes as other users")
 	dir, ucg := testUserCgroup(t)
 	e := newEnvCgroup(t, ucg)
 	want := "/" + filepath.Base(dir)

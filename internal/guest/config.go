@@ -124,7 +124,8 @@ type Config struct {
 	UserCgroupProcs *os.File `json:"-"`
 }
 
-// withDefaults returns a copy of c with defaults filled in.
+// withDefaults returns a copy of c with zero fields replaced by the
+// documented defaults.
 func (c Config) withDefaults() Config {
 	if c.DefaultUser == "" {
 		c.DefaultUser = DefaultUser
@@ -156,9 +157,9 @@ func (c Config) withDefaults() Config {
 	return c
 }
 
-// Validate reports whether the configuration (after defaults) is usable.
+// Validate reports whether the configuration is usable. It only checks: a
+// zero field that has a default is valid.
 func (c Config) Validate() error {
-	c = c.withDefaults()
 	var errs []error
 	if err := c.Identity.Validate(); err != nil {
 		errs = append(errs, err)

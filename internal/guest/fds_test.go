@@ -19,6 +19,7 @@ import (
 
 	processpb "github.com/spacesbx/space/api/envd/process"
 	"github.com/spacesbx/space/api/envd/process/processpbconnect"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // extraFDs returns the descriptors other than 0, 1 and 2 that `ls -l
@@ -102,7 +103,7 @@ func TestMainHelperProcess(t *testing.T) {
 // Main closes what it inherited besides its listener (fd 3), and the
 // listener does not reach commands.
 func TestMainSealsInheritedFDs(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t, "runs processes as other users")
 	dir := t.TempDir()
 	passwd, group := filepath.Join(dir, "passwd"), filepath.Join(dir, "group")
 	writeFile(t, passwd, fmt.Sprintf("root:x:0:0:root:%s:/bin/sh\n", dir))

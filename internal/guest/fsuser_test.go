@@ -22,6 +22,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	filesystempb "github.com/spacesbx/space/api/envd/filesystem"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // rootOnly makes the root home private (0700, as /root is) and puts a
@@ -282,7 +283,7 @@ func TestSignedURLPinsUser(t *testing.T) {
 // are tmpfs mounts in a private mount namespace: the test re-executes
 // itself in one.
 func TestFilesReadOnlyAndFullFS(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t, "runs processes as other users")
 	if os.Getenv("GUEST_TEST_MOUNTNS") == "" {
 		cmd := exec.Command(os.Args[0], "-test.run=^TestFilesReadOnlyAndFullFS$", "-test.count=1", "-test.v")
 		cmd.Env = append(os.Environ(), "GUEST_TEST_MOUNTNS=1")
@@ -485,7 +486,7 @@ func TestRunAsLeavesNoThreadSwitched(t *testing.T) {
 // TestRunAsPanicRestores: a panic in the function reaches the caller and
 // the thread is restored first.
 func TestRunAsPanicRestores(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t, "runs processes as other users")
 	before := fsThreadsLost.Load()
 	user := &account{Name: "user", UID: 1000, GID: 1000, Groups: []uint32{1000, 1500}}
 	func() {
@@ -546,7 +547,7 @@ func TestFilesAgentProcFiles(t *testing.T) {
 // running has the agent's capabilities. It runs in a child process: a
 // parked main thread would stay in this one.
 func TestRunAsKillsUnrestorableThread(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t, "runs processes as other users")
 	if os.Getenv("GUEST_TEST_UNRESTORABLE") == "" {
 		cmd := exec.Command(os.Args[0], "-test.run=^TestRunAsKillsUnrestorableThread$", "-test.count=1", "-test.v")
 		cmd.Env = append(os.Environ(), "GUEST_TEST_UNRESTORABLE=1")

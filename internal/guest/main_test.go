@@ -23,6 +23,7 @@ import (
 	"github.com/spacesbx/space/api/envd/filesystem/filesystempbconnect"
 	processpb "github.com/spacesbx/space/api/envd/process"
 	"github.com/spacesbx/space/api/envd/process/processpbconnect"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 func TestMain(m *testing.M) {
@@ -42,19 +43,12 @@ type env struct {
 	passwd string
 }
 
-func requireRoot(t *testing.T) {
-	t.Helper()
-	if os.Getuid() != 0 {
-		t.Skip("needs root (runs processes as other users)")
-	}
-}
-
 func newEnv(t *testing.T) *env {
 	t.Helper()
 	var ucg *os.File
 	if os.Getenv("GUEST_TEST_CGEXEC") != "" {
 		// Run the whole suite through the cgexec wrapper.
-		requireRoot(t)
+		testenv.RequireRoot(t, "runs processes as other users")
 		_, ucg = testUserCgroup(t)
 	}
 	return newEnvCgroup(t, ucg)
@@ -63,7 +57,7 @@ func newEnv(t *testing.T) *env {
 // newEnvCgroup is newEnv with Config.UserCgroupProcs set to ucg.
 func newEnvCgroup(t *testing.T, ucg *os.File) *env {
 	t.Helper()
-	requireRoot(t)
+	testenv.RequireRoot(t, "runs processes as other users")
 	// Not t.TempDir(): its parent is 0700, unreachable for uid 1000.
 	dir, err := os.MkdirTemp("", "guest-test-")
 	if err != nil {

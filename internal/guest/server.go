@@ -60,10 +60,10 @@ type Server struct {
 
 // New validates cfg and returns a server ready to Serve.
 func New(cfg Config) (*Server, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("guest: invalid config: %w", err)
 	}
-	cfg = cfg.withDefaults()
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &Server{
 		cfg:      cfg,
@@ -128,10 +128,10 @@ func (s *Server) Identity() Identity { return s.act.Load().Identity }
 // see only the new values. The other fields of cfg are ignored (limits,
 // paths and the cgroup keep their first values). Processes keep running.
 func (s *Server) Reactivate(cfg Config) error {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return fmt.Errorf("guest: invalid config: %w", err)
 	}
-	cfg = cfg.withDefaults()
 	old := s.act.Swap(&activation{Identity: cfg.Identity, Env: cfg.Env, DefaultUser: cfg.DefaultUser})
 	s.log.Info("agent reactivated", "sandbox", cfg.Identity.Sandbox, "generation", cfg.Identity.Generation,
 		"execution", cfg.Identity.Execution, "activation", cfg.Identity.Activation, "previous_activation", old.Identity.Activation)

@@ -41,8 +41,32 @@ type VMConfig struct {
 	Base Config
 	// PortsDir and DevDir default to /sys/class/virtio-ports and /dev.
 	PortsDir, DevDir string
-	// PortWait bounds the wait for the port to appear. Default 30s.
+	// PortWait bounds the wait for the port to appear. Default 30s (also
+	// for a negative value).
 	PortWait time.Duration
+}
+
+// withDefaults returns a copy of vc with unset fields replaced by the
+// documented defaults.
+func (vc VMConfig) withDefaults() VMConfig {
+	if vc.PortsDir == "" {
+		vc.PortsDir = DefaultVirtioPortsDir
+	}
+	if vc.DevDir == "" {
+		vc.DevDir = DefaultDevDir
+	}
+	if vc.PortWait <= 0 {
+		vc.PortWait = DefaultPortWait
+	}
+	return vc
+}
+
+// Validate reports whether vc is usable; it only checks.
+func (vc VMConfig) Validate() error {
+	if vc.Port == "" {
+		return errors.New("guest: vm mode: port name is required")
+	}
+	return nil
 }
 
 // ResolvePort returns the device path of the virtio-serial port named
@@ -67,17 +91,9 @@ func ResolvePort(portsDir, devDir, name string) (string, error) {
 // replace its identity, env and default user (Server.Reactivate) before
 // the ACK; processes keep running across sessions.
 func RunVM(ctx context.Context, vc VMConfig) error {
-	if vc.Port == "" {
-		return errors.New("guest: vm mode: port name is required")
-	}
-	if vc.PortsDir == "" {
-		vc.PortsDir = DefaultVirtioPortsDir
-	}
-	if vc.DevDir == "" {
-		vc.DevDir = DefaultDevDir
-	}
-	if vc.PortWait <= 0 {
-		vc.PortWait = DefaultPortWait
+	vc = vc.withDefaults()
+	if err := vc.Validate(); err != nil {
+		return err
 	}
 	log := vc.Base.withDefaults().Logger
 	var dev string

@@ -19,6 +19,7 @@ import (
 
 	processpb "github.com/spacesbx/space/api/envd/process"
 	"github.com/spacesbx/space/api/envd/process/processpbconnect"
+	"github.com/spacesbx/space/internal/testenv"
 	"github.com/spacesbx/space/internal/vmchan"
 	"github.com/spacesbx/space/internal/vmchan/vmchantest"
 )
@@ -72,7 +73,7 @@ func (h *vmHost) identity(t *testing.T) Identity {
 // startVMAgent runs ServeVM over a fake port with test accounts.
 func startVMAgent(t *testing.T) *vmchantest.Port {
 	t.Helper()
-	requireRoot(t)
+	testenv.RequireRoot(t, "runs processes as other users")
 	dir, err := os.MkdirTemp("", "guest-vm-test-")
 	if err != nil {
 		t.Fatal(err)

@@ -31,6 +31,32 @@ type ClientConfig struct {
 	Logger *slog.Logger
 }
 
+// withDefaults returns a copy of cfg with unset (zero or negative) fields
+// replaced by the documented defaults.
+func (cfg ClientConfig) withDefaults() ClientConfig {
+	if cfg.BootTimeout <= 0 {
+		cfg.BootTimeout = 60 * time.Second
+	}
+	if cfg.ResendInterval <= 0 {
+		cfg.ResendInterval = time.Second
+	}
+	if cfg.MaxStreams <= 0 {
+		cfg.MaxStreams = 1024
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return cfg
+}
+
+// Validate checks cfg; it fills nothing.
+func (cfg ClientConfig) Validate() error {
+	if len(cfg.Activation) > MaxControlPayload {
+		return fmt.Errorf("vmchan: activation of %d bytes exceeds %d", len(cfg.Activation), MaxControlPayload)
+	}
+	return nil
+}
+
 // ActivationError is an ACK in which the guest refused the activation.
 type ActivationError struct{ Msg string }
 
@@ -72,21 +98,10 @@ type ackResult struct {
 // ResendInterval until the guest ACKs the current one, within
 // BootTimeout and ctx.
 func NewClient(ctx context.Context, conn net.Conn, cfg ClientConfig) (*Client, error) {
-	if len(cfg.Activation) > MaxControlPayload {
+	cfg = cfg.withDefaults()
+	if err := cfg.Validate(); err != nil {
 		conn.Close()
-		return nil, fmt.Errorf("vmchan: activation of %d bytes exceeds %d", len(cfg.Activation), MaxControlPayload)
-	}
-	if cfg.BootTimeout <= 0 {
-		cfg.BootTimeout = 60 * time.Second
-	}
-	if cfg.ResendInterval <= 0 {
-		cfg.ResendInterval = time.Second
-	}
-	if cfg.MaxStreams <= 0 {
-		cfg.MaxStreams = 1024
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
+		return nil, err
 	}
 	c := &Client{conn: conn, log: cfg.Logger}
 	var want atomic.Pointer[SessionID] // nil until the first HELLO

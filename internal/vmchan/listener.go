@@ -32,6 +32,25 @@ type ListenerConfig struct {
 	MaxStreams int
 }
 
+// withDefaults returns a copy of cfg with unset (zero or negative) fields
+// replaced by the documented defaults. There is no Validate: NewListener
+// returns no error, and a nil Activate is a programming error.
+func (cfg ListenerConfig) withDefaults() ListenerConfig {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.PollInterval <= 0 {
+		cfg.PollInterval = 100 * time.Millisecond
+	}
+	if cfg.Backlog <= 0 {
+		cfg.Backlog = 128
+	}
+	if cfg.MaxStreams <= 0 {
+		cfg.MaxStreams = 1024
+	}
+	return cfg
+}
+
 // Listener is the guest side: it reads the port for the agent's whole
 // life, across sessions, and yields the streams the host opens. It
 // implements net.Listener (for http.Server); streams of every session
@@ -57,18 +76,7 @@ type Listener struct {
 // net.Conn) so a write that blocks while no host is connected can be cut
 // when the session ends.
 func NewListener(port io.ReadWriteCloser, cfg ListenerConfig) *Listener {
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
-	}
-	if cfg.PollInterval <= 0 {
-		cfg.PollInterval = 100 * time.Millisecond
-	}
-	if cfg.Backlog <= 0 {
-		cfg.Backlog = 128
-	}
-	if cfg.MaxStreams <= 0 {
-		cfg.MaxStreams = 1024
-	}
+	cfg = cfg.withDefaults()
 	return &Listener{
 		port: port, cfg: cfg, log: cfg.Logger,
 		accepted: make(chan *Stream, cfg.Backlog),

@@ -11,6 +11,14 @@ import (
 // cpioWriter writes the SVR4 "newc" cpio format the kernel unpacks as an
 // initramfs. Every entry gets mtime 0 and a fresh inode number, so the
 // same inputs always give the same bytes (the image cache relies on it).
+//
+// It is hand-written rather than github.com/cavaliergopher/cpio (v1.0.1)
+// because that library cannot express device nodes: its Header has no
+// rdev fields and its newc writer always writes rdevmajor/rdevminor 0. The
+// image's dev/console (5,1) and dev/null (1,3) would become 0:0 nodes, and
+// the kernel, which opens /dev/console on the initramfs before it runs
+// /init (init mounts devtmpfs only later), would start init without
+// stdin, stdout and stderr.
 type cpioWriter struct {
 	w    io.Writer
 	off  int64

@@ -1,0 +1,104 @@
+package edge
+
+// The edge's Prometheus metrics (served on its own /metrics) and the
+// response-status recording they need.
+
+import (
+	"net/http"
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+type metrics struct {
+	reg         *prometheus.Registry
+	requests    *prometheus.CounterVec
+	repairs     *prometheus.CounterVec
+	denies      *prometheus.CounterVec
+	retries     prometheus.Counter
+	renewals    prometheus.Counter
+	capFetches  *prometheus.CounterVec
+	reattaches  *prometheus.CounterVec
+	heldBytes   prometheus.Gauge
+	bodyRejects *prometheus.CounterVec
+}
+
+func newMetrics() *metrics {
+	m := &metrics{
+		reg: prometheus.NewRegistry(),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_edge_requests_total", Help: "Sandbox requests by purpose and response status.",
+		}, []string{"purpose", "code"}),
+		repairs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_edge_route_repairs_total", Help: "RefreshRoute answers and what the edge did with them.",
+		}, []string{"result"}),
+		denies: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_edge_denies_total", Help: "Deny answers from receivers, by purpose.",
+		}, []string{"purpose"}),
+		retries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_edge_transport_retries_total", Help: "Idempotent reads retried after a transport failure.",
+		}),
+		renewals: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_edge_capability_renewals_total", Help: "Capabilities renewed before expiry.",
+		}),
+		capFetches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_edge_capability_requests_total", Help: "Capability requests to the control plane.",
+		}, []string{"kind", "result"}),
+		reattaches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_edge_stream_reattaches_total",
+			Help: "Process streams whose execution was replaced, by outcome (reattached, process_gone, failed, client_gone).",
+		}, []string{"result"}),
+	}
+	m.heldBytes = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "space_edge_held_body_bytes", Help: "Request-body bytes reserved in the buffered-body budget.",
+	})
+	m.bodyRejects = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "space_edge_body_rejections_total",
+		Help: "Request bodies refused or cut, by reason (budget: no budget left; timeout: stalled or too slow).",
+	}, []string{"reason"})
+	m.reg.MustRegister(m.requests, m.repairs, m.denies, m.retries, m.renewals, m.capFetches, m.reattaches, m.heldBytes, m.bodyRejects)
+	return m
+}
+
+// statusWriter records the response status for metrics. It unwraps for
+// http.ResponseController (flush, hijack, full duplex).
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (s *statusWriter) WriteHeader(code int) {
+	if s.status == 0 {
+		s.status = code
+	}
+	s.ResponseWriter.WriteHeader(code)
+}
+
+func (s *statusWriter) Write(b []byte) (int, error) {
+	if s.status == 0 {
+		s.status = http.StatusOK
+	}
+	return s.ResponseWriter.Write(b)
+}
+
+func (s *statusWriter) Flush() {
+	_ = http.NewResponseController(s.ResponseWriter).Flush()
+}
+
+func (s *statusWriter) Unwrap() http.ResponseWriter { return s.ResponseWriter }
+
+func (s *statusWriter) code() int {
+	if s.status == 0 {
+		return 499 // client closed before an answer
+	}
+	return s.status
+}
+
+// statusLabel is the metrics label of HTTP status n: the code itself, or
+// "other" outside 100-999 (a bounded label set).
+func statusLabel(n int) string {
+	if n >= 100 && n <= 999 {
+		return strconv.Itoa(n)
+	}
+	return "other"
+}
