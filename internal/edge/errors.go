@@ -24,20 +24,10 @@ const (
 	reasonBodyBudget      = "body_budget_exhausted"
 )
 
-// publicError is an error whose text is exactly the message the client
-// reads (fmt.Errorf("%w: ...") would prefix the class's name to it).
-type publicError struct {
-	class error
-	msg   string
-}
-
-func (e *publicError) Error() string { return e.msg }
-func (e *publicError) Unwrap() error { return e.class }
-
 // answer is a refusal of class with the wire reason and the message the
 // client reads.
 func answer(class error, reason, msg string) error {
-	return errdefs.WithReason(&publicError{class: class, msg: msg}, reason)
+	return errdefs.WithReason(errdefs.Message(class, msg), reason)
 }
 
 func badRequest(msg string) error { return answer(errdefs.ErrInvalid, reasonBadRequest, msg) }

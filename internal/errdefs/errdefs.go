@@ -131,16 +131,21 @@ func FromHTTPStatus(status int, msg string) error {
 	if msg == "" {
 		return class
 	}
-	return &statusError{class: class, msg: msg}
+	return Message(class, msg)
 }
 
-type statusError struct {
+// Message is an error of class whose text is exactly msg (fmt.Errorf("%w:
+// ...") would put the class's name in front): for answers whose wording
+// clients read, and for statuses received from another component.
+func Message(class error, msg string) error { return &messageError{class: class, msg: msg} }
+
+type messageError struct {
 	class error
 	msg   string
 }
 
-func (e *statusError) Error() string { return e.msg }
-func (e *statusError) Unwrap() error { return e.class }
+func (e *messageError) Error() string { return e.msg }
+func (e *messageError) Unwrap() error { return e.class }
 
 // reasonError carries an explicit wire reason and retry hint.
 type reasonError struct {

@@ -56,3 +56,10 @@ func TestReasonAndRetryAfter(t *testing.T) {
 		t.Fatal("nil must stay nil")
 	}
 }
+
+func TestMessageKeepsExactText(t *testing.T) {
+	err := Message(ErrUpstream, "sandbox s is paused")
+	if err.Error() != "sandbox s is paused" || !errors.Is(err, ErrUpstream) || HTTPStatus(err) != http.StatusBadGateway {
+		t.Fatalf("%q %d", err, HTTPStatus(err))
+	}
+}
