@@ -3,6 +3,7 @@ package controlplane
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -13,6 +14,8 @@ import (
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/scheduler"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -521,9 +524,9 @@ func parseSandboxIDErr(id string) error { _, err := parseSandboxID(id); return e
 
 func TestStatusMapping(t *testing.T) {
 	cases := map[error]int{
-		ErrInvalid: 400, store.ErrInvalid: 400, ErrUnauthenticated: 401, ErrDenied: 403, ErrNotFound: 404,
-		store.ErrNotFound: 404, ErrConflict: 409, store.ErrConflict: 409, ErrTooLarge: 413,
-		ErrUnavailable: 503, ErrUpstream: 502, context.DeadlineExceeded: 504, errors.New("secret detail"): 500,
+		errdefs.ErrInvalid: 400, errdefs.ErrUnauthenticated: 401, errdefs.ErrDenied: 403, errdefs.ErrNotFound: 404,
+		errdefs.ErrConflict: 409, errdefs.ErrTooLarge: 413, scheduler.ErrNoCapacity: 503,
+		errdefs.ErrUnavailable: 503, errdefs.ErrUpstream: 502, context.DeadlineExceeded: 504, errors.New("secret detail"): 500,
 	}
 	for err, want := range cases {
 		got, msg := status(err)
@@ -546,12 +549,12 @@ func FuzzDecodeCreate(f *testing.F) {
 	f.Fuzz(func(t *testing.T, s string) {
 		var req e2bapi.NewSandbox
 		if err := decodeReader(strings.NewReader(s), &req, false); err != nil {
-			if !errors.Is(err, ErrInvalid) {
+			if !errors.Is(err, errdefs.ErrInvalid) {
 				t.Fatalf("unclassified decode error %v", err)
 			}
 			return
 		}
-		if _, err := srv.validateCreate(req, true); err != nil && !errors.Is(err, ErrInvalid) && !errors.Is(err, ErrNotFound) {
+		if _, err := srv.validateCreate(req, true); err != nil && !errors.Is(err, errdefs.ErrInvalid) && !errors.Is(err, errdefs.ErrNotFound) {
 			t.Fatalf("unclassified validation error %v", err)
 		}
 		var cr spacev1.CapabilityRequest
@@ -562,4 +565,15 @@ func FuzzDecodeCreate(f *testing.F) {
 		_, _ = parseMetadataQuery(s)
 		_, _ = decodeCursor(s)
 	})
+}
+
+// A worker's refusal reaches the client as 503 when the worker is
+// unavailable and 502 otherwise: the worker's 404 or 409 is about its
+// execution, not the client's request.
+func TestNodeErrorStatus(t *testing.T) {
+	for worker, want := range map[int]int{400: 502, 404: 502, 409: 502, 429: 503, 500: 502, 503: 503, 504: 502} {
+		if got, _ := status(fmt.Errorf("pause: %w", &nodeError{Status: worker, Worker: "w1", Message: "x"})); got != want {
+			t.Errorf("worker %d: client gets %d, want %d", worker, got, want)
+		}
+	}
 }

@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -62,13 +63,13 @@ func (s *Server) handleFork(w http.ResponseWriter, r *http.Request, c caller) {
 		count = *req.Count
 	}
 	if count < 1 || count > forkMaxCount {
-		s.writeError(w, r, fmt.Errorf("%w: count must be 1..%d", ErrInvalid, forkMaxCount))
+		s.writeError(w, r, fmt.Errorf("%w: count must be 1..%d", errdefs.ErrInvalid, forkMaxCount))
 		return
 	}
 	timeout := forkDefaultTimeout
 	if req.Timeout != nil {
 		if *req.Timeout < 0 || time.Duration(*req.Timeout)*time.Second > s.cfg.MaxTimeout {
-			s.writeError(w, r, fmt.Errorf("%w: timeout must be 0..%d seconds", ErrInvalid, int(s.cfg.MaxTimeout/time.Second)))
+			s.writeError(w, r, fmt.Errorf("%w: timeout must be 0..%d seconds", errdefs.ErrInvalid, int(s.cfg.MaxTimeout/time.Second)))
 			return
 		}
 		if *req.Timeout > 0 {
@@ -82,7 +83,7 @@ func (s *Server) handleFork(w http.ResponseWriter, r *http.Request, c caller) {
 	}
 	spec, ok := s.cfg.Templates[src.TemplateID]
 	if !ok {
-		s.writeError(w, r, fmt.Errorf("%w: template %q of sandbox %s no longer exists", ErrConflict, truncate(src.TemplateID, 64), id))
+		s.writeError(w, r, fmt.Errorf("%w: template %q of sandbox %s no longer exists", errdefs.ErrConflict, truncate(src.TemplateID, 64), id))
 		return
 	}
 	snap, err := s.snapshotSandbox(r.Context(), id, c.TeamID, "")
@@ -131,20 +132,20 @@ func (s *Server) created(rec store.SandboxRecord) *e2bapi.Sandbox {
 func (s *Server) handleDeleteSnapshot(w http.ResponseWriter, r *http.Request, c caller) {
 	ref := r.PathValue("id")
 	if ref == "" || len(ref) > 256 {
-		s.writeError(w, r, fmt.Errorf("%w: bad template id", ErrInvalid))
+		s.writeError(w, r, fmt.Errorf("%w: bad template id", errdefs.ErrInvalid))
 		return
 	}
 	if _, ok := s.cfg.Templates[ref]; ok {
-		s.writeError(w, r, fmt.Errorf("%w: %s is a built-in template, not a snapshot", ErrInvalid, ref))
+		s.writeError(w, r, fmt.Errorf("%w: %s is a built-in template, not a snapshot", errdefs.ErrInvalid, ref))
 		return
 	}
 	snap, err := s.findSnapshot(r.Context(), c.TeamID, ref)
-	if errors.Is(err, store.ErrNotFound) {
-		s.writeError(w, r, fmt.Errorf("%w: snapshot %s", ErrNotFound, truncate(ref, 64)))
+	if errors.Is(err, errdefs.ErrNotFound) {
+		s.writeError(w, r, fmt.Errorf("%w: snapshot %s", errdefs.ErrNotFound, truncate(ref, 64)))
 		return
 	}
 	if err != nil {
-		s.writeError(w, r, fmt.Errorf("%w: snapshot lookup: %v", ErrUnavailable, err))
+		s.writeError(w, r, fmt.Errorf("%w: snapshot lookup: %v", errdefs.ErrUnavailable, err))
 		return
 	}
 	if err := s.dropSnapshot(r.Context(), snap); err != nil {
@@ -160,10 +161,10 @@ func (s *Server) handleDeleteSnapshot(w http.ResponseWriter, r *http.Request, c 
 // the record, which makes it usable, is gone either way.
 func (s *Server) dropSnapshot(ctx context.Context, snap store.SnapshotRecord) error {
 	if err := s.st.DeleteSnapshot(ctx, snap.ID); err != nil {
-		if errors.Is(err, store.ErrNotFound) {
-			return fmt.Errorf("%w: snapshot %s", ErrNotFound, snap.ID)
+		if errors.Is(err, errdefs.ErrNotFound) {
+			return fmt.Errorf("%w: snapshot %s", errdefs.ErrNotFound, snap.ID)
 		}
-		return fmt.Errorf("%w: delete snapshot %s: %v", ErrUnavailable, snap.ID, err)
+		return fmt.Errorf("%w: delete snapshot %s: %v", errdefs.ErrUnavailable, snap.ID, err)
 	}
 	log := s.log.With("snapshot", snap.ID)
 	if s.snaps == nil {
@@ -214,7 +215,7 @@ func (s *Server) handleUpdateNetwork(w http.ResponseWriter, r *http.Request, c c
 	case req.AllowInternetAccess != nil && *req.AllowInternetAccess,
 		len(req.AllowOut) > 0,
 		len(req.EgressProxy) > 0 && string(req.EgressProxy) != "null":
-		s.writeError(w, r, fmt.Errorf("%w: sandboxes have loopback-only networking; egress (allow_internet_access, allowOut, egressProxy) cannot be opened", ErrInvalid))
+		s.writeError(w, r, fmt.Errorf("%w: sandboxes have loopback-only networking; egress (allow_internet_access, allowOut, egressProxy) cannot be opened", errdefs.ErrInvalid))
 		return
 	}
 	// Deny rules and transform rules describe traffic that cannot leave.

@@ -9,6 +9,7 @@ import (
 
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -90,7 +91,7 @@ func (s *Server) handleList(w http.ResponseWriter, r *http.Request, c caller, v2
 	}
 	entries, err := s.st.ListSandboxes(r.Context())
 	if err != nil {
-		s.writeError(w, r, fmt.Errorf("%w: %v", ErrUnavailable, err))
+		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
 		return
 	}
 	page, next, running := filterSandboxes(entries, c.TeamID, lq)
@@ -123,7 +124,7 @@ func (s *Server) handleKill(w http.ResponseWriter, r *http.Request, c caller) {
 	// A kill runs to completion even if the client goes away.
 	if err := s.killSandbox(context.WithoutCancel(r.Context()), id, c.TeamID, "killed by "+c.KeyID, func(rec store.SandboxRecord) error {
 		if !visible(rec, c.TeamID) {
-			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+			return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 		}
 		return nil
 	}); err != nil {
@@ -147,7 +148,7 @@ func (s *Server) handleTimeout(w http.ResponseWriter, r *http.Request, c caller)
 		return
 	}
 	if req.Timeout == nil {
-		s.writeError(w, r, fmt.Errorf("%w: timeout is required", ErrInvalid))
+		s.writeError(w, r, fmt.Errorf("%w: timeout is required", errdefs.ErrInvalid))
 		return
 	}
 	if err := s.setTimeout(r.Context(), c, id, *req.Timeout); err != nil {
@@ -165,7 +166,7 @@ func (s *Server) handleWorkers(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if c.Role != store.RoleAdmin && !c.edge() {
-		s.writeError(w, r, fmt.Errorf("%w: listing workers needs an admin key", ErrDenied))
+		s.writeError(w, r, fmt.Errorf("%w: listing workers needs an admin key", errdefs.ErrDenied))
 		return
 	}
 	ws, err := s.workersWithLoad(r.Context(), "")
@@ -190,12 +191,12 @@ func (s *Server) handleExecutions(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	rec, _, err := s.st.GetSandbox(r.Context(), id)
-	if errors.Is(err, store.ErrNotFound) || (err == nil && !c.edge() && rec.TeamID != c.TeamID) {
-		s.writeError(w, r, fmt.Errorf("%w: sandbox %s", ErrNotFound, id))
+	if errors.Is(err, errdefs.ErrNotFound) || (err == nil && !c.edge() && rec.TeamID != c.TeamID) {
+		s.writeError(w, r, fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id))
 		return
 	}
 	if err != nil {
-		s.writeError(w, r, fmt.Errorf("%w: %v", ErrUnavailable, err))
+		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
 		return
 	}
 	out := rec.Executions
@@ -220,13 +221,9 @@ func (s *Server) handleCapability(w http.ResponseWriter, r *http.Request) {
 		APIKey: r.Header.Get(spacev1.HeaderAPIKey), AccessToken: r.Header.Get(spacev1.HeaderAccessToken),
 		TrafficAccessToken: r.Header.Get(HeaderTrafficAccessToken), Signature: signatureFromQuery(r.URL.Query()),
 	}, id, req)
-	if errors.Is(err, errSandboxPaused) {
-		// The edge tells paused apart from other conflicts (it answers
-		// E2B's 502 for a paused sandbox and does not wait for it).
-		writeJSON(w, http.StatusConflict, spacev1.Error{Code: http.StatusConflict, Message: err.Error(), Reason: spacev1.ReasonPaused})
-		return
-	}
 	if err != nil {
+		// A paused sandbox's 409 carries reason "paused" (writeError): the
+		// edge answers E2B's 502 for it and does not wait for it.
 		s.writeError(w, r, err)
 		return
 	}

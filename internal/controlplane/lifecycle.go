@@ -10,6 +10,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -42,11 +43,11 @@ const (
 )
 
 // errBusy marks a refusal because another lifecycle operation holds the record.
-var errBusy = fmt.Errorf("%w: lifecycle operation in progress", ErrConflict)
+var errBusy = fmt.Errorf("%w: lifecycle operation in progress", errdefs.ErrConflict)
 
 // errOpLost: the record left the operation's hands (killed, or recovered by
 // the reaper after the operation overran its deadline).
-var errOpLost = fmt.Errorf("%w: sandbox changed during the operation", ErrConflict)
+var errOpLost = fmt.Errorf("%w: sandbox changed during the operation", errdefs.ErrConflict)
 
 // Execution states in the executions history.
 const (
@@ -105,7 +106,7 @@ func (s *Server) nodeSnapshot(ctx context.Context, nodeURL string, route identit
 	var resp spacev1.SnapshotResponse
 	err := s.nodeCall(ctx, nodeURL, spacev1.NodePathSnapshot, route, spacev1.SnapshotRequest{Route: route, SnapshotID: snapID}, &resp)
 	if err == nil && resp.SnapshotID != "" && resp.SnapshotID != snapID {
-		err = fmt.Errorf("%w: worker %s stored snapshot %q, asked for %q", ErrUpstream, route.WorkerID, truncate(resp.SnapshotID, 80), snapID)
+		err = fmt.Errorf("%w: worker %s stored snapshot %q, asked for %q", errdefs.ErrUpstream, route.WorkerID, truncate(resp.SnapshotID, 80), snapID)
 	}
 	return resp, err
 }
@@ -154,7 +155,7 @@ func (s *Server) beginOp(ctx context.Context, id, team, kind string, to store.Sa
 	rec, _, err := s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
 		switch {
 		case (team != "" && r.TeamID != team) || r.State.Terminal():
-			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+			return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 		case r.Op != nil:
 			return fmt.Errorf("%w: sandbox %s: a %s operation is in progress (since %s); one lifecycle operation at a time, retry when it ends",
 				errBusy, id, r.Op.Kind, r.Op.StartedAt.Format(time.RFC3339))
@@ -169,8 +170,8 @@ func (s *Server) beginOp(ctx context.Context, id, team, kind string, to store.Sa
 		r.Op = op
 		return nil
 	})
-	if errors.Is(err, store.ErrNotFound) {
-		return rec, nil, fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return rec, nil, fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 	}
 	if err != nil {
 		return rec, nil, err
@@ -188,7 +189,7 @@ func (s *Server) stepOp(ctx context.Context, id string, op *store.LifecycleOp, f
 		}
 		return fn(r)
 	})
-	if errors.Is(err, store.ErrNotFound) {
+	if errors.Is(err, errdefs.ErrNotFound) {
 		return rec, fmt.Errorf("%w: sandbox %s was removed", errOpLost, id)
 	}
 	return rec, err
@@ -270,9 +271,9 @@ func (s *Server) pauseSandbox(ctx context.Context, id, team string, check func(s
 		switch r.State {
 		case store.StateRunning:
 		case store.StatePaused:
-			return fmt.Errorf("%w: sandbox %s is already paused", ErrConflict, id)
+			return fmt.Errorf("%w: sandbox %s is already paused", errdefs.ErrConflict, id)
 		default:
-			return fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, r.State)
+			return fmt.Errorf("%w: sandbox %s is %s", errdefs.ErrConflict, id, r.State)
 		}
 		if check != nil {
 			return check(r)
@@ -345,9 +346,9 @@ func (s *Server) resumeSandbox(ctx context.Context, id, team string, o resumeOpt
 		case store.StatePaused:
 			return nil
 		case store.StateRunning:
-			return fmt.Errorf("%w: sandbox %s is already running", ErrConflict, id)
+			return fmt.Errorf("%w: sandbox %s is already running", errdefs.ErrConflict, id)
 		}
-		return fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, r.State)
+		return fmt.Errorf("%w: sandbox %s is %s", errdefs.ErrConflict, id, r.State)
 	})
 	if err != nil {
 		return rec, nil, err
@@ -389,20 +390,20 @@ func (s *Server) migrateSandbox(ctx context.Context, id, team, target string) (s
 	ctx = context.WithoutCancel(ctx)
 	if target != "" {
 		if len(target) > 253 || strings.ContainsAny(target, "/ \t\r\n") || !utf8.ValidString(target) {
-			return store.SandboxRecord{}, nil, fmt.Errorf("%w: target_worker must be a worker id (1..253 characters without '/' or spaces)", ErrInvalid)
+			return store.SandboxRecord{}, nil, fmt.Errorf("%w: target_worker must be a worker id (1..253 characters without '/' or spaces)", errdefs.ErrInvalid)
 		}
-		if _, err := s.st.GetWorker(ctx, target); errors.Is(err, store.ErrNotFound) {
-			return store.SandboxRecord{}, nil, fmt.Errorf("%w: target_worker %q is not registered", ErrInvalid, target)
+		if _, err := s.st.GetWorker(ctx, target); errors.Is(err, errdefs.ErrNotFound) {
+			return store.SandboxRecord{}, nil, fmt.Errorf("%w: target_worker %q is not registered", errdefs.ErrInvalid, target)
 		} else if err != nil {
-			return store.SandboxRecord{}, nil, fmt.Errorf("%w: worker registry: %v", ErrUnavailable, err)
+			return store.SandboxRecord{}, nil, fmt.Errorf("%w: worker registry: %v", errdefs.ErrUnavailable, err)
 		}
 	}
 	rec, op, err := s.beginOp(ctx, id, team, opMigrate, store.StateMigrating, target, func(r store.SandboxRecord) error {
 		if r.State != store.StateRunning && r.State != store.StatePaused {
-			return fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, r.State)
+			return fmt.Errorf("%w: sandbox %s is %s", errdefs.ErrConflict, id, r.State)
 		}
 		if target != "" && target == r.Route.WorkerID {
-			return fmt.Errorf("%w: sandbox %s already runs on worker %s; name another target_worker", ErrInvalid, id, target)
+			return fmt.Errorf("%w: sandbox %s already runs on worker %s; name another target_worker", errdefs.ErrInvalid, id, target)
 		}
 		return nil
 	})
@@ -476,7 +477,7 @@ func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.Li
 	// 1. pause
 	if wasRunning {
 		if !alive {
-			return giveUp(fmt.Errorf("%w: worker %s is not registered", ErrUnavailable, old.WorkerID), nil)
+			return giveUp(fmt.Errorf("%w: worker %s is not registered", errdefs.ErrUnavailable, old.WorkerID), nil)
 		}
 		if err := s.nodeLifecycle(ctx, oldURL, spacev1.NodePathPause, old); err != nil {
 			return giveUp(err, nil)
@@ -490,7 +491,7 @@ func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.Li
 			return giveUp(err, nil)
 		}
 	} else if snapID == "" {
-		return giveUp(fmt.Errorf("%w: worker %s is gone and the paused execution has no snapshot; retry when the worker is back", ErrUnavailable, old.WorkerID), nil)
+		return giveUp(fmt.Errorf("%w: worker %s is gone and the paused execution has no snapshot; retry when the worker is back", errdefs.ErrUnavailable, old.WorkerID), nil)
 	}
 	// The snapshot is current for the paused execution: keep it even if
 	// the rest fails, so a later resume elsewhere can reuse it.
@@ -510,7 +511,7 @@ func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.Li
 			}
 		}
 		if !found {
-			return giveUp(fmt.Errorf("%w: target worker %s is not registered", ErrUnavailable, target), keepSnap)
+			return giveUp(fmt.Errorf("%w: target worker %s is not registered", errdefs.ErrUnavailable, target), keepSnap)
 		}
 	} else if w, err = s.sched.Pick(ws, exclude...); err != nil {
 		return giveUp(err, keepSnap)
@@ -616,7 +617,7 @@ func (s *Server) snapshotSandbox(ctx context.Context, id, team, name string) (st
 	ctx = context.WithoutCancel(ctx)
 	rec, op, err := s.beginOp(ctx, id, team, opSnapshot, store.StateSnapshotting, "", func(r store.SandboxRecord) error {
 		if r.State != store.StateRunning && r.State != store.StatePaused {
-			return fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, r.State)
+			return fmt.Errorf("%w: sandbox %s is %s", errdefs.ErrConflict, id, r.State)
 		}
 		return nil
 	})
@@ -627,7 +628,7 @@ func (s *Server) snapshotSandbox(ctx context.Context, id, team, name string) (st
 	nodeURL, alive := s.liveWorker(ctx, rec.Route.WorkerID)
 	if !alive {
 		s.abortOp(ctx, id, op, op.From)
-		return store.SnapshotRecord{}, fmt.Errorf("%w: worker %s of sandbox %s is not registered", ErrUnavailable, rec.Route.WorkerID, id)
+		return store.SnapshotRecord{}, fmt.Errorf("%w: worker %s of sandbox %s is not registered", errdefs.ErrUnavailable, rec.Route.WorkerID, id)
 	}
 	wasRunning := op.From == store.StateRunning
 	if wasRunning {
@@ -672,7 +673,7 @@ func (s *Server) snapshotSandbox(ctx context.Context, id, team, name string) (st
 		snap.Names = []string{rec.TeamID + "/" + name}
 	}
 	if err := s.st.CreateSnapshot(ctx, snap); err != nil {
-		return store.SnapshotRecord{}, fmt.Errorf("%w: recording snapshot %s: %v", ErrUnavailable, snapID, err)
+		return store.SnapshotRecord{}, fmt.Errorf("%w: recording snapshot %s: %v", errdefs.ErrUnavailable, snapID, err)
 	}
 	log.Info("snapshot created", "snapshot", snapID, "size_bytes", sresp.SizeBytes)
 	return snap, nil
@@ -688,10 +689,10 @@ func (s *Server) recoverOp(ctx context.Context, id, opID string) error {
 	var pending *identity.Route
 	rec, _, err := s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
 		if r.Op == nil || r.Op.ID != opID {
-			return fmt.Errorf("%w: operation ended", ErrConflict)
+			return fmt.Errorf("%w: operation ended", errdefs.ErrConflict)
 		}
 		if s.now().Sub(r.Op.StartedAt) <= s.opDeadline() {
-			return fmt.Errorf("%w: operation within its deadline", ErrConflict)
+			return fmt.Errorf("%w: operation within its deadline", errdefs.ErrConflict)
 		}
 		now := s.now().UTC()
 		pending = r.PendingRoute
@@ -758,7 +759,7 @@ func (s *Server) spawnAutoPause(sem chan struct{}, id string) {
 	s.spawnReap(sem, id, func(ctx context.Context) error {
 		return s.pauseSandbox(ctx, id, "", func(cur store.SandboxRecord) error {
 			if cur.EndAt.After(s.now()) || !cur.AutoPause {
-				return fmt.Errorf("%w: timeout extended", ErrConflict)
+				return fmt.Errorf("%w: timeout extended", errdefs.ErrConflict)
 			}
 			return nil
 		})

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -45,9 +46,9 @@ func decodeOptionalJSON(w http.ResponseWriter, r *http.Request, v any) error {
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
-			return fmt.Errorf("%w: body exceeds %d bytes", ErrTooLarge, mbe.Limit)
+			return fmt.Errorf("request body %w: body exceeds %d bytes", errdefs.ErrTooLarge, mbe.Limit)
 		}
-		return fmt.Errorf("%w: reading body: %v", ErrInvalid, err)
+		return fmt.Errorf("%w: reading body: %v", errdefs.ErrInvalid, err)
 	}
 	if len(bytes.TrimSpace(data)) == 0 {
 		return nil
@@ -62,7 +63,7 @@ func (s *Server) ttl(secs *int32, def time.Duration) (time.Duration, error) {
 	}
 	d := time.Duration(*secs) * time.Second
 	if *secs <= 0 || d > s.cfg.MaxTimeout {
-		return 0, fmt.Errorf("%w: timeout must be 1..%d seconds", ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
+		return 0, fmt.Errorf("%w: timeout must be 1..%d seconds", errdefs.ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
 	}
 	return d, nil
 }
@@ -166,7 +167,7 @@ func (s *Server) handleConnect(w http.ResponseWriter, r *http.Request, c caller,
 		return
 	}
 	if !v2 && req.Timeout == nil {
-		s.writeError(w, r, fmt.Errorf("%w: timeout is required", ErrInvalid))
+		s.writeError(w, r, fmt.Errorf("%w: timeout is required", errdefs.ErrInvalid))
 		return
 	}
 	d, err := s.ttl(req.Timeout, s.cfg.DefaultTimeout)
@@ -199,14 +200,14 @@ func (s *Server) connectSandbox(ctx context.Context, c caller, id string, d time
 				return rec, false, fmt.Errorf("%w: sandbox %s: a %s operation is still in progress", errBusy, id, rec.Op.Kind)
 			}
 			if _, err := s.waitSettled(ctx, id, time.Until(deadline)); err != nil {
-				return rec, false, fmt.Errorf("%w: %v", ErrUnavailable, err)
+				return rec, false, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err)
 			}
 			continue
 		case rec.State == store.StateRunning:
 			end := s.now().UTC().Add(d)
 			rec, _, err = s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
 				if !visible(*r, c.TeamID) {
-					return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+					return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 				}
 				if r.State != store.StateRunning {
 					return fmt.Errorf("%w: sandbox %s is %s", errBusy, id, r.State)
@@ -219,19 +220,19 @@ func (s *Server) connectSandbox(ctx context.Context, c caller, id string, d time
 			if errors.Is(err, errBusy) && time.Now().Before(deadline) {
 				continue
 			}
-			if errors.Is(err, store.ErrNotFound) {
-				err = fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+			if errors.Is(err, errdefs.ErrNotFound) {
+				err = fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 			}
 			return rec, false, err
 		case rec.State == store.StatePaused:
 			rec, _, err = s.resumeSandbox(ctx, id, c.TeamID, resumeOpts{Timeout: d, Restart: restart})
-			if errors.Is(err, ErrConflict) && time.Now().Before(deadline) {
+			if errors.Is(err, errdefs.ErrConflict) && time.Now().Before(deadline) {
 				// Another operation (or a resume) got in first: join it.
 				continue
 			}
 			return rec, err == nil, err
 		default:
-			return rec, false, fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, rec.State)
+			return rec, false, fmt.Errorf("%w: sandbox %s is %s", errdefs.ErrConflict, id, rec.State)
 		}
 	}
 }
@@ -291,12 +292,12 @@ func (s *Server) handleCreateSnapshot(w http.ResponseWriter, r *http.Request, c 
 		return
 	}
 	if req.Name != "" && !snapshotNameRE.MatchString(req.Name) {
-		s.writeError(w, r, fmt.Errorf("%w: snapshot name must be 1..63 lowercase letters, digits, '.', '_' or '-'", ErrInvalid))
+		s.writeError(w, r, fmt.Errorf("%w: snapshot name must be 1..63 lowercase letters, digits, '.', '_' or '-'", errdefs.ErrInvalid))
 		return
 	}
 	if req.Name != "" {
 		if _, err := s.findSnapshot(r.Context(), c.TeamID, req.Name); err == nil {
-			s.writeError(w, r, fmt.Errorf("%w: a snapshot named %q exists", ErrConflict, req.Name))
+			s.writeError(w, r, fmt.Errorf("%w: a snapshot named %q exists", errdefs.ErrConflict, req.Name))
 			return
 		}
 	}
@@ -319,14 +320,14 @@ func (s *Server) findSnapshot(ctx context.Context, team, ref string) (store.Snap
 	name := ref
 	if i := strings.IndexByte(ref, '/'); i >= 0 {
 		if ref[:i] != team {
-			return store.SnapshotRecord{}, store.ErrNotFound
+			return store.SnapshotRecord{}, errdefs.ErrNotFound
 		}
 		name = ref[i+1:]
 	}
 	if store.ValidSnapshotID(name) {
 		if rec, err := s.st.GetSnapshot(ctx, name); err == nil && rec.TeamID == team {
 			return rec, nil
-		} else if err != nil && !errors.Is(err, store.ErrNotFound) {
+		} else if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 			return store.SnapshotRecord{}, err
 		}
 	}
@@ -344,7 +345,7 @@ func (s *Server) findSnapshot(ctx context.Context, team, ref string) (store.Snap
 			}
 		}
 	}
-	return store.SnapshotRecord{}, store.ErrNotFound
+	return store.SnapshotRecord{}, errdefs.ErrNotFound
 }
 
 // resolveSnapshotTemplate turns a create request naming one of the team's
@@ -358,11 +359,11 @@ func (s *Server) resolveSnapshotTemplate(ctx context.Context, c caller, req *e2b
 		return "", nil
 	}
 	snap, err := s.findSnapshot(ctx, c.TeamID, req.TemplateID)
-	if errors.Is(err, store.ErrNotFound) {
+	if errors.Is(err, errdefs.ErrNotFound) {
 		return "", nil // validateCreate reports the unknown template
 	}
 	if err != nil {
-		return "", fmt.Errorf("%w: snapshot lookup: %v", ErrUnavailable, err)
+		return "", fmt.Errorf("%w: snapshot lookup: %v", errdefs.ErrUnavailable, err)
 	}
 	req.TemplateID = snap.TemplateID
 	if len(snap.EnvVars) > 0 {
@@ -384,21 +385,21 @@ func (s *Server) handleListSnapshots(w http.ResponseWriter, r *http.Request, c c
 	if v := q.Get("limit"); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 1 || n > e2bapi.MaxLimit {
-			s.writeError(w, r, fmt.Errorf("%w: limit must be 1..%d", ErrInvalid, e2bapi.MaxLimit))
+			s.writeError(w, r, fmt.Errorf("%w: limit must be 1..%d", errdefs.ErrInvalid, e2bapi.MaxLimit))
 			return
 		}
 		limit = n
 	}
 	next := q.Get("nextToken")
 	if next != "" && !store.ValidSnapshotID(next) {
-		s.writeError(w, r, fmt.Errorf("%w: bad nextToken", ErrInvalid))
+		s.writeError(w, r, fmt.Errorf("%w: bad nextToken", errdefs.ErrInvalid))
 		return
 	}
 	sandboxID := q.Get("sandboxID")
 	name := strings.TrimSuffix(q.Get("name"), ":default")
 	all, err := s.st.ListSnapshots(r.Context())
 	if err != nil {
-		s.writeError(w, r, fmt.Errorf("%w: %v", ErrUnavailable, err))
+		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
 		return
 	}
 	out := []SnapshotInfo{}

@@ -8,6 +8,7 @@ import (
 
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -36,7 +37,7 @@ func (s *Server) handleMetrics(w http.ResponseWriter, r *http.Request, c caller)
 		if v := r.URL.Query().Get(k); v != "" {
 			n, err := strconv.ParseInt(v, 10, 64)
 			if err != nil || n < 0 {
-				s.writeError(w, r, fmt.Errorf("%w: %s must be Unix seconds", ErrInvalid, k))
+				s.writeError(w, r, fmt.Errorf("%w: %s must be Unix seconds", errdefs.ErrInvalid, k))
 				return
 			}
 			window[i] = n

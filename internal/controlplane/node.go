@@ -13,6 +13,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 )
 
@@ -36,7 +37,7 @@ func (s *Server) controlToken(route identity.Route) (string, error) {
 func (s *Server) nodeCall(ctx context.Context, nodeURL, path string, route identity.Route, body, out any) error {
 	u, err := url.Parse(nodeURL)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return fmt.Errorf("%w: worker %s has a bad node url", ErrUnavailable, route.WorkerID)
+		return fmt.Errorf("%w: worker %s has a bad node url", errdefs.ErrUnavailable, route.WorkerID)
 	}
 	tok, err := s.controlToken(route)
 	if err != nil {
@@ -48,21 +49,21 @@ func (s *Server) nodeCall(ctx context.Context, nodeURL, path string, route ident
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(nodeURL, "/")+path, bytes.NewReader(data))
 	if err != nil {
-		return fmt.Errorf("%w: worker %s: %v", ErrUnavailable, route.WorkerID, err)
+		return fmt.Errorf("%w: worker %s: %v", errdefs.ErrUnavailable, route.WorkerID, err)
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set(spacev1.HeaderCapability, tok)
 	resp, err := s.http.Do(req)
 	if err != nil {
 		if errors.Is(err, context.DeadlineExceeded) {
-			return fmt.Errorf("%w: worker %s did not answer in time", ErrUnavailable, route.WorkerID)
+			return fmt.Errorf("%w: worker %s did not answer in time", errdefs.ErrUnavailable, route.WorkerID)
 		}
-		return fmt.Errorf("%w: worker %s unreachable", ErrUnavailable, route.WorkerID)
+		return fmt.Errorf("%w: worker %s unreachable", errdefs.ErrUnavailable, route.WorkerID)
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxNodeResponse))
 	if err != nil {
-		return fmt.Errorf("%w: worker %s: reading answer: %v", ErrUpstream, route.WorkerID, err)
+		return fmt.Errorf("%w: worker %s: reading answer: %v", errdefs.ErrUpstream, route.WorkerID, err)
 	}
 	if resp.StatusCode/100 != 2 {
 		var e spacev1.Error
@@ -74,7 +75,7 @@ func (s *Server) nodeCall(ctx context.Context, nodeURL, path string, route ident
 	}
 	if out != nil {
 		if err := json.Unmarshal(raw, out); err != nil {
-			return fmt.Errorf("%w: worker %s: undecodable answer: %v", ErrUpstream, route.WorkerID, err)
+			return fmt.Errorf("%w: worker %s: undecodable answer: %v", errdefs.ErrUpstream, route.WorkerID, err)
 		}
 	}
 	return nil
@@ -91,11 +92,16 @@ func (e *nodeError) Error() string {
 	return fmt.Sprintf("worker %s answered %d: %s", e.Worker, e.Status, e.Message)
 }
 
+// Unwrap classes the worker's answer for the control plane's own client:
+// a worker that is unavailable makes the operation unavailable (retry
+// later); anything else it refused or failed (its 404 for an execution, its
+// 409, its 5xx) is an upstream failure, not the client's request being
+// wrong.
 func (e *nodeError) Unwrap() error {
-	if e.Status == http.StatusServiceUnavailable || e.Status == http.StatusTooManyRequests {
-		return ErrUnavailable
+	if class := errdefs.FromHTTPStatus(e.Status, ""); errors.Is(class, errdefs.ErrUnavailable) {
+		return errdefs.ErrUnavailable
 	}
-	return ErrUpstream
+	return errdefs.ErrUpstream
 }
 
 func truncate(s string, n int) string {
@@ -114,7 +120,7 @@ func (s *Server) install(ctx context.Context, nodeURL string, req spacev1.Instal
 		return resp, err
 	}
 	if resp.Route != (identity.Route{}) && resp.Route != req.Route {
-		return resp, fmt.Errorf("%w: worker %s installed another identity (%s)", ErrUpstream, req.Route.WorkerID,
+		return resp, fmt.Errorf("%w: worker %s installed another identity (%s)", errdefs.ErrUpstream, req.Route.WorkerID,
 			strings.Join(identity.Diff(req.Route, resp.Route), ","))
 	}
 	return resp, nil

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -51,14 +52,14 @@ func (s *Server) reapOnce(sem chan struct{}) {
 		case (r.State == store.StateRunning || r.State == store.StatePaused) && !r.EndAt.After(now):
 			s.spawnKill(sem, r.ID, "timeout", func(cur store.SandboxRecord) error {
 				if cur.EndAt.After(s.now()) {
-					return fmt.Errorf("%w: timeout extended", ErrConflict)
+					return fmt.Errorf("%w: timeout extended", errdefs.ErrConflict)
 				}
 				return nil
 			})
 		case r.State == store.StateCreating && now.Sub(r.CreatedAt) > staleCreate:
 			s.spawnKill(sem, r.ID, "stuck in creating", func(cur store.SandboxRecord) error {
 				if cur.State != store.StateCreating {
-					return fmt.Errorf("%w: create finished", ErrConflict)
+					return fmt.Errorf("%w: create finished", errdefs.ErrConflict)
 				}
 				return nil
 			})

@@ -17,6 +17,7 @@ import (
 
 	"github.com/spacesbx/space/internal/atomicfile"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -75,7 +76,7 @@ type RotateResponse struct {
 
 func (s *Server) handleRotate(w http.ResponseWriter, r *http.Request, c caller) {
 	if c.Role != store.RoleAdmin {
-		s.writeError(w, r, fmt.Errorf("%w: rotating the signing key needs an admin key", ErrDenied))
+		s.writeError(w, r, fmt.Errorf("%w: rotating the signing key needs an admin key", errdefs.ErrDenied))
 		return
 	}
 	out, err := s.RotateKey(context.WithoutCancel(r.Context()))
@@ -89,7 +90,7 @@ func (s *Server) handleRotate(w http.ResponseWriter, r *http.Request, c caller) 
 // RotateKey replaces the signing key (see the package comment above).
 func (s *Server) RotateKey(ctx context.Context) (RotateResponse, error) {
 	if !s.signer.mu.TryLock() {
-		return RotateResponse{}, fmt.Errorf("%w: a key rotation is in progress", ErrConflict)
+		return RotateResponse{}, fmt.Errorf("%w: a key rotation is in progress", errdefs.ErrConflict)
 	}
 	defer s.signer.mu.Unlock()
 	prev := s.signer.KeyID()
@@ -106,7 +107,7 @@ func (s *Server) RotateKey(ctx context.Context) (RotateResponse, error) {
 	notAfter := now.Add(s.keyPropagation() + capability.RetiredKeyGrace)
 	b, err := publishRotation(ctx, s.st, kid, pub, now, notAfter)
 	if err != nil {
-		return RotateResponse{}, fmt.Errorf("%w: publish key bundle: %v", ErrUnavailable, err)
+		return RotateResponse{}, fmt.Errorf("%w: publish key bundle: %v", errdefs.ErrUnavailable, err)
 	}
 	s.log.Info("key rotation: bundle published", "kid", kid, "previous_kid", prev, "previous_not_after", notAfter,
 		"bundle_revision", b.Revision)
@@ -116,7 +117,7 @@ func (s *Server) RotateKey(ctx context.Context) (RotateResponse, error) {
 		case <-t.C:
 		case <-s.ctx.Done():
 			t.Stop()
-			return RotateResponse{}, fmt.Errorf("%w: shutting down during key rotation", ErrUnavailable)
+			return RotateResponse{}, fmt.Errorf("%w: shutting down during key rotation", errdefs.ErrUnavailable)
 		}
 	}
 	sg, err := capability.NewSigner(kid, priv)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -50,42 +51,42 @@ type createParams struct {
 func (s *Server) validateCreate(req e2bapi.NewSandbox, v2 bool) (createParams, error) {
 	p := createParams{Template: req.TemplateID, Metadata: req.Metadata, EnvVars: req.EnvVars}
 	if req.TemplateID == "" {
-		return p, fmt.Errorf("%w: templateID is required", ErrInvalid)
+		return p, fmt.Errorf("%w: templateID is required", errdefs.ErrInvalid)
 	}
 	spec, ok := s.cfg.Templates[req.TemplateID]
 	if !ok {
-		return p, fmt.Errorf("%w: template %q", ErrNotFound, truncate(req.TemplateID, 64))
+		return p, fmt.Errorf("%w: template %q", errdefs.ErrNotFound, truncate(req.TemplateID, 64))
 	}
 	p.Spec = spec
 	p.Timeout = s.cfg.DefaultTimeout
 	if req.Timeout != nil {
 		if *req.Timeout <= 0 {
-			return p, fmt.Errorf("%w: timeout must be a positive number of seconds", ErrInvalid)
+			return p, fmt.Errorf("%w: timeout must be a positive number of seconds", errdefs.ErrInvalid)
 		}
 		p.Timeout = time.Duration(*req.Timeout) * time.Second
 		if p.Timeout > s.cfg.MaxTimeout {
-			return p, fmt.Errorf("%w: timeout exceeds the maximum of %d seconds", ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
+			return p, fmt.Errorf("%w: timeout exceeds the maximum of %d seconds", errdefs.ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
 		}
 	}
 	if err := validateMetadata(req.Metadata); err != nil {
 		return p, err
 	}
 	if len(req.EnvVars) > maxEnvVars {
-		return p, fmt.Errorf("%w: at most %d envVars", ErrInvalid, maxEnvVars)
+		return p, fmt.Errorf("%w: at most %d envVars", errdefs.ErrInvalid, maxEnvVars)
 	}
 	for k, v := range req.EnvVars {
 		if !envNameRE.MatchString(k) || len(k) > 256 {
-			return p, fmt.Errorf("%w: envVars name %q is not a valid variable name", ErrInvalid, truncate(k, 64))
+			return p, fmt.Errorf("%w: envVars name %q is not a valid variable name", errdefs.ErrInvalid, truncate(k, 64))
 		}
 		if len(v) > maxEnvValue || !utf8.ValidString(v) || containsNUL(v) {
-			return p, fmt.Errorf("%w: envVars %s: value must be UTF-8 without NUL, at most %d bytes", ErrInvalid, k, maxEnvValue)
+			return p, fmt.Errorf("%w: envVars %s: value must be UTF-8 without NUL, at most %d bytes", errdefs.ErrInvalid, k, maxEnvValue)
 		}
 	}
 	if len(req.VolumeMounts) > 0 {
-		return p, fmt.Errorf("%w: volumeMounts are not supported", ErrInvalid)
+		return p, fmt.Errorf("%w: volumeMounts are not supported", errdefs.ErrInvalid)
 	}
 	if req.AutoResume != nil && req.AutoResume.Enabled {
-		return p, fmt.Errorf("%w: autoResume is not supported", ErrInvalid)
+		return p, fmt.Errorf("%w: autoResume is not supported", errdefs.ErrInvalid)
 	}
 	p.Secure = v2 || (req.Secure != nil && *req.Secure)
 	if len(req.Network) > 0 && string(req.Network) != "null" {
@@ -93,7 +94,7 @@ func (s *Server) validateCreate(req e2bapi.NewSandbox, v2 bool) (createParams, e
 			AllowPublicTraffic *bool `json:"allowPublicTraffic"`
 		}
 		if err := json.Unmarshal(req.Network, &n); err != nil {
-			return p, fmt.Errorf("%w: network must be an object", ErrInvalid)
+			return p, fmt.Errorf("%w: network must be an object", errdefs.ErrInvalid)
 		}
 		p.PrivateTraffic = n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic
 	}
@@ -103,14 +104,14 @@ func (s *Server) validateCreate(req e2bapi.NewSandbox, v2 bool) (createParams, e
 
 func validateMetadata(m map[string]string) error {
 	if len(m) > maxMetadataEntries {
-		return fmt.Errorf("%w: at most %d metadata entries", ErrInvalid, maxMetadataEntries)
+		return fmt.Errorf("%w: at most %d metadata entries", errdefs.ErrInvalid, maxMetadataEntries)
 	}
 	for k, v := range m {
 		if k == "" || len(k) > maxMetadataKey || len(v) > maxMetadataValue {
-			return fmt.Errorf("%w: metadata keys must be 1..%d bytes and values at most %d", ErrInvalid, maxMetadataKey, maxMetadataValue)
+			return fmt.Errorf("%w: metadata keys must be 1..%d bytes and values at most %d", errdefs.ErrInvalid, maxMetadataKey, maxMetadataValue)
 		}
 		if !utf8.ValidString(k) || !utf8.ValidString(v) || containsNUL(k) || containsNUL(v) {
-			return fmt.Errorf("%w: metadata must be UTF-8 without NUL", ErrInvalid)
+			return fmt.Errorf("%w: metadata must be UTF-8 without NUL", errdefs.ErrInvalid)
 		}
 	}
 	return nil
@@ -150,7 +151,7 @@ func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]space
 	}()
 	all, err := s.st.ListWorkers(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("%w: worker registry: %v", ErrUnavailable, err)
+		return nil, fmt.Errorf("%w: worker registry: %v", errdefs.ErrUnavailable, err)
 	}
 	var ws []spacev1.Worker
 	var why []string
@@ -163,14 +164,14 @@ func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]space
 	}
 	if len(all) > 0 && len(ws) == 0 {
 		if len(why) > 0 {
-			return nil, fmt.Errorf("%w: no registered worker runs the %s substrate (%s)", ErrUnavailable, substrate, strings.Join(why, "; "))
+			return nil, fmt.Errorf("%w: no registered worker runs the %s substrate (%s)", errdefs.ErrUnavailable, substrate, strings.Join(why, "; "))
 		}
-		return nil, fmt.Errorf("%w: no registered worker runs the %s substrate", ErrUnavailable, substrate)
+		return nil, fmt.Errorf("%w: no registered worker runs the %s substrate", errdefs.ErrUnavailable, substrate)
 	}
 	l := <-sbxs
 	entries, err := l.entries, l.err
 	if err != nil {
-		return nil, fmt.Errorf("%w: sandbox records: %v", ErrUnavailable, err)
+		return nil, fmt.Errorf("%w: sandbox records: %v", errdefs.ErrUnavailable, err)
 	}
 	placed := map[string]int{}
 	for _, e := range entries {
@@ -274,7 +275,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 			if terr := s.teardown(ctx, w.NodeURL, rec.Route); terr != nil {
 				log.Warn("teardown failed", "err", terr)
 			}
-			return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s was removed while starting", ErrConflict, rec.ID)
+			return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s was removed while starting", errdefs.ErrConflict, rec.ID)
 		}
 		log.Debug(CreateTimingMsg, "place", tPlace.Sub(t0), "record", tRecord.Sub(tPlace),
 			"install", tInstall.Sub(tRecord), "commit", time.Since(tInstall))
@@ -290,7 +291,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		}
 	}
 	if lastErr == nil {
-		lastErr = fmt.Errorf("%w: sandbox could not be placed", ErrUnavailable)
+		lastErr = fmt.Errorf("%w: sandbox could not be placed", errdefs.ErrUnavailable)
 	}
 	return store.SandboxRecord{}, fmt.Errorf("create sandbox: %w", lastErr)
 }
@@ -310,11 +311,11 @@ func visible(rec store.SandboxRecord, team string) bool {
 
 func (s *Server) getSandbox(ctx context.Context, c caller, id string) (store.SandboxRecord, error) {
 	rec, _, err := s.st.GetSandbox(ctx, id)
-	if errors.Is(err, store.ErrNotFound) || (err == nil && !visible(rec, c.TeamID)) {
-		return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+	if errors.Is(err, errdefs.ErrNotFound) || (err == nil && !visible(rec, c.TeamID)) {
+		return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 	}
 	if err != nil {
-		return store.SandboxRecord{}, fmt.Errorf("%w: %v", ErrUnavailable, err)
+		return store.SandboxRecord{}, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err)
 	}
 	return rec, nil
 }
@@ -327,7 +328,7 @@ func (s *Server) killSandbox(ctx context.Context, id, team, reason string, check
 	now := s.now().UTC()
 	rec, _, err := s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
 		if (team != "" && r.TeamID != team) || r.State.Terminal() {
-			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+			return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 		}
 		if check != nil {
 			if err := check(*r); err != nil {
@@ -349,8 +350,8 @@ func (s *Server) killSandbox(ctx context.Context, id, team, reason string, check
 		return nil
 	})
 	if err != nil {
-		if errors.Is(err, store.ErrNotFound) {
-			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+		if errors.Is(err, errdefs.ErrNotFound) {
+			return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 		}
 		return err
 	}
@@ -378,18 +379,18 @@ func (s *Server) nodeURL(ctx context.Context, rec store.SandboxRecord) string {
 
 func (s *Server) setTimeout(ctx context.Context, c caller, id string, secs int32) error {
 	if secs < 0 || time.Duration(secs)*time.Second > s.cfg.MaxTimeout {
-		return fmt.Errorf("%w: timeout must be 0..%d seconds", ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
+		return fmt.Errorf("%w: timeout must be 0..%d seconds", errdefs.ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
 	}
 	end := s.now().UTC().Add(time.Duration(secs) * time.Second)
 	_, _, err := s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
 		if !visible(*r, c.TeamID) {
-			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+			return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 		}
 		r.EndAt = end
 		return nil
 	})
-	if errors.Is(err, store.ErrNotFound) {
-		return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 	}
 	return err
 }

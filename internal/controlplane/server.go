@@ -14,6 +14,7 @@ import (
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/scheduler"
 	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
@@ -184,7 +185,7 @@ func (s *Server) routes() http.Handler {
 	s.lifecycleRoutes(mux)
 	s.snapshotExtraRoutes(mux)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		s.writeError(w, r, fmt.Errorf("%w: no route for %s %s", ErrNotFound, r.Method, r.URL.Path))
+		s.writeError(w, r, fmt.Errorf("%w: no route for %s %s", errdefs.ErrNotFound, r.Method, r.URL.Path))
 	})
 	return s.recoverer(mux)
 }
@@ -209,7 +210,7 @@ func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
 	defer cancel()
 	if err := s.st.Ping(ctx); err != nil {
-		s.writeError(w, r, fmt.Errorf("%w: store not answering", ErrUnavailable))
+		s.writeError(w, r, fmt.Errorf("%w: store not answering", errdefs.ErrUnavailable))
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
@@ -227,21 +228,21 @@ func (c caller) edge() bool { return c.Role == store.RoleEdge }
 // authenticate resolves an API key: the edge's service key, or a stored key.
 func (s *Server) authenticate(ctx context.Context, key string) (caller, error) {
 	if key == "" {
-		return caller{}, fmt.Errorf("%w: missing %s header", ErrUnauthenticated, spacev1.HeaderAPIKey)
+		return caller{}, fmt.Errorf("%w: missing %s header", errdefs.ErrUnauthenticated, spacev1.HeaderAPIKey)
 	}
 	if s.cfg.EdgeKey != "" && equalSecret(key, s.cfg.EdgeKey) {
 		return caller{TeamID: "", KeyID: "edge", Role: store.RoleEdge}, nil
 	}
 	if len(key) > 256 {
-		return caller{}, fmt.Errorf("%w: invalid API key", ErrUnauthenticated)
+		return caller{}, fmt.Errorf("%w: invalid API key", errdefs.ErrUnauthenticated)
 	}
 	h := store.HashAPIKey(key)
 	rec, err := s.st.LookupAPIKey(ctx, h)
-	if errors.Is(err, store.ErrNotFound) {
-		return caller{}, fmt.Errorf("%w: invalid API key", ErrUnauthenticated)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return caller{}, fmt.Errorf("%w: invalid API key", errdefs.ErrUnauthenticated)
 	}
 	if err != nil {
-		return caller{}, fmt.Errorf("%w: key lookup failed: %v", ErrUnavailable, err)
+		return caller{}, fmt.Errorf("%w: key lookup failed: %v", errdefs.ErrUnavailable, err)
 	}
 	return caller{TeamID: rec.TeamID, KeyID: rec.KeyID, Role: rec.Role}, nil
 }
@@ -255,7 +256,7 @@ func (s *Server) withKey(h func(http.ResponseWriter, *http.Request, caller)) htt
 			return
 		}
 		if c.edge() {
-			s.writeError(w, r, fmt.Errorf("%w: the edge service key cannot manage sandboxes", ErrDenied))
+			s.writeError(w, r, fmt.Errorf("%w: the edge service key cannot manage sandboxes", errdefs.ErrDenied))
 			return
 		}
 		h(w, r, c)

@@ -26,21 +26,23 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 
 	"github.com/spacesbx/space/internal/atomicfile"
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
-// Error classes. Every error the store returns for these situations wraps one
-// of them (test with errors.Is).
-var (
-	// ErrNotFound: the key does not exist.
-	ErrNotFound = errors.New("not found")
-	// ErrConflict: the key already exists, or its revision moved since the
-	// caller read it (compare-and-swap lost).
-	ErrConflict = errors.New("conflict")
-	// ErrInvalid: the caller passed a value the store refuses to write.
-	ErrInvalid = errors.New("invalid")
-	// ErrClosed: the store was closed.
-	ErrClosed = errors.New("store closed")
-)
+// Errors the store returns wrap the errdefs classes (test with errors.Is):
+// errdefs.ErrNotFound when a key does not exist, errdefs.ErrConflict when it
+// already exists or its revision moved since the caller read it (a lost
+// compare-and-swap), errdefs.ErrInvalid for a value the store refuses to
+// write, and ErrClosed once the store is closed.
+
+// ErrClosed: the store was closed. It is an errdefs.ErrUnavailable.
+var ErrClosed error = closedError{}
+
+// closedError keeps ErrClosed's text while classing it.
+type closedError struct{}
+
+func (closedError) Error() string { return "store closed" }
+func (closedError) Unwrap() error { return errdefs.ErrUnavailable }
 
 // Key layout.
 const (
@@ -104,11 +106,11 @@ func (c *Config) setDefaults() {
 // Validate reports whether c can be opened.
 func (c Config) Validate() error {
 	if len(c.Endpoints) == 0 && c.DataDir == "" {
-		return fmt.Errorf("store config: %w: data dir or etcd endpoints required", ErrInvalid)
+		return fmt.Errorf("store config: %w: data dir or etcd endpoints required", errdefs.ErrInvalid)
 	}
 	for _, e := range c.Endpoints {
 		if e == "" {
-			return fmt.Errorf("store config: %w: empty etcd endpoint", ErrInvalid)
+			return fmt.Errorf("store config: %w: empty etcd endpoint", errdefs.ErrInvalid)
 		}
 	}
 	for name, u := range map[string]string{"client url": c.ClientURL, "peer url": c.PeerURL} {
@@ -117,7 +119,7 @@ func (c Config) Validate() error {
 		}
 		pu, err := url.Parse(u)
 		if err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
-			return fmt.Errorf("store config: %w: %s %q must be http(s)://host:port", ErrInvalid, name, u)
+			return fmt.Errorf("store config: %w: %s %q must be http(s)://host:port", errdefs.ErrInvalid, name, u)
 		}
 	}
 	return nil
