@@ -57,28 +57,6 @@ const (
 	execFailed  = "failed"
 )
 
-// MigrateRequest is the body of POST /space/v1/sandboxes/{id}/migrate.
-type MigrateRequest struct {
-	// TargetWorker names the worker to move to; empty lets the scheduler
-	// pick one (never the current worker).
-	TargetWorker string `json:"target_worker,omitempty"`
-}
-
-// MigrateResponse answers a migration (and is what a resume elsewhere did).
-type MigrateResponse struct {
-	SandboxID string         `json:"sandbox_id"`
-	From      identity.Route `json:"from"`
-	Route     identity.Route `json:"route"`
-	// Execution is the new execution's history entry.
-	Execution  spacev1.Execution `json:"execution"`
-	SnapshotID string            `json:"snapshot_id"`
-	// ProcessesRestarted and FilesKept describe what the move preserved:
-	// the ns substrate archives the writable layer only.
-	ProcessesRestarted bool   `json:"processes_restarted"`
-	FilesKept          bool   `json:"files_kept"`
-	Note               string `json:"note"`
-}
-
 const moveNote = "the sandbox now runs as a new execution: files were kept (writable layer restored from a snapshot), processes were restarted"
 
 // moveNoteVM is the note of a move on the microvm substrate, whose
@@ -339,7 +317,7 @@ type resumeOpts struct {
 // resumeSandbox resumes a paused sandbox: on its worker when that worker is
 // registered (node resume: same execution), else elsewhere (see move). It
 // returns the record after the resume and, for a move, what moved.
-func (s *Server) resumeSandbox(ctx context.Context, id, team string, o resumeOpts) (store.SandboxRecord, *MigrateResponse, error) {
+func (s *Server) resumeSandbox(ctx context.Context, id, team string, o resumeOpts) (store.SandboxRecord, *spacev1.MigrateResponse, error) {
 	ctx = context.WithoutCancel(ctx)
 	rec, op, err := s.beginOp(ctx, id, team, opResume, store.StateResuming, "", func(r store.SandboxRecord) error {
 		switch r.State {
@@ -386,7 +364,7 @@ func (s *Server) resumeSandbox(ctx context.Context, id, team string, o resumeOpt
 
 // migrateSandbox moves a running or paused sandbox to another worker (the
 // scheduler's pick when target is empty). It ends running.
-func (s *Server) migrateSandbox(ctx context.Context, id, team, target string) (store.SandboxRecord, *MigrateResponse, error) {
+func (s *Server) migrateSandbox(ctx context.Context, id, team, target string) (store.SandboxRecord, *spacev1.MigrateResponse, error) {
 	ctx = context.WithoutCancel(ctx)
 	if target != "" {
 		if len(target) > 253 || strings.ContainsAny(target, "/ \t\r\n") || !utf8.ValidString(target) {
@@ -435,14 +413,14 @@ func (s *Server) migrateSandbox(ctx context.Context, id, team, target string) (s
 // old worker with its files (a migration that began running thaws the old
 // execution again when it can), and a target install is torn down.
 func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.LifecycleOp, target string, exclude []string,
-	timeout time.Duration, autoPause *bool) (store.SandboxRecord, *MigrateResponse, error) {
+	timeout time.Duration, autoPause *bool) (store.SandboxRecord, *spacev1.MigrateResponse, error) {
 	id, old := rec.ID, rec.Route
 	log := s.log.With("sandbox", id, "op", op.Kind, "generation", old.Generation, "worker", old.WorkerID)
 	oldURL, alive := s.liveWorker(ctx, old.WorkerID)
 	wasRunning := op.From == store.StateRunning
 
 	// giveUp releases the record after a failure before publication.
-	giveUp := func(err error, mut func(*store.SandboxRecord)) (store.SandboxRecord, *MigrateResponse, error) {
+	giveUp := func(err error, mut func(*store.SandboxRecord)) (store.SandboxRecord, *spacev1.MigrateResponse, error) {
 		back := store.StatePaused
 		if wasRunning && alive {
 			if rerr := s.nodeLifecycle(ctx, oldURL, spacev1.NodePathResume, old); rerr == nil {
@@ -593,7 +571,7 @@ func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.Li
 			log.Warn("retire on the old worker failed; it learns retirement from the record watch", "err", err)
 		}
 	}
-	out := &MigrateResponse{
+	out := &spacev1.MigrateResponse{
 		SandboxID: id, From: old, Route: next, SnapshotID: snapID,
 		ProcessesRestarted: true, FilesKept: true, Note: moveNote,
 	}

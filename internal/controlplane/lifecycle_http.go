@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -243,7 +244,7 @@ func (s *Server) handleMigrate(w http.ResponseWriter, r *http.Request, c caller)
 		s.writeError(w, r, err)
 		return
 	}
-	var req MigrateRequest
+	var req spacev1.MigrateRequest
 	if err := decodeOptionalJSON(w, r, &req); err != nil {
 		s.writeError(w, r, err)
 		return

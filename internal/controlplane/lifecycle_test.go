@@ -272,7 +272,7 @@ func TestMigrateToAnotherWorker(t *testing.T) {
 	if r.Code != 200 {
 		t.Fatalf("migrate: %d %s", r.Code, r.Body)
 	}
-	var m MigrateResponse
+	var m spacev1.MigrateResponse
 	r.decode(t, &m)
 	// Order: pause, snapshot, install with restore on the target before
 	// the route is published, publish, retire the old execution.
@@ -783,7 +783,7 @@ func TestKeyRotation(t *testing.T) {
 	if r.Code != 200 {
 		t.Fatalf("rotate: %d %s", r.Code, r.Body)
 	}
-	var out RotateResponse
+	var out spacev1.RotateResponse
 	r.decode(t, &out)
 	if out.PreviousKeyID != oldKID || out.KeyID == oldKID || out.KeyID != e.srv.KeyID() || len(out.Keys) != 2 {
 		t.Fatalf("rotate response %+v", out)
