@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"net/http"
 	"net/url"
 	"strconv"
 	"time"
@@ -231,4 +232,28 @@ func minTime(a, b time.Time) time.Time {
 		return b
 	}
 	return a
+}
+
+func (s *Server) handleCapability(w http.ResponseWriter, r *http.Request) {
+	id, err := parseSandboxID(r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	var req spacev1.CapabilityRequest
+	if err := decodeJSON(w, r, &req, true); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	resp, err := s.issueCapability(r.Context(), credentials{
+		APIKey: r.Header.Get(spacev1.HeaderAPIKey), AccessToken: r.Header.Get(spacev1.HeaderAccessToken),
+		TrafficAccessToken: r.Header.Get(HeaderTrafficAccessToken), Signature: signatureFromQuery(r.URL.Query()),
+	}, id, req)
+	if err != nil {
+		// A paused sandbox's 409 carries reason "paused" (writeError): the
+		// edge answers E2B's 502 for it and does not wait for it.
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, resp)
 }

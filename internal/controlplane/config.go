@@ -1,6 +1,3 @@
-// Package controlplane is space-api: the E2B-compatible REST API, SPACE's
-// /space/v1 extensions, the capability signer, placement and the sandbox
-// lifecycle. State lives in etcd through package store.
 package controlplane
 
 import (

@@ -1,12 +1,14 @@
 package controlplane
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"strings"
+	"time"
 
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
@@ -89,4 +91,34 @@ func parseSandboxID(raw string) (string, error) {
 		return "", fmt.Errorf("%w: sandbox id must be 1..63 lowercase letters, digits or inner hyphens", errdefs.ErrInvalid)
 	}
 	return raw, nil
+}
+
+// decodeOptionalJSON decodes a body that may be absent or empty.
+func decodeOptionalJSON(w http.ResponseWriter, r *http.Request, v any) error {
+	body := http.MaxBytesReader(w, r.Body, MaxBodyBytes)
+	defer body.Close()
+	data, err := io.ReadAll(body)
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return fmt.Errorf("request body %w: body exceeds %d bytes", errdefs.ErrTooLarge, mbe.Limit)
+		}
+		return fmt.Errorf("%w: reading body: %v", errdefs.ErrInvalid, err)
+	}
+	if len(bytes.TrimSpace(data)) == 0 {
+		return nil
+	}
+	return decodeReader(bytes.NewReader(data), v, false)
+}
+
+// ttl validates a timeout in seconds (nil: def).
+func (s *Server) ttl(secs *int32, def time.Duration) (time.Duration, error) {
+	if secs == nil {
+		return def, nil
+	}
+	d := time.Duration(*secs) * time.Second
+	if *secs <= 0 || d > s.cfg.MaxTimeout {
+		return 0, fmt.Errorf("%w: timeout must be 1..%d seconds", errdefs.ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
+	}
+	return d, nil
 }

@@ -2,13 +2,11 @@ package controlplane
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
 
 	"github.com/spacesbx/space/api/e2bapi"
-	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -158,74 +156,37 @@ func (s *Server) handleTimeout(w http.ResponseWriter, r *http.Request, c caller)
 	w.WriteHeader(http.StatusNoContent)
 }
 
-// handleWorkers lists the worker registry (admin keys and the edge).
-func (s *Server) handleWorkers(w http.ResponseWriter, r *http.Request) {
-	c, err := s.authenticate(r.Context(), r.Header.Get(spacev1.HeaderAPIKey))
-	if err != nil {
-		s.writeError(w, r, err)
-		return
+// e2bState is the state E2B clients see: a record in a transitional state
+// shows the stable state its operation started from.
+func e2bState(rec store.SandboxRecord) string {
+	if rec.Op != nil {
+		return string(rec.Op.From)
 	}
-	if c.Role != store.RoleAdmin && !c.edge() {
-		s.writeError(w, r, fmt.Errorf("%w: listing workers needs an admin key", errdefs.ErrDenied))
-		return
-	}
-	ws, err := s.workersWithLoad(r.Context(), "")
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, ws)
+	return string(rec.State)
 }
 
-// handleExecutions lists a sandbox's executions (owner's key or the edge),
-// tombstoned sandboxes included until they are purged.
-func (s *Server) handleExecutions(w http.ResponseWriter, r *http.Request) {
-	c, err := s.authenticate(r.Context(), r.Header.Get(spacev1.HeaderAPIKey))
-	if err != nil {
-		s.writeError(w, r, err)
-		return
+// sandboxBody is the E2B Sandbox answer for an existing sandbox.
+func (s *Server) sandboxBody(rec store.SandboxRecord) e2bapi.Sandbox {
+	var traffic *string
+	if rec.TrafficAccessToken != "" {
+		traffic = &rec.TrafficAccessToken
 	}
-	id, err := parseSandboxID(r.PathValue("id"))
-	if err != nil {
-		s.writeError(w, r, err)
-		return
+	return e2bapi.Sandbox{
+		SandboxID: rec.ID, TemplateID: rec.TemplateID, Alias: rec.Alias, ClientID: clientID,
+		EnvdVersion: rec.EnvdVersion, EnvdAccessToken: rec.AccessToken, Domain: s.domain(),
+		TrafficAccessToken: traffic,
 	}
-	rec, _, err := s.st.GetSandbox(r.Context(), id)
-	if errors.Is(err, errdefs.ErrNotFound) || (err == nil && !c.edge() && rec.TeamID != c.TeamID) {
-		s.writeError(w, r, fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id))
-		return
-	}
-	if err != nil {
-		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
-		return
-	}
-	out := rec.Executions
-	if out == nil {
-		out = []spacev1.Execution{}
-	}
-	writeJSON(w, http.StatusOK, out)
 }
 
-func (s *Server) handleCapability(w http.ResponseWriter, r *http.Request) {
-	id, err := parseSandboxID(r.PathValue("id"))
-	if err != nil {
-		s.writeError(w, r, err)
-		return
+// created is the E2B create response for rec.
+func (s *Server) created(rec store.SandboxRecord) *e2bapi.Sandbox {
+	var traffic *string
+	if rec.TrafficAccessToken != "" {
+		traffic = &rec.TrafficAccessToken
 	}
-	var req spacev1.CapabilityRequest
-	if err := decodeJSON(w, r, &req, true); err != nil {
-		s.writeError(w, r, err)
-		return
+	return &e2bapi.Sandbox{
+		SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
+		EnvdVersion: rec.EnvdVersion, EnvdAccessToken: rec.AccessToken, Domain: s.domain(),
+		TrafficAccessToken: traffic,
 	}
-	resp, err := s.issueCapability(r.Context(), credentials{
-		APIKey: r.Header.Get(spacev1.HeaderAPIKey), AccessToken: r.Header.Get(spacev1.HeaderAccessToken),
-		TrafficAccessToken: r.Header.Get(HeaderTrafficAccessToken), Signature: signatureFromQuery(r.URL.Query()),
-	}, id, req)
-	if err != nil {
-		// A paused sandbox's 409 carries reason "paused" (writeError): the
-		// edge answers E2B's 502 for it and does not wait for it.
-		s.writeError(w, r, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, resp)
 }

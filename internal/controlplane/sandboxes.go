@@ -6,14 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
-	"strings"
 	"time"
 	"unicode/utf8"
 
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
-	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -126,68 +124,6 @@ func containsNUL(s string) bool {
 	return false
 }
 
-func (s *Server) newRoute(id string, gen uint64, workerID, substrate string) identity.Route {
-	return identity.Route{
-		SandboxID: id, Generation: gen, ExecutionID: randHex(16), WorkerID: workerID,
-		Substrate: substrate, ActivationID: randHex(16),
-	}
-}
-
-// loads returns each worker's placements as the store sees them (creating
-// and running sandboxes), which may be ahead of the worker's own report.
-// workersWithLoad lists the registered workers that run substrate ("":
-// all of them), with their load.
-func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]spacev1.Worker, error) {
-	// The two reads are independent: the sandbox records are read while
-	// the workers are.
-	type listed struct {
-		entries []store.SandboxEntry
-		err     error
-	}
-	sbxs := make(chan listed, 1)
-	go func() {
-		e, err := s.st.ListSandboxes(ctx)
-		sbxs <- listed{e, err}
-	}()
-	all, err := s.st.ListWorkers(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("%w: worker registry: %v", errdefs.ErrUnavailable, err)
-	}
-	var ws []spacev1.Worker
-	var why []string
-	for _, w := range all {
-		if substrate == "" || w.Serves(substrate) {
-			ws = append(ws, w)
-		} else if r := w.Unavailable[substrate]; r != "" {
-			why = append(why, w.ID+": "+r)
-		}
-	}
-	if len(all) > 0 && len(ws) == 0 {
-		if len(why) > 0 {
-			return nil, fmt.Errorf("%w: no registered worker runs the %s substrate (%s)", errdefs.ErrUnavailable, substrate, strings.Join(why, "; "))
-		}
-		return nil, fmt.Errorf("%w: no registered worker runs the %s substrate", errdefs.ErrUnavailable, substrate)
-	}
-	l := <-sbxs
-	entries, err := l.entries, l.err
-	if err != nil {
-		return nil, fmt.Errorf("%w: sandbox records: %v", errdefs.ErrUnavailable, err)
-	}
-	placed := map[string]int{}
-	for _, e := range entries {
-		if e.Record.State == store.StateCreating || e.Record.State == store.StateRunning || e.Record.State.Transitional() {
-			placed[e.Record.Route.WorkerID]++
-		}
-		if p := e.Record.PendingRoute; p != nil && !e.Record.State.Terminal() {
-			placed[p.WorkerID]++
-		}
-	}
-	for i := range ws {
-		ws[i].Load = max(ws[i].Load, placed[ws[i].ID])
-	}
-	return ws, nil
-}
-
 // CreateTimingMsg is the message of the debug record a create logs with
 // its phases as durations: place (workers and their load read, pick),
 // record (the creating record written), install (the worker's answer),
@@ -247,14 +183,14 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		}
 		log := s.log.With("sandbox", rec.ID, "generation", rec.Route.Generation, "worker", w.ID)
 		tRecord := time.Now()
-		resp, err := s.install(ctx, w.NodeURL, spacev1.InstallRequest{
+		resp, err := s.node.install(ctx, w.NodeURL, spacev1.InstallRequest{
 			Route: rec.Route, Template: rec.TemplateID, EnvVars: rec.EnvVars,
 			Limits: limitsOf(rec), RestoreSnapshot: p.RestoreSnapshot,
 		})
 		if err != nil {
 			log.Warn("install failed", "err", err)
 			lastErr = err
-			if terr := s.teardown(ctx, w.NodeURL, rec.Route); terr != nil {
+			if terr := s.node.teardown(ctx, w.NodeURL, rec.Route); terr != nil {
 				log.Warn("teardown after failed install failed", "err", terr)
 			}
 			continue
@@ -272,7 +208,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		if _, err := s.st.UpdateSandbox(ctx, rec.ID, rev, rec); err != nil {
 			// Killed while installing: undo the install.
 			log.Warn("sandbox changed during install; tearing down", "err", err)
-			if terr := s.teardown(ctx, w.NodeURL, rec.Route); terr != nil {
+			if terr := s.node.teardown(ctx, w.NodeURL, rec.Route); terr != nil {
 				log.Warn("teardown failed", "err", terr)
 			}
 			return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s was removed while starting", errdefs.ErrConflict, rec.ID)
@@ -294,13 +230,6 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		lastErr = fmt.Errorf("%w: sandbox could not be placed", errdefs.ErrUnavailable)
 	}
 	return store.SandboxRecord{}, fmt.Errorf("create sandbox: %w", lastErr)
-}
-
-func errString(err error) string {
-	if err == nil {
-		return ""
-	}
-	return err.Error()
 }
 
 // visible reports whether an E2B route shows the record: an owner's,
@@ -358,7 +287,7 @@ func (s *Server) killSandbox(ctx context.Context, id, team, reason string, check
 	log := s.log.With("sandbox", id, "generation", rec.Route.Generation, "worker", rec.Route.WorkerID)
 	log.Info("sandbox killed", "reason", reason)
 	if rec.Route.WorkerID != "" {
-		if err := s.teardown(ctx, s.nodeURL(ctx, rec), rec.Route); err != nil {
+		if err := s.node.teardown(ctx, s.nodeURL(ctx, rec), rec.Route); err != nil {
 			// The record is killed: no new capability names this
 			// execution, and workers learn of it through the record watch.
 			log.Warn("teardown failed; execution left to worker reconciliation", "err", err)
@@ -366,15 +295,6 @@ func (s *Server) killSandbox(ctx context.Context, id, team, reason string, check
 	}
 	s.teardownPending(ctx, rec)
 	return nil
-}
-
-// nodeURL is the worker's registered node-api URL, or the one recorded at
-// install when the worker is not registered now.
-func (s *Server) nodeURL(ctx context.Context, rec store.SandboxRecord) string {
-	if w, err := s.st.GetWorker(ctx, rec.Route.WorkerID); err == nil && w.NodeURL != "" {
-		return w.NodeURL
-	}
-	return rec.NodeURL
 }
 
 func (s *Server) setTimeout(ctx context.Context, c caller, id string, secs int32) error {
