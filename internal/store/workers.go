@@ -105,7 +105,7 @@ func (r *Registration) register(ctx context.Context) (<-chan *clientv3.LeaseKeep
 
 func (r *Registration) run(ch <-chan *clientv3.LeaseKeepAliveResponse) {
 	defer close(r.done)
-	backoff := 200 * time.Millisecond
+	retry := newBackOff(200 * time.Millisecond)
 	for {
 		for range ch { //nolint:revive // drain keep-alive responses
 		}
@@ -113,8 +113,9 @@ func (r *Registration) run(ch <-chan *clientv3.LeaseKeepAliveResponse) {
 			return
 		}
 		r.log.Warn("worker lease lost; registering again")
+		retry.Reset()
 		for {
-			if !sleepCtx(r.ctx, backoff) {
+			if !sleepCtx(r.ctx, retry.NextBackOff()) {
 				return
 			}
 			ctx, cancel := context.WithTimeout(r.ctx, r.ttl+5*time.Second)
@@ -122,14 +123,12 @@ func (r *Registration) run(ch <-chan *clientv3.LeaseKeepAliveResponse) {
 			ch, err = r.register(ctx)
 			cancel()
 			if err == nil {
-				backoff = 200 * time.Millisecond
 				break
 			}
 			if r.ctx.Err() != nil {
 				return
 			}
 			r.log.Warn("worker registration failed; retrying", "err", err)
-			backoff = min(backoff*2, 5*time.Second)
 		}
 	}
 }
