@@ -544,8 +544,7 @@ func FuzzDecodeCreate(f *testing.F) {
 	for _, s := range []string{`{"templateID":"base"}`, `{"timeout":1e99}`, `{`, `null`, `{"metadata":{"a":1}}`, `"x"`, `{"envVars":[]}`} {
 		f.Add(s)
 	}
-	srv := &Server{cfg: Config{DataDir: "x"}}
-	srv.cfg.setDefaults()
+	srv := &Server{cfg: Config{DataDir: "x"}.withDefaults()}
 	f.Fuzz(func(t *testing.T, s string) {
 		var req e2bapi.NewSandbox
 		if err := decodeReader(strings.NewReader(s), &req, false); err != nil {

@@ -132,15 +132,8 @@ func (s *Server) RotateKey(ctx context.Context) (spacev1.RotateResponse, error) 
 	return out, nil
 }
 
-func (s *Server) keyPropagation() time.Duration {
-	if s.cfg.KeyPropagation < 0 {
-		return 0
-	}
-	if s.cfg.KeyPropagation == 0 {
-		return DefaultKeyPropagation
-	}
-	return s.cfg.KeyPropagation
-}
+// keyPropagation is the configured wait, a negative one meaning none.
+func (s *Server) keyPropagation() time.Duration { return max(s.cfg.KeyPropagation, 0) }
 
 // publishRotation publishes a bundle with kid valid from now and every other
 // key retiring at notAfter at the latest; keys past their NotAfter are

@@ -48,26 +48,16 @@ type Server struct {
 // the store's bundle, stores the bootstrap API key's hash and starts the
 // timeout loop. It does not listen: call Run, or serve Handler yourself.
 func New(cfg Config, deps Deps) (*Server, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	cfg.setDefaults()
 	if deps.Store == nil {
 		return nil, fmt.Errorf("controlplane: store required")
 	}
-	s := &Server{cfg: cfg, st: deps.Store, log: deps.Logger, now: deps.Clock,
+	deps = deps.withDefaults()
+	s := &Server{cfg: cfg, st: deps.Store, log: deps.Logger.With("component", "space-api"), now: deps.Clock,
 		sched: scheduler.New(scheduler.DefaultK, nil), snaps: deps.Snapshots, reaping: map[string]bool{}}
-	hc := deps.HTTPClient
-	if hc == nil {
-		hc = &http.Client{}
-	}
-	if s.log == nil {
-		s.log = slog.Default()
-	}
-	s.log = s.log.With("component", "space-api")
-	if s.now == nil {
-		s.now = time.Now
-	}
 
 	adopted, err := adoptPendingKey(cfg.DataDir)
 	if err != nil {
@@ -84,7 +74,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
 	s.signer = newRotatingSigner(sg)
-	s.node = &nodeClient{http: hc, signer: s.signer, now: s.now, installTimeout: cfg.InstallTimeout, callTimeout: cfg.NodeTimeout}
+	s.node = &nodeClient{http: deps.HTTPClient, signer: s.signer, now: s.now, installTimeout: cfg.InstallTimeout, callTimeout: cfg.NodeTimeout}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if s.bundle, err = s.publishStartKey(ctx, adopted, kid, pub); err != nil {

@@ -88,7 +88,9 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-func (c *Config) setDefaults() {
+// withDefaults returns c with every unset (zero or negative) timeout and a
+// nil Logger replaced by its documented default.
+func (c Config) withDefaults() Config {
 	if c.DialTimeout <= 0 {
 		c.DialTimeout = DefaultDialTimeout
 	}
@@ -101,9 +103,11 @@ func (c *Config) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	return c
 }
 
-// Validate reports whether c can be opened.
+// Validate reports whether c can be opened. It only checks: unset fields
+// that have a default are valid (Open fills the defaults first).
 func (c Config) Validate() error {
 	if len(c.Endpoints) == 0 && c.DataDir == "" {
 		return fmt.Errorf("store config: %w: data dir or etcd endpoints required", errdefs.ErrInvalid)
@@ -140,10 +144,10 @@ type Store struct {
 // Open connects to etcd, starting the embedded one unless cfg.Endpoints is
 // set. ctx bounds the start.
 func Open(ctx context.Context, cfg Config) (*Store, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	cfg.setDefaults()
 	s := &Store{log: cfg.Logger.With("component", "store"), closeTO: cfg.CloseTimeout}
 	endpoints := cfg.Endpoints
 	if len(endpoints) == 0 {
@@ -320,7 +324,7 @@ func FreePort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
-// ctxErr maps a client error: a closed client reads as ErrClosed.
+// wrapErr maps a client error: a closed client reads as ErrClosed.
 func wrapErr(op string, err error) error {
 	if err == nil {
 		return nil
