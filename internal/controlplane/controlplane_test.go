@@ -2,8 +2,6 @@ package controlplane
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -14,8 +12,6 @@ import (
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
-	"github.com/spacesbx/space/internal/errdefs"
-	"github.com/spacesbx/space/internal/scheduler"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -521,58 +517,3 @@ func TestConfigAndKeyFile(t *testing.T) {
 }
 
 func parseSandboxIDErr(id string) error { _, err := parseSandboxID(id); return err }
-
-func TestStatusMapping(t *testing.T) {
-	cases := map[error]int{
-		errdefs.ErrInvalid: 400, errdefs.ErrUnauthenticated: 401, errdefs.ErrDenied: 403, errdefs.ErrNotFound: 404,
-		errdefs.ErrConflict: 409, errdefs.ErrTooLarge: 413, scheduler.ErrNoCapacity: 503,
-		errdefs.ErrUnavailable: 503, errdefs.ErrUpstream: 502, context.DeadlineExceeded: 504, errors.New("secret detail"): 500,
-	}
-	for err, want := range cases {
-		got, msg := status(err)
-		if got != want {
-			t.Errorf("%v: %d want %d", err, got, want)
-		}
-		if want == 500 && strings.Contains(msg, "secret") {
-			t.Errorf("internal error text leaked: %q", msg)
-		}
-	}
-}
-
-// The decoders never panic and always classify their failures.
-func FuzzDecodeCreate(f *testing.F) {
-	for _, s := range []string{`{"templateID":"base"}`, `{"timeout":1e99}`, `{`, `null`, `{"metadata":{"a":1}}`, `"x"`, `{"envVars":[]}`} {
-		f.Add(s)
-	}
-	srv := &Server{cfg: Config{DataDir: "x"}.withDefaults()}
-	f.Fuzz(func(t *testing.T, s string) {
-		var req e2bapi.NewSandbox
-		if err := decodeReader(strings.NewReader(s), &req, false); err != nil {
-			if !errors.Is(err, errdefs.ErrInvalid) {
-				t.Fatalf("unclassified decode error %v", err)
-			}
-			return
-		}
-		if _, err := srv.validateCreate(req, true); err != nil && !errors.Is(err, errdefs.ErrInvalid) && !errors.Is(err, errdefs.ErrNotFound) {
-			t.Fatalf("unclassified validation error %v", err)
-		}
-		var cr spacev1.CapabilityRequest
-		if err := decodeReader(strings.NewReader(s), &cr, true); err == nil {
-			_ = validatePurpose(cr)
-		}
-		_, _ = parseSandboxID(s)
-		_, _ = parseMetadataQuery(s)
-		_, _ = decodeCursor(s)
-	})
-}
-
-// A worker's refusal reaches the client as 503 when the worker is
-// unavailable and 502 otherwise: the worker's 404 or 409 is about its
-// execution, not the client's request.
-func TestNodeErrorStatus(t *testing.T) {
-	for worker, want := range map[int]int{400: 502, 404: 502, 409: 502, 429: 503, 500: 502, 503: 503, 504: 502} {
-		if got, _ := status(fmt.Errorf("pause: %w", &nodeError{Status: worker, Worker: "w1", Message: "x"})); got != want {
-			t.Errorf("worker %d: client gets %d, want %d", worker, got, want)
-		}
-	}
-}
