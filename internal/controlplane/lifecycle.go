@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
+
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
@@ -157,20 +159,22 @@ func setExec(r *store.SandboxRecord, route identity.Route, state string, at time
 // as last read.
 func (s *Server) waitSettled(ctx context.Context, id string, max time.Duration) (store.SandboxRecord, error) {
 	deadline := time.Now().Add(max)
-	delay := 10 * time.Millisecond
+	// Operations take from milliseconds (a pause) to minutes (a move of a
+	// large layer): poll often at first.
+	poll := &backoff.ExponentialBackOff{InitialInterval: 10 * time.Millisecond, Multiplier: 2, MaxInterval: 100 * time.Millisecond}
+	poll.Reset()
 	for {
 		rec, _, err := s.st.GetSandbox(ctx, id)
 		if err != nil || !rec.State.Transitional() || time.Now().After(deadline) {
 			return rec, err
 		}
-		t := time.NewTimer(delay)
+		t := time.NewTimer(poll.NextBackOff())
 		select {
 		case <-ctx.Done():
 			t.Stop()
 			return rec, ctx.Err()
 		case <-t.C:
 		}
-		delay = min(2*delay, 100*time.Millisecond)
 	}
 }
 
