@@ -12,6 +12,7 @@ import (
 	"github.com/spacesbx/space/internal/store"
 )
 
+// handleHealth answers 200 while the store answers (GET /health).
 func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
 	defer cancel()

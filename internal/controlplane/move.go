@@ -22,6 +22,8 @@ const moveNote = "the sandbox now runs as a new execution: files were kept (writ
 // snapshots hold the whole machine.
 const moveNoteVM = "the sandbox now runs as a new execution: memory, processes and files were kept (full VM snapshot restored)"
 
+// handleMigrate is POST /space/v1/sandboxes/{id}/migrate: the sandbox moves
+// to another worker and the answer says what the move kept.
 func (s *Server) handleMigrate(w http.ResponseWriter, r *http.Request, c caller) {
 	id, err := parseSandboxID(r.PathValue("id"))
 	if err != nil {

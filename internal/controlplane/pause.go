@@ -9,6 +9,8 @@ import (
 	"github.com/spacesbx/space/internal/store"
 )
 
+// handlePause is E2B's POST /sandboxes/{id}/pause: 204 once the execution
+// is frozen, 409 when the sandbox is not running.
 func (s *Server) handlePause(w http.ResponseWriter, r *http.Request, c caller) {
 	id, err := parseSandboxID(r.PathValue("id"))
 	if err != nil {

@@ -32,6 +32,8 @@ func snapshotInfo(r store.SnapshotRecord) SnapshotInfo {
 
 func newSnapshotID() string { return "snap-" + randHex(12) }
 
+// handleCreateSnapshot is E2B's POST /sandboxes/{id}/snapshots
+// (createSnapshot), optionally naming the snapshot.
 func (s *Server) handleCreateSnapshot(w http.ResponseWriter, r *http.Request, c caller) {
 	id, err := parseSandboxID(r.PathValue("id"))
 	if err != nil {
@@ -136,6 +138,8 @@ func (s *Server) snapshotSandbox(ctx context.Context, id, team, name string) (st
 	return snap, nil
 }
 
+// handleListSnapshots is E2B's GET /snapshots: the team's snapshots by
+// id, filtered by sandbox or name, paginated by snapshot id.
 func (s *Server) handleListSnapshots(w http.ResponseWriter, r *http.Request, c caller) {
 	q := r.URL.Query()
 	limit := e2bapi.DefaultLimit
