@@ -8,11 +8,13 @@ import (
 	"io"
 	"log/slog"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/goleak"
 
 	"github.com/spacesbx/space/api/spacev1"
@@ -428,3 +430,11 @@ func TestOpenExternalUnreachable(t *testing.T) {
 }
 
 func itoa(i int) string { return strconv.Itoa(i) }
+
+// A closed store is unavailable to the API edges; its text stays.
+func TestClosedIsUnavailable(t *testing.T) {
+	if err := wrapErr("get", clientv3.ErrNoAvailableEndpoints); !errors.Is(err, ErrClosed) || !errors.Is(err, errdefs.ErrUnavailable) ||
+		!strings.Contains(err.Error(), "store closed") {
+		t.Fatalf("%v", err)
+	}
+}
