@@ -6,12 +6,14 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"net/http"
 	"net/url"
 	"strconv"
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -61,21 +63,21 @@ func expectedFileSignature(path, operation, username, token, expiration string) 
 // signature or one past its expiration is unauthenticated (401).
 func (sig *fileSignature) verify(token string, now time.Time) (time.Time, error) {
 	if sig.Operation != "read" && sig.Operation != "write" {
-		return time.Time{}, fmt.Errorf("%w: signature operation must be read or write", ErrUnauthenticated)
+		return time.Time{}, fmt.Errorf("%w: signature operation must be read or write", errdefs.ErrUnauthenticated)
 	}
 	var until time.Time
 	if sig.Expiration != "" {
 		exp, err := strconv.ParseInt(sig.Expiration, 10, 64)
 		if err != nil {
-			return time.Time{}, fmt.Errorf("%w: invalid signature_expiration", ErrUnauthenticated)
+			return time.Time{}, fmt.Errorf("%w: invalid signature_expiration", errdefs.ErrUnauthenticated)
 		}
 		until = time.Unix(exp, 0)
 	}
 	if !equalSecret(sig.Signature, expectedFileSignature(sig.Path, sig.Operation, sig.Username, token, sig.Expiration)) {
-		return time.Time{}, fmt.Errorf("%w: invalid signature", ErrUnauthenticated)
+		return time.Time{}, fmt.Errorf("%w: invalid signature", errdefs.ErrUnauthenticated)
 	}
 	if !until.IsZero() && until.Unix() < now.Unix() {
-		return time.Time{}, fmt.Errorf("%w: signature is already expired", ErrUnauthenticated)
+		return time.Time{}, fmt.Errorf("%w: signature is already expired", errdefs.ErrUnauthenticated)
 	}
 	if !until.IsZero() {
 		until = until.Add(time.Second) // valid through its expiration second
@@ -91,22 +93,22 @@ func validatePurpose(req spacev1.CapabilityRequest) error {
 	p := capability.Purpose(req.Purpose)
 	switch p {
 	case capability.PurposeControl:
-		return fmt.Errorf("%w: control capabilities are never issued to callers", ErrDenied)
+		return fmt.Errorf("%w: control capabilities are never issued to callers", errdefs.ErrDenied)
 	case capability.PurposeProcess, capability.PurposeFilesystem, capability.PurposeFiles:
 		if req.Port != 0 || req.Protocol != "" {
-			return fmt.Errorf("%w: port and protocol apply to service-port capabilities only", ErrInvalid)
+			return fmt.Errorf("%w: port and protocol apply to service-port capabilities only", errdefs.ErrInvalid)
 		}
 	case capability.PurposeServicePort:
 		if req.Port < 1 || req.Port > 65535 {
-			return fmt.Errorf("%w: service-port needs a port 1..65535", ErrInvalid)
+			return fmt.Errorf("%w: service-port needs a port 1..65535", errdefs.ErrInvalid)
 		}
 		switch req.Protocol {
 		case "http", "ws", "tcp":
 		default:
-			return fmt.Errorf("%w: service-port needs protocol http, ws or tcp", ErrInvalid)
+			return fmt.Errorf("%w: service-port needs protocol http, ws or tcp", errdefs.ErrInvalid)
 		}
 	default:
-		return fmt.Errorf("%w: purpose must be process, filesystem, files or service-port", ErrInvalid)
+		return fmt.Errorf("%w: purpose must be process, filesystem, files or service-port", errdefs.ErrInvalid)
 	}
 	return nil
 }
@@ -121,7 +123,7 @@ func validatePurpose(req spacev1.CapabilityRequest) error {
 func (s *Server) issueCapability(ctx context.Context, cred credentials, id string, req spacev1.CapabilityRequest) (spacev1.CapabilityResponse, error) {
 	var resp spacev1.CapabilityResponse
 	if cred.APIKey == "" && cred.AccessToken == "" {
-		return resp, fmt.Errorf("%w: send %s or %s", ErrUnauthenticated, spacev1.HeaderAPIKey, spacev1.HeaderAccessToken)
+		return resp, fmt.Errorf("%w: send %s or %s", errdefs.ErrUnauthenticated, spacev1.HeaderAPIKey, spacev1.HeaderAccessToken)
 	}
 	var c caller
 	if cred.APIKey != "" {
@@ -131,11 +133,11 @@ func (s *Server) issueCapability(ctx context.Context, cred credentials, id strin
 		}
 	}
 	rec, _, err := s.st.GetSandbox(ctx, id)
-	if errors.Is(err, store.ErrNotFound) {
-		return resp, fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return resp, fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 	}
 	if err != nil {
-		return resp, fmt.Errorf("%w: %v", ErrUnavailable, err)
+		return resp, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err)
 	}
 	tokenOK := func() bool { return rec.AccessToken != "" && equalSecret(cred.AccessToken, rec.AccessToken) }
 	var callerID string
@@ -147,21 +149,21 @@ func (s *Server) issueCapability(ctx context.Context, cred credentials, id strin
 		// authorizes (the envd access token plays no part).
 		if rec.TrafficAccessToken != "" && !req.Repair && !equalSecret(cred.TrafficAccessToken, rec.TrafficAccessToken) {
 			if cred.TrafficAccessToken == "" {
-				return resp, fmt.Errorf("%w: sandbox %s has private traffic: send %s", ErrDenied, id, HeaderTrafficAccessToken)
+				return resp, fmt.Errorf("%w: sandbox %s has private traffic: send %s", errdefs.ErrDenied, id, HeaderTrafficAccessToken)
 			}
-			return resp, fmt.Errorf("%w: invalid traffic access token", ErrDenied)
+			return resp, fmt.Errorf("%w: invalid traffic access token", errdefs.ErrDenied)
 		}
 		callerID = "edge"
 	case c.edge():
 		switch {
 		case cred.AccessToken != "" && rec.AccessToken != "":
 			if !tokenOK() {
-				return resp, fmt.Errorf("%w: invalid access token", ErrUnauthenticated)
+				return resp, fmt.Errorf("%w: invalid access token", errdefs.ErrUnauthenticated)
 			}
 		case rec.AccessToken != "" && !req.Repair && cred.Signature != nil:
 			// envd accepts a signed URL only for GET and POST /files.
 			if capability.Purpose(req.Purpose) != capability.PurposeFiles {
-				return resp, fmt.Errorf("%w: a signature authorizes /files only", ErrUnauthenticated)
+				return resp, fmt.Errorf("%w: a signature authorizes /files only", errdefs.ErrUnauthenticated)
 			}
 			until, err := cred.Signature.verify(rec.AccessToken, s.now())
 			if err != nil {
@@ -172,24 +174,24 @@ func (s *Server) issueCapability(ctx context.Context, cred credentials, id strin
 		case rec.AccessToken != "" && !req.Repair:
 			// envd answers 401 to a secure sandbox's request without its
 			// token; the e2b SDK raises AuthenticationError for it.
-			return resp, fmt.Errorf("%w: sandbox %s requires its access token", ErrUnauthenticated, id)
+			return resp, fmt.Errorf("%w: sandbox %s requires its access token", errdefs.ErrUnauthenticated, id)
 		}
 		if callerID == "" {
 			callerID = "edge"
 		}
 	case cred.APIKey != "":
 		if rec.TeamID != c.TeamID {
-			return resp, fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+			return resp, fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 		}
 		callerID = c.TeamID + "/" + c.KeyID
 	default:
 		if !tokenOK() {
-			return resp, fmt.Errorf("%w: invalid access token", ErrUnauthenticated)
+			return resp, fmt.Errorf("%w: invalid access token", errdefs.ErrUnauthenticated)
 		}
 		callerID = rec.TeamID + "/access-token"
 	}
 	if req.Repair && !c.edge() {
-		return resp, fmt.Errorf("%w: only the edge may request route repair", ErrDenied)
+		return resp, fmt.Errorf("%w: only the edge may request route repair", errdefs.ErrDenied)
 	}
 	if err := validatePurpose(req); err != nil {
 		return resp, err
@@ -197,13 +199,13 @@ func (s *Server) issueCapability(ctx context.Context, cred credentials, id strin
 	now := s.now().UTC()
 	switch {
 	case rec.State.Terminal():
-		return resp, fmt.Errorf("%w: sandbox %s was %s", ErrNotFound, id, rec.State)
+		return resp, fmt.Errorf("%w: sandbox %s was %s", errdefs.ErrNotFound, id, rec.State)
 	case rec.State == store.StateCreating:
-		return resp, fmt.Errorf("%w: sandbox %s is still starting", ErrConflict, id)
+		return resp, fmt.Errorf("%w: sandbox %s is still starting", errdefs.ErrConflict, id)
 	case rec.State == store.StatePaused:
 		return resp, fmt.Errorf("%w: sandbox %s is paused; resume it first", errSandboxPaused, id)
 	case !rec.EndAt.After(now):
-		return resp, fmt.Errorf("%w: sandbox %s has timed out", ErrNotFound, id)
+		return resp, fmt.Errorf("%w: sandbox %s has timed out", errdefs.ErrNotFound, id)
 	}
 	exp := minTime(now.Add(capability.Lifetime), rec.EndAt)
 	tok, claims, err := s.signer.Issue(capability.Claims{
@@ -230,4 +232,28 @@ func minTime(a, b time.Time) time.Time {
 		return b
 	}
 	return a
+}
+
+func (s *Server) handleCapability(w http.ResponseWriter, r *http.Request) {
+	id, err := parseSandboxID(r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	var req spacev1.CapabilityRequest
+	if err := decodeJSON(w, r, &req, true); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	resp, err := s.issueCapability(r.Context(), credentials{
+		APIKey: r.Header.Get(spacev1.HeaderAPIKey), AccessToken: r.Header.Get(spacev1.HeaderAccessToken),
+		TrafficAccessToken: r.Header.Get(HeaderTrafficAccessToken), Signature: signatureFromQuery(r.URL.Query()),
+	}, id, req)
+	if err != nil {
+		// A paused sandbox's 409 carries reason "paused" (writeError): the
+		// edge answers E2B's 502 for it and does not wait for it.
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, resp)
 }

@@ -1,9 +1,7 @@
-// Package controlplane is space-api: the E2B-compatible REST API, SPACE's
-// /space/v1 extensions, the capability signer, placement and the sandbox
-// lifecycle. State lives in etcd through package store.
 package controlplane
 
 import (
+	"cmp"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -118,54 +116,46 @@ type Deps struct {
 	Snapshots snapshot.Store
 }
 
-func (c *Config) setDefaults() {
-	if c.Addr == "" {
-		c.Addr = DefaultAddr
-	}
-	if c.BootstrapTeamID == "" {
-		c.BootstrapTeamID = DefaultTeamID
-	}
-	if c.Domain == "" {
-		c.Domain = DefaultDomain
-	}
-	if c.DefaultTimeout == 0 {
-		c.DefaultTimeout = DefaultTimeout
-	}
-	if c.MaxTimeout == 0 {
-		c.MaxTimeout = DefaultMaxTimeout
-	}
-	if len(c.Templates) == 0 {
-		c.Templates = map[string]Template{"base": DefaultTemplate, "base-vm": DefaultVMTemplate}
-	}
-	if c.Substrate == "" {
-		c.Substrate = identity.SubstrateNS
-	}
-	for name, t := range c.Templates {
-		if t.Substrate == "" {
-			t.Substrate = c.Substrate
-			c.Templates[name] = t
-		}
-	}
-	if c.DefaultEnvdVersion == "" {
-		c.DefaultEnvdVersion = DefaultEnvdVersion
-	}
-	if c.InstallTimeout == 0 {
-		c.InstallTimeout = DefaultInstallTimeout
-	}
-	if c.NodeTimeout == 0 {
-		c.NodeTimeout = DefaultNodeTimeout
-	}
-	if c.ReapInterval == 0 {
-		c.ReapInterval = DefaultReapInterval
-	}
-	if c.TombstoneTTL == 0 {
-		c.TombstoneTTL = DefaultTombstoneTTL
-	}
+// withDefaults returns c with every zero field set to its documented
+// default (and every template's empty Substrate to Config.Substrate). The
+// caller's Templates map is not modified.
+func (c Config) withDefaults() Config {
+	c.Addr = cmp.Or(c.Addr, DefaultAddr)
+	c.BootstrapTeamID = cmp.Or(c.BootstrapTeamID, DefaultTeamID)
+	c.Domain = cmp.Or(c.Domain, DefaultDomain)
+	c.DefaultTimeout = cmp.Or(c.DefaultTimeout, DefaultTimeout)
+	c.MaxTimeout = cmp.Or(c.MaxTimeout, DefaultMaxTimeout)
+	c.Substrate = cmp.Or(c.Substrate, identity.SubstrateNS)
+	c.Templates = c.templates()
+	c.DefaultEnvdVersion = cmp.Or(c.DefaultEnvdVersion, DefaultEnvdVersion)
+	c.InstallTimeout = cmp.Or(c.InstallTimeout, DefaultInstallTimeout)
+	c.NodeTimeout = cmp.Or(c.NodeTimeout, DefaultNodeTimeout)
+	c.ReapInterval = cmp.Or(c.ReapInterval, DefaultReapInterval)
+	c.TombstoneTTL = cmp.Or(c.TombstoneTTL, DefaultTombstoneTTL)
+	c.KeyPropagation = cmp.Or(c.KeyPropagation, DefaultKeyPropagation)
+	return c
 }
 
-// Validate checks c after defaults are applied (New applies them).
+// templates is a copy of the configured templates (or the default ones),
+// each with its substrate resolved.
+func (c Config) templates() map[string]Template {
+	in := c.Templates
+	if len(in) == 0 {
+		in = map[string]Template{"base": DefaultTemplate, "base-vm": DefaultVMTemplate}
+	}
+	out := make(map[string]Template, len(in))
+	for name, t := range in {
+		t.Substrate = cmp.Or(t.Substrate, c.Substrate, identity.SubstrateNS)
+		out[name] = t
+	}
+	return out
+}
+
+// Validate checks c; a zero field that has a default is valid (New fills
+// the defaults first).
 func (c Config) Validate() error {
-	c.setDefaults()
+	// The timeouts are compared as they will be used.
+	defTimeout, maxTimeout := cmp.Or(c.DefaultTimeout, DefaultTimeout), cmp.Or(c.MaxTimeout, DefaultMaxTimeout)
 	switch {
 	case c.DataDir == "":
 		return fmt.Errorf("controlplane config: data dir required")
@@ -175,14 +165,14 @@ func (c Config) Validate() error {
 		return fmt.Errorf("controlplane config: edge key must be 16..256 bytes")
 	case c.EdgeKey != "" && c.EdgeKey == c.BootstrapAPIKey:
 		return fmt.Errorf("controlplane config: edge key must differ from the bootstrap api key")
-	case c.DefaultTimeout < time.Second || c.MaxTimeout < time.Second:
+	case defTimeout < time.Second || maxTimeout < time.Second:
 		return fmt.Errorf("controlplane config: timeouts must be at least 1 s")
-	case c.DefaultTimeout > c.MaxTimeout:
-		return fmt.Errorf("controlplane config: default timeout %s above max %s", c.DefaultTimeout, c.MaxTimeout)
+	case defTimeout > maxTimeout:
+		return fmt.Errorf("controlplane config: default timeout %s above max %s", defTimeout, maxTimeout)
 	case c.InstallTimeout < 0 || c.NodeTimeout < 0 || c.ReapInterval < 0 || c.TombstoneTTL < 0:
 		return fmt.Errorf("controlplane config: negative duration")
 	}
-	for name, t := range c.Templates {
+	for name, t := range c.templates() {
 		if name == "" || t.CPUCount < 0 || t.MemoryMB < 0 || t.DiskSizeMB < 0 {
 			return fmt.Errorf("controlplane config: bad template %q", name)
 		}
@@ -191,4 +181,18 @@ func (c Config) Validate() error {
 		}
 	}
 	return nil
+}
+
+// withDefaults returns d with every nil dependency that has a default set.
+func (d Deps) withDefaults() Deps {
+	if d.HTTPClient == nil {
+		d.HTTPClient = &http.Client{}
+	}
+	if d.Logger == nil {
+		d.Logger = slog.Default()
+	}
+	if d.Clock == nil {
+		d.Clock = time.Now
+	}
+	return d
 }

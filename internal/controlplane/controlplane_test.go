@@ -2,7 +2,6 @@ package controlplane
 
 import (
 	"context"
-	"errors"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -518,48 +517,3 @@ func TestConfigAndKeyFile(t *testing.T) {
 }
 
 func parseSandboxIDErr(id string) error { _, err := parseSandboxID(id); return err }
-
-func TestStatusMapping(t *testing.T) {
-	cases := map[error]int{
-		ErrInvalid: 400, store.ErrInvalid: 400, ErrUnauthenticated: 401, ErrDenied: 403, ErrNotFound: 404,
-		store.ErrNotFound: 404, ErrConflict: 409, store.ErrConflict: 409, ErrTooLarge: 413,
-		ErrUnavailable: 503, ErrUpstream: 502, context.DeadlineExceeded: 504, errors.New("secret detail"): 500,
-	}
-	for err, want := range cases {
-		got, msg := status(err)
-		if got != want {
-			t.Errorf("%v: %d want %d", err, got, want)
-		}
-		if want == 500 && strings.Contains(msg, "secret") {
-			t.Errorf("internal error text leaked: %q", msg)
-		}
-	}
-}
-
-// The decoders never panic and always classify their failures.
-func FuzzDecodeCreate(f *testing.F) {
-	for _, s := range []string{`{"templateID":"base"}`, `{"timeout":1e99}`, `{`, `null`, `{"metadata":{"a":1}}`, `"x"`, `{"envVars":[]}`} {
-		f.Add(s)
-	}
-	srv := &Server{cfg: Config{DataDir: "x"}}
-	srv.cfg.setDefaults()
-	f.Fuzz(func(t *testing.T, s string) {
-		var req e2bapi.NewSandbox
-		if err := decodeReader(strings.NewReader(s), &req, false); err != nil {
-			if !errors.Is(err, ErrInvalid) {
-				t.Fatalf("unclassified decode error %v", err)
-			}
-			return
-		}
-		if _, err := srv.validateCreate(req, true); err != nil && !errors.Is(err, ErrInvalid) && !errors.Is(err, ErrNotFound) {
-			t.Fatalf("unclassified validation error %v", err)
-		}
-		var cr spacev1.CapabilityRequest
-		if err := decodeReader(strings.NewReader(s), &cr, true); err == nil {
-			_ = validatePurpose(cr)
-		}
-		_, _ = parseSandboxID(s)
-		_, _ = parseMetadataQuery(s)
-		_, _ = decodeCursor(s)
-	})
-}

@@ -1,19 +1,22 @@
 package controlplane
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"strings"
+	"time"
 
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 )
 
 // decodeJSON reads one JSON value of at most MaxBodyBytes from r's body into
-// v. strict rejects unknown fields. Every failure is ErrInvalid (or
-// ErrTooLarge) with a message naming the problem.
+// v. strict rejects unknown fields. Every failure is errdefs.ErrInvalid (or
+// errdefs.ErrTooLarge) with a message naming the problem.
 func decodeJSON(w http.ResponseWriter, r *http.Request, v any, strict bool) error {
 	body := http.MaxBytesReader(w, r.Body, MaxBodyBytes)
 	defer body.Close()
@@ -33,9 +36,9 @@ func decodeReader(rd io.Reader, v any, strict bool) error {
 	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
-			return fmt.Errorf("%w: body exceeds %d bytes", ErrTooLarge, mbe.Limit)
+			return fmt.Errorf("request body %w: body exceeds %d bytes", errdefs.ErrTooLarge, mbe.Limit)
 		}
-		return fmt.Errorf("%w: unexpected data after the JSON body", ErrInvalid)
+		return fmt.Errorf("%w: unexpected data after the JSON body", errdefs.ErrInvalid)
 	}
 	return nil
 }
@@ -48,22 +51,22 @@ func classifyDecodeError(err error) error {
 	)
 	switch {
 	case errors.As(err, &mbe):
-		return fmt.Errorf("%w: body exceeds %d bytes", ErrTooLarge, mbe.Limit)
+		return fmt.Errorf("request body %w: body exceeds %d bytes", errdefs.ErrTooLarge, mbe.Limit)
 	case errors.Is(err, io.EOF):
-		return fmt.Errorf("%w: empty body, expected a JSON object", ErrInvalid)
+		return fmt.Errorf("%w: empty body, expected a JSON object", errdefs.ErrInvalid)
 	case errors.Is(err, io.ErrUnexpectedEOF):
-		return fmt.Errorf("%w: truncated JSON body", ErrInvalid)
+		return fmt.Errorf("%w: truncated JSON body", errdefs.ErrInvalid)
 	case errors.As(err, &se):
-		return fmt.Errorf("%w: malformed JSON at byte %d", ErrInvalid, se.Offset)
+		return fmt.Errorf("%w: malformed JSON at byte %d", errdefs.ErrInvalid, se.Offset)
 	case errors.As(err, &te):
 		if te.Field != "" {
-			return fmt.Errorf("%w: field %q must be %s", ErrInvalid, te.Field, jsonKind(te.Type.String()))
+			return fmt.Errorf("%w: field %q must be %s", errdefs.ErrInvalid, te.Field, jsonKind(te.Type.String()))
 		}
-		return fmt.Errorf("%w: body must be a JSON object", ErrInvalid)
+		return fmt.Errorf("%w: body must be a JSON object", errdefs.ErrInvalid)
 	case strings.HasPrefix(err.Error(), "json: unknown field "):
-		return fmt.Errorf("%w: %s", ErrInvalid, strings.TrimPrefix(err.Error(), "json: "))
+		return fmt.Errorf("%w: %s", errdefs.ErrInvalid, strings.TrimPrefix(err.Error(), "json: "))
 	}
-	return fmt.Errorf("%w: undecodable JSON body", ErrInvalid)
+	return fmt.Errorf("%w: undecodable JSON body", errdefs.ErrInvalid)
 }
 
 func jsonKind(goType string) string {
@@ -85,7 +88,37 @@ func jsonKind(goType string) string {
 // parseSandboxID validates a sandbox id from a path.
 func parseSandboxID(raw string) (string, error) {
 	if err := identity.ValidateSandboxID(raw); err != nil {
-		return "", fmt.Errorf("%w: sandbox id must be 1..63 lowercase letters, digits or inner hyphens", ErrInvalid)
+		return "", fmt.Errorf("%w: sandbox id must be 1..63 lowercase letters, digits or inner hyphens", errdefs.ErrInvalid)
 	}
 	return raw, nil
+}
+
+// decodeOptionalJSON decodes a body that may be absent or empty.
+func decodeOptionalJSON(w http.ResponseWriter, r *http.Request, v any) error {
+	body := http.MaxBytesReader(w, r.Body, MaxBodyBytes)
+	defer body.Close()
+	data, err := io.ReadAll(body)
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return fmt.Errorf("request body %w: body exceeds %d bytes", errdefs.ErrTooLarge, mbe.Limit)
+		}
+		return fmt.Errorf("%w: reading body: %v", errdefs.ErrInvalid, err)
+	}
+	if len(bytes.TrimSpace(data)) == 0 {
+		return nil
+	}
+	return decodeReader(bytes.NewReader(data), v, false)
+}
+
+// ttl validates a timeout in seconds (nil: def).
+func (s *Server) ttl(secs *int32, def time.Duration) (time.Duration, error) {
+	if secs == nil {
+		return def, nil
+	}
+	d := time.Duration(*secs) * time.Second
+	if *secs <= 0 || d > s.cfg.MaxTimeout {
+		return 0, fmt.Errorf("%w: timeout must be 1..%d seconds", errdefs.ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
+	}
+	return d, nil
 }

@@ -1,59 +1,26 @@
 package controlplane
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
 
-	"github.com/spacesbx/space/api/e2bapi"
-	"github.com/spacesbx/space/internal/scheduler"
-	"github.com/spacesbx/space/internal/store"
-)
-
-// Error classes of the core. Errors wrap one of them; the HTTP edge maps the
-// class to a status (and nothing else decides statuses).
-var (
-	ErrInvalid         = errors.New("invalid request")
-	ErrUnauthenticated = errors.New("unauthenticated")
-	ErrDenied          = errors.New("permission denied")
-	ErrNotFound        = errors.New("not found")
-	ErrConflict        = errors.New("conflict")
-	ErrUnavailable     = errors.New("unavailable")
-	ErrUpstream        = errors.New("worker error")
-	ErrTooLarge        = errors.New("request body too large")
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 // errSandboxPaused refuses a capability for a paused sandbox: a conflict,
-// which the capability endpoint marks with reason "paused".
-var errSandboxPaused = fmt.Errorf("%w: paused", ErrConflict)
+// which the capability endpoint marks with reason "paused" so that the edge
+// can tell it apart from other conflicts.
+var errSandboxPaused = fmt.Errorf("%w: paused", errdefs.ErrConflict)
 
-// status maps an error to its HTTP status and the message safe to return.
-// Unclassified errors are internal: their text is not returned.
+// status is the one place the REST API turns an error into an HTTP status
+// and the message safe to return: the error's errdefs class decides both.
+// Unclassified errors are internal: their text (which may hold host
+// details) is not returned.
 func status(err error) (int, string) {
-	msg := err.Error()
-	switch {
-	case errors.Is(err, ErrTooLarge):
-		return http.StatusRequestEntityTooLarge, msg
-	case errors.Is(err, ErrInvalid), errors.Is(err, store.ErrInvalid):
-		return http.StatusBadRequest, msg
-	case errors.Is(err, ErrUnauthenticated):
-		return http.StatusUnauthorized, msg
-	case errors.Is(err, ErrDenied):
-		return http.StatusForbidden, msg
-	case errors.Is(err, ErrNotFound), errors.Is(err, store.ErrNotFound):
-		return http.StatusNotFound, msg
-	case errors.Is(err, ErrConflict), errors.Is(err, store.ErrConflict):
-		return http.StatusConflict, msg
-	case errors.Is(err, ErrUnavailable), errors.Is(err, scheduler.ErrNoCapacity):
-		return http.StatusServiceUnavailable, msg
-	case errors.Is(err, ErrUpstream):
-		return http.StatusBadGateway, msg
-	case errors.Is(err, context.DeadlineExceeded):
-		return http.StatusGatewayTimeout, "deadline exceeded"
-	}
-	return http.StatusInternalServerError, "internal error"
+	return errdefs.HTTPStatus(err), errdefs.PublicMessage(err)
 }
 
 func writeJSON(w http.ResponseWriter, code int, v any) {
@@ -63,6 +30,8 @@ func writeJSON(w http.ResponseWriter, code int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
+// writeError answers err in E2B's error shape ({code, message}); a paused
+// sandbox's refusal also carries spacev1.ReasonPaused.
 func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 	code, msg := status(err)
 	if code >= 500 {
@@ -73,5 +42,23 @@ func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 	if code == http.StatusUnauthorized {
 		w.Header().Set("WWW-Authenticate", `ApiKey header="X-API-Key"`)
 	}
-	writeJSON(w, code, e2bapi.Error{Code: code, Message: msg})
+	body := spacev1.Error{Code: code, Message: msg}
+	if errors.Is(err, errSandboxPaused) {
+		body.Reason = spacev1.ReasonPaused
+	}
+	writeJSON(w, code, body)
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}
+
+func errString(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
 }

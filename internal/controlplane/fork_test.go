@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -26,7 +27,7 @@ func archiveExists(t *testing.T, e *env, id string) bool {
 		rc.Close()
 		return true
 	}
-	if !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, store.ErrNotFound) && !strings.Contains(err.Error(), "not found") {
+	if !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, errdefs.ErrNotFound) && !strings.Contains(err.Error(), "not found") {
 		t.Fatalf("open archive %s: %v", id, err)
 	}
 	return false

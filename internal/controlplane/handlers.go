@@ -2,13 +2,12 @@ package controlplane
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
 
 	"github.com/spacesbx/space/api/e2bapi"
-	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -90,7 +89,7 @@ func (s *Server) handleList(w http.ResponseWriter, r *http.Request, c caller, v2
 	}
 	entries, err := s.st.ListSandboxes(r.Context())
 	if err != nil {
-		s.writeError(w, r, fmt.Errorf("%w: %v", ErrUnavailable, err))
+		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
 		return
 	}
 	page, next, running := filterSandboxes(entries, c.TeamID, lq)
@@ -123,7 +122,7 @@ func (s *Server) handleKill(w http.ResponseWriter, r *http.Request, c caller) {
 	// A kill runs to completion even if the client goes away.
 	if err := s.killSandbox(context.WithoutCancel(r.Context()), id, c.TeamID, "killed by "+c.KeyID, func(rec store.SandboxRecord) error {
 		if !visible(rec, c.TeamID) {
-			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+			return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 		}
 		return nil
 	}); err != nil {
@@ -147,7 +146,7 @@ func (s *Server) handleTimeout(w http.ResponseWriter, r *http.Request, c caller)
 		return
 	}
 	if req.Timeout == nil {
-		s.writeError(w, r, fmt.Errorf("%w: timeout is required", ErrInvalid))
+		s.writeError(w, r, fmt.Errorf("%w: timeout is required", errdefs.ErrInvalid))
 		return
 	}
 	if err := s.setTimeout(r.Context(), c, id, *req.Timeout); err != nil {
@@ -157,78 +156,37 @@ func (s *Server) handleTimeout(w http.ResponseWriter, r *http.Request, c caller)
 	w.WriteHeader(http.StatusNoContent)
 }
 
-// handleWorkers lists the worker registry (admin keys and the edge).
-func (s *Server) handleWorkers(w http.ResponseWriter, r *http.Request) {
-	c, err := s.authenticate(r.Context(), r.Header.Get(spacev1.HeaderAPIKey))
-	if err != nil {
-		s.writeError(w, r, err)
-		return
+// e2bState is the state E2B clients see: a record in a transitional state
+// shows the stable state its operation started from.
+func e2bState(rec store.SandboxRecord) string {
+	if rec.Op != nil {
+		return string(rec.Op.From)
 	}
-	if c.Role != store.RoleAdmin && !c.edge() {
-		s.writeError(w, r, fmt.Errorf("%w: listing workers needs an admin key", ErrDenied))
-		return
-	}
-	ws, err := s.workersWithLoad(r.Context(), "")
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, ws)
+	return string(rec.State)
 }
 
-// handleExecutions lists a sandbox's executions (owner's key or the edge),
-// tombstoned sandboxes included until they are purged.
-func (s *Server) handleExecutions(w http.ResponseWriter, r *http.Request) {
-	c, err := s.authenticate(r.Context(), r.Header.Get(spacev1.HeaderAPIKey))
-	if err != nil {
-		s.writeError(w, r, err)
-		return
+// sandboxBody is the E2B Sandbox answer for an existing sandbox.
+func (s *Server) sandboxBody(rec store.SandboxRecord) e2bapi.Sandbox {
+	var traffic *string
+	if rec.TrafficAccessToken != "" {
+		traffic = &rec.TrafficAccessToken
 	}
-	id, err := parseSandboxID(r.PathValue("id"))
-	if err != nil {
-		s.writeError(w, r, err)
-		return
+	return e2bapi.Sandbox{
+		SandboxID: rec.ID, TemplateID: rec.TemplateID, Alias: rec.Alias, ClientID: clientID,
+		EnvdVersion: rec.EnvdVersion, EnvdAccessToken: rec.AccessToken, Domain: s.domain(),
+		TrafficAccessToken: traffic,
 	}
-	rec, _, err := s.st.GetSandbox(r.Context(), id)
-	if errors.Is(err, store.ErrNotFound) || (err == nil && !c.edge() && rec.TeamID != c.TeamID) {
-		s.writeError(w, r, fmt.Errorf("%w: sandbox %s", ErrNotFound, id))
-		return
-	}
-	if err != nil {
-		s.writeError(w, r, fmt.Errorf("%w: %v", ErrUnavailable, err))
-		return
-	}
-	out := rec.Executions
-	if out == nil {
-		out = []spacev1.Execution{}
-	}
-	writeJSON(w, http.StatusOK, out)
 }
 
-func (s *Server) handleCapability(w http.ResponseWriter, r *http.Request) {
-	id, err := parseSandboxID(r.PathValue("id"))
-	if err != nil {
-		s.writeError(w, r, err)
-		return
+// created is the E2B create response for rec.
+func (s *Server) created(rec store.SandboxRecord) *e2bapi.Sandbox {
+	var traffic *string
+	if rec.TrafficAccessToken != "" {
+		traffic = &rec.TrafficAccessToken
 	}
-	var req spacev1.CapabilityRequest
-	if err := decodeJSON(w, r, &req, true); err != nil {
-		s.writeError(w, r, err)
-		return
+	return &e2bapi.Sandbox{
+		SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
+		EnvdVersion: rec.EnvdVersion, EnvdAccessToken: rec.AccessToken, Domain: s.domain(),
+		TrafficAccessToken: traffic,
 	}
-	resp, err := s.issueCapability(r.Context(), credentials{
-		APIKey: r.Header.Get(spacev1.HeaderAPIKey), AccessToken: r.Header.Get(spacev1.HeaderAccessToken),
-		TrafficAccessToken: r.Header.Get(HeaderTrafficAccessToken), Signature: signatureFromQuery(r.URL.Query()),
-	}, id, req)
-	if errors.Is(err, errSandboxPaused) {
-		// The edge tells paused apart from other conflicts (it answers
-		// E2B's 502 for a paused sandbox and does not wait for it).
-		writeJSON(w, http.StatusConflict, spacev1.Error{Code: http.StatusConflict, Message: err.Error(), Reason: spacev1.ReasonPaused})
-		return
-	}
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, resp)
 }

@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/http"
-	"strings"
 	"time"
-	"unicode/utf8"
+
+	"github.com/cenkalti/backoff/v5"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -42,11 +42,11 @@ const (
 )
 
 // errBusy marks a refusal because another lifecycle operation holds the record.
-var errBusy = fmt.Errorf("%w: lifecycle operation in progress", ErrConflict)
+var errBusy = fmt.Errorf("%w: lifecycle operation in progress", errdefs.ErrConflict)
 
 // errOpLost: the record left the operation's hands (killed, or recovered by
 // the reaper after the operation overran its deadline).
-var errOpLost = fmt.Errorf("%w: sandbox changed during the operation", ErrConflict)
+var errOpLost = fmt.Errorf("%w: sandbox changed during the operation", errdefs.ErrConflict)
 
 // Execution states in the executions history.
 const (
@@ -56,94 +56,11 @@ const (
 	execFailed  = "failed"
 )
 
-// MigrateRequest is the body of POST /space/v1/sandboxes/{id}/migrate.
-type MigrateRequest struct {
-	// TargetWorker names the worker to move to; empty lets the scheduler
-	// pick one (never the current worker).
-	TargetWorker string `json:"target_worker,omitempty"`
-}
-
-// MigrateResponse answers a migration (and is what a resume elsewhere did).
-type MigrateResponse struct {
-	SandboxID string         `json:"sandbox_id"`
-	From      identity.Route `json:"from"`
-	Route     identity.Route `json:"route"`
-	// Execution is the new execution's history entry.
-	Execution  spacev1.Execution `json:"execution"`
-	SnapshotID string            `json:"snapshot_id"`
-	// ProcessesRestarted and FilesKept describe what the move preserved:
-	// the ns substrate archives the writable layer only.
-	ProcessesRestarted bool   `json:"processes_restarted"`
-	FilesKept          bool   `json:"files_kept"`
-	Note               string `json:"note"`
-}
-
-const moveNote = "the sandbox now runs as a new execution: files were kept (writable layer restored from a snapshot), processes were restarted"
-
-// moveNoteVM is the note of a move on the microvm substrate, whose
-// snapshots hold the whole machine.
-const moveNoteVM = "the sandbox now runs as a new execution: memory, processes and files were kept (full VM snapshot restored)"
-
 // opDeadline is how long an operation may hold a record before the reaper
 // recovers it (every node call it makes has its own, shorter, deadline).
 func (s *Server) opDeadline() time.Duration {
 	return s.cfg.InstallTimeout + 4*s.cfg.NodeTimeout + time.Minute
 }
-
-// ---- node calls ----
-
-func (s *Server) nodeLifecycle(ctx context.Context, nodeURL, path string, route identity.Route) error {
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.NodeTimeout)
-	defer cancel()
-	return s.nodeCall(ctx, nodeURL, path, route, spacev1.LifecycleRequest{Route: route}, nil)
-}
-
-func (s *Server) nodeSnapshot(ctx context.Context, nodeURL string, route identity.Route, snapID string) (spacev1.SnapshotResponse, error) {
-	// Archiving a large writable layer takes longer than a control call.
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.InstallTimeout)
-	defer cancel()
-	var resp spacev1.SnapshotResponse
-	err := s.nodeCall(ctx, nodeURL, spacev1.NodePathSnapshot, route, spacev1.SnapshotRequest{Route: route, SnapshotID: snapID}, &resp)
-	if err == nil && resp.SnapshotID != "" && resp.SnapshotID != snapID {
-		err = fmt.Errorf("%w: worker %s stored snapshot %q, asked for %q", ErrUpstream, route.WorkerID, truncate(resp.SnapshotID, 80), snapID)
-	}
-	return resp, err
-}
-
-// nodeRetire tells the old worker its execution is retired. A 404 (nothing
-// installed any more) counts as done.
-func (s *Server) nodeRetire(ctx context.Context, nodeURL string, route identity.Route) error {
-	err := s.nodeLifecycle(ctx, nodeURL, spacev1.NodePathRetire, route)
-	var ne *nodeError
-	if errors.As(err, &ne) && ne.Status == http.StatusNotFound {
-		return nil
-	}
-	return err
-}
-
-// definiteRefusal reports whether a node call failed with an answer that
-// says nothing was done (a 4xx), as opposed to an unknown outcome.
-func definiteRefusal(err error) bool {
-	var ne *nodeError
-	return errors.As(err, &ne) && ne.Status >= 400 && ne.Status < 500
-}
-
-// liveWorker returns the worker's node URL when it is registered now.
-func (s *Server) liveWorker(ctx context.Context, id string) (string, bool) {
-	w, err := s.st.GetWorker(ctx, id)
-	if err != nil || w.NodeURL == "" {
-		return "", false
-	}
-	return w.NodeURL, true
-}
-
-func limitsOf(rec store.SandboxRecord) spacev1.Limits {
-	return spacev1.Limits{MemoryBytes: int64(rec.MemoryMB) << 20, CPUMillis: int64(rec.CPUCount) * 1000, DiskBytes: int64(rec.DiskSizeMB) << 20}
-}
-
-func newSnapshotID() string { return "snap-" + randHex(12) }
-
-// ---- operation bookkeeping ----
 
 // beginOp moves a live record into the transitional state `to` under a new
 // operation, after allow accepted the current record. team "" skips the
@@ -154,7 +71,7 @@ func (s *Server) beginOp(ctx context.Context, id, team, kind string, to store.Sa
 	rec, _, err := s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
 		switch {
 		case (team != "" && r.TeamID != team) || r.State.Terminal():
-			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+			return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 		case r.Op != nil:
 			return fmt.Errorf("%w: sandbox %s: a %s operation is in progress (since %s); one lifecycle operation at a time, retry when it ends",
 				errBusy, id, r.Op.Kind, r.Op.StartedAt.Format(time.RFC3339))
@@ -169,8 +86,8 @@ func (s *Server) beginOp(ctx context.Context, id, team, kind string, to store.Sa
 		r.Op = op
 		return nil
 	})
-	if errors.Is(err, store.ErrNotFound) {
-		return rec, nil, fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return rec, nil, fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 	}
 	if err != nil {
 		return rec, nil, err
@@ -188,7 +105,7 @@ func (s *Server) stepOp(ctx context.Context, id string, op *store.LifecycleOp, f
 		}
 		return fn(r)
 	})
-	if errors.Is(err, store.ErrNotFound) {
+	if errors.Is(err, errdefs.ErrNotFound) {
 		return rec, fmt.Errorf("%w: sandbox %s was removed", errOpLost, id)
 	}
 	return rec, err
@@ -242,443 +159,24 @@ func setExec(r *store.SandboxRecord, route identity.Route, state string, at time
 // as last read.
 func (s *Server) waitSettled(ctx context.Context, id string, max time.Duration) (store.SandboxRecord, error) {
 	deadline := time.Now().Add(max)
-	delay := 10 * time.Millisecond
+	// Operations take from milliseconds (a pause) to minutes (a move of a
+	// large layer): poll often at first.
+	poll := &backoff.ExponentialBackOff{InitialInterval: 10 * time.Millisecond, Multiplier: 2, MaxInterval: 100 * time.Millisecond}
+	poll.Reset()
 	for {
 		rec, _, err := s.st.GetSandbox(ctx, id)
 		if err != nil || !rec.State.Transitional() || time.Now().After(deadline) {
 			return rec, err
 		}
-		t := time.NewTimer(delay)
+		t := time.NewTimer(poll.NextBackOff())
 		select {
 		case <-ctx.Done():
 			t.Stop()
 			return rec, ctx.Err()
 		case <-t.C:
 		}
-		delay = min(2*delay, 100*time.Millisecond)
 	}
 }
-
-// ---- pause ----
-
-// pauseSandbox freezes the running execution on its worker (same execution:
-// route and generation unchanged). check, when non-nil, must accept the
-// record (the reaper re-checks the timeout).
-func (s *Server) pauseSandbox(ctx context.Context, id, team string, check func(store.SandboxRecord) error) error {
-	ctx = context.WithoutCancel(ctx)
-	rec, op, err := s.beginOp(ctx, id, team, opPause, store.StatePausing, "", func(r store.SandboxRecord) error {
-		switch r.State {
-		case store.StateRunning:
-		case store.StatePaused:
-			return fmt.Errorf("%w: sandbox %s is already paused", ErrConflict, id)
-		default:
-			return fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, r.State)
-		}
-		if check != nil {
-			return check(r)
-		}
-		return nil
-	})
-	if err != nil {
-		return err
-	}
-	log := s.log.With("sandbox", id, "generation", rec.Route.Generation, "worker", rec.Route.WorkerID)
-	nodeURL := s.nodeURL(ctx, rec)
-	if err := s.nodeLifecycle(ctx, nodeURL, spacev1.NodePathPause, rec.Route); err != nil {
-		log.Warn("pause failed", "err", err)
-		back := store.StateRunning
-		if !definiteRefusal(err) {
-			// Unknown outcome: thaw, so a running record never hides a
-			// frozen execution; if that fails too, keep it paused
-			// (no capability is issued; a resume retries).
-			if rerr := s.nodeLifecycle(ctx, nodeURL, spacev1.NodePathResume, rec.Route); rerr != nil {
-				log.Warn("thaw after failed pause failed; the sandbox stays paused", "err", rerr)
-				back = store.StatePaused
-			}
-		}
-		now := s.now().UTC()
-		if _, ferr := s.finishOp(ctx, id, op, func(r *store.SandboxRecord) {
-			r.State = back
-			if back == store.StatePaused {
-				r.EndAt = now.Add(s.cfg.MaxTimeout)
-				setExec(r, r.Route, execPaused, now)
-			}
-		}); ferr != nil {
-			log.Warn("releasing the record failed", "err", ferr)
-		}
-		return fmt.Errorf("pause sandbox %s: %w", id, err)
-	}
-	now := s.now().UTC()
-	_, err = s.finishOp(ctx, id, op, func(r *store.SandboxRecord) {
-		r.State = store.StatePaused
-		// A paused sandbox is kept for MaxTimeout, then killed.
-		r.EndAt = now.Add(s.cfg.MaxTimeout)
-		r.PausedSnapshot = ""
-		setExec(r, r.Route, execPaused, now)
-	})
-	if err != nil {
-		return fmt.Errorf("pause sandbox %s: %w", id, err)
-	}
-	return nil
-}
-
-// ---- resume ----
-
-// resumeOpts tune a resume.
-type resumeOpts struct {
-	// Timeout is the new time to live, from now.
-	Timeout time.Duration
-	// Restart asks for a new execution with the files restored even when
-	// the old worker could thaw the paused one (E2B's memory:false).
-	Restart bool
-	// AutoPause, when non-nil, replaces the record's autoPause.
-	AutoPause *bool
-}
-
-// resumeSandbox resumes a paused sandbox: on its worker when that worker is
-// registered (node resume: same execution), else elsewhere (see move). It
-// returns the record after the resume and, for a move, what moved.
-func (s *Server) resumeSandbox(ctx context.Context, id, team string, o resumeOpts) (store.SandboxRecord, *MigrateResponse, error) {
-	ctx = context.WithoutCancel(ctx)
-	rec, op, err := s.beginOp(ctx, id, team, opResume, store.StateResuming, "", func(r store.SandboxRecord) error {
-		switch r.State {
-		case store.StatePaused:
-			return nil
-		case store.StateRunning:
-			return fmt.Errorf("%w: sandbox %s is already running", ErrConflict, id)
-		}
-		return fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, r.State)
-	})
-	if err != nil {
-		return rec, nil, err
-	}
-	nodeURL, alive := s.liveWorker(ctx, rec.Route.WorkerID)
-	if alive && !o.Restart {
-		if err := s.nodeLifecycle(ctx, nodeURL, spacev1.NodePathResume, rec.Route); err != nil {
-			s.log.Warn("resume failed; the sandbox stays paused", "sandbox", id, "worker", rec.Route.WorkerID, "err", err)
-			s.abortOp(ctx, id, op, store.StatePaused)
-			return rec, nil, fmt.Errorf("resume sandbox %s: %w", id, err)
-		}
-		now := s.now().UTC()
-		rec, err = s.finishOp(ctx, id, op, func(r *store.SandboxRecord) {
-			r.State = store.StateRunning
-			r.EndAt = now.Add(o.Timeout)
-			r.PausedSnapshot = ""
-			if o.AutoPause != nil {
-				r.AutoPause = *o.AutoPause
-			}
-			setExec(r, r.Route, execRunning, now)
-		})
-		if err != nil {
-			return rec, nil, fmt.Errorf("resume sandbox %s: %w", id, err)
-		}
-		return rec, nil, nil
-	}
-	var exclude []string
-	if !alive {
-		exclude = append(exclude, rec.Route.WorkerID)
-	}
-	return s.move(ctx, rec, op, "", exclude, o.Timeout, o.AutoPause)
-}
-
-// ---- migrate ----
-
-// migrateSandbox moves a running or paused sandbox to another worker (the
-// scheduler's pick when target is empty). It ends running.
-func (s *Server) migrateSandbox(ctx context.Context, id, team, target string) (store.SandboxRecord, *MigrateResponse, error) {
-	ctx = context.WithoutCancel(ctx)
-	if target != "" {
-		if len(target) > 253 || strings.ContainsAny(target, "/ \t\r\n") || !utf8.ValidString(target) {
-			return store.SandboxRecord{}, nil, fmt.Errorf("%w: target_worker must be a worker id (1..253 characters without '/' or spaces)", ErrInvalid)
-		}
-		if _, err := s.st.GetWorker(ctx, target); errors.Is(err, store.ErrNotFound) {
-			return store.SandboxRecord{}, nil, fmt.Errorf("%w: target_worker %q is not registered", ErrInvalid, target)
-		} else if err != nil {
-			return store.SandboxRecord{}, nil, fmt.Errorf("%w: worker registry: %v", ErrUnavailable, err)
-		}
-	}
-	rec, op, err := s.beginOp(ctx, id, team, opMigrate, store.StateMigrating, target, func(r store.SandboxRecord) error {
-		if r.State != store.StateRunning && r.State != store.StatePaused {
-			return fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, r.State)
-		}
-		if target != "" && target == r.Route.WorkerID {
-			return fmt.Errorf("%w: sandbox %s already runs on worker %s; name another target_worker", ErrInvalid, id, target)
-		}
-		return nil
-	})
-	if err != nil {
-		return rec, nil, err
-	}
-	timeout := time.Duration(0) // keep the running sandbox's end
-	if op.From == store.StatePaused {
-		timeout = s.cfg.DefaultTimeout
-	}
-	return s.move(ctx, rec, op, target, []string{rec.Route.WorkerID}, timeout, nil)
-}
-
-// move runs a sandbox as a new execution with its files kept. Node calls,
-// in order:
-//
-//  1. pause on the old worker (only when the operation began running);
-//  2. snapshot of the paused execution's writable layer on the old worker
-//     (skipped when a snapshot of this paused execution exists; required
-//     when the old worker is gone);
-//  3. (store) the generation is bumped and the new route recorded as
-//     pending, revision-guarded;
-//  4. install with RestoreSnapshot on the target (persisted there before
-//     the route is published);
-//  5. (store) publish: the new route becomes Route, state running;
-//  6. retire of the old execution on the old worker.
-//
-// A failure before 5 unpublishes nothing: the sandbox stays paused on the
-// old worker with its files (a migration that began running thaws the old
-// execution again when it can), and a target install is torn down.
-func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.LifecycleOp, target string, exclude []string,
-	timeout time.Duration, autoPause *bool) (store.SandboxRecord, *MigrateResponse, error) {
-	id, old := rec.ID, rec.Route
-	log := s.log.With("sandbox", id, "op", op.Kind, "generation", old.Generation, "worker", old.WorkerID)
-	oldURL, alive := s.liveWorker(ctx, old.WorkerID)
-	wasRunning := op.From == store.StateRunning
-
-	// giveUp releases the record after a failure before publication.
-	giveUp := func(err error, mut func(*store.SandboxRecord)) (store.SandboxRecord, *MigrateResponse, error) {
-		back := store.StatePaused
-		if wasRunning && alive {
-			if rerr := s.nodeLifecycle(ctx, oldURL, spacev1.NodePathResume, old); rerr == nil {
-				back = store.StateRunning
-			} else {
-				log.Warn("thawing the old execution failed; the sandbox stays paused", "err", rerr)
-			}
-		}
-		now := s.now().UTC()
-		r, ferr := s.finishOp(ctx, id, op, func(r *store.SandboxRecord) {
-			if mut != nil {
-				mut(r)
-			}
-			r.State = back
-			if back == store.StateRunning {
-				r.PausedSnapshot = ""
-				setExec(r, r.Route, execRunning, now)
-			} else {
-				setExec(r, r.Route, execPaused, now)
-				if wasRunning {
-					r.EndAt = now.Add(s.cfg.MaxTimeout)
-				}
-			}
-		})
-		if ferr != nil {
-			log.Warn("releasing the record failed", "err", ferr)
-			r = rec
-		}
-		return r, nil, fmt.Errorf("%s sandbox %s: %w", op.Kind, id, err)
-	}
-
-	// 1. pause
-	if wasRunning {
-		if !alive {
-			return giveUp(fmt.Errorf("%w: worker %s is not registered", ErrUnavailable, old.WorkerID), nil)
-		}
-		if err := s.nodeLifecycle(ctx, oldURL, spacev1.NodePathPause, old); err != nil {
-			return giveUp(err, nil)
-		}
-	}
-	// 2. snapshot
-	snapID := rec.PausedSnapshot
-	if wasRunning || (alive && snapID == "") {
-		snapID = newSnapshotID()
-		if _, err := s.nodeSnapshot(ctx, oldURL, old, snapID); err != nil {
-			return giveUp(err, nil)
-		}
-	} else if snapID == "" {
-		return giveUp(fmt.Errorf("%w: worker %s is gone and the paused execution has no snapshot; retry when the worker is back", ErrUnavailable, old.WorkerID), nil)
-	}
-	// The snapshot is current for the paused execution: keep it even if
-	// the rest fails, so a later resume elsewhere can reuse it.
-	keepSnap := func(r *store.SandboxRecord) { r.PausedSnapshot = snapID }
-
-	// pick the target
-	ws, err := s.workersWithLoad(ctx, old.Substrate)
-	if err != nil {
-		return giveUp(err, keepSnap)
-	}
-	var w spacev1.Worker
-	if target != "" {
-		found := false
-		for _, c := range ws {
-			if c.ID == target {
-				w, found = c, true
-			}
-		}
-		if !found {
-			return giveUp(fmt.Errorf("%w: target worker %s is not registered", ErrUnavailable, target), keepSnap)
-		}
-	} else if w, err = s.sched.Pick(ws, exclude...); err != nil {
-		return giveUp(err, keepSnap)
-	}
-
-	// 3. reserve the generation, record the pending route
-	var next identity.Route
-	rec, err = s.stepOp(ctx, id, op, func(r *store.SandboxRecord) error {
-		if r.Route != old {
-			return fmt.Errorf("%w: sandbox %s route moved", errOpLost, id)
-		}
-		r.Generation++
-		next = s.newRoute(id, r.Generation, w.ID, old.Substrate)
-		r.PendingRoute = &next
-		r.PausedSnapshot = snapID
-		return nil
-	})
-	if err != nil {
-		return giveUp(err, nil)
-	}
-	log = log.With("next_generation", next.Generation, "target", w.ID, "snapshot", snapID)
-
-	// 4. install with restore on the target
-	started := s.now().UTC()
-	resp, err := s.install(ctx, w.NodeURL, spacev1.InstallRequest{
-		Route: next, Template: rec.TemplateID, EnvVars: rec.EnvVars, Limits: limitsOf(rec), RestoreSnapshot: snapID,
-	})
-	if err != nil {
-		log.Warn("install on the target failed; the generation is not published", "err", err)
-		if terr := s.teardown(ctx, w.NodeURL, next); terr != nil {
-			log.Warn("teardown of the failed install failed", "err", terr)
-		}
-		now := s.now().UTC()
-		return giveUp(fmt.Errorf("install on worker %s failed, the sandbox keeps its files on worker %s: %w", w.ID, old.WorkerID, err),
-			func(r *store.SandboxRecord) {
-				r.PendingRoute = nil
-				setExec(r, next, execFailed, now)
-				keepSnap(r)
-			})
-	}
-
-	// 5. publish
-	now := s.now().UTC()
-	rec, err = s.finishOp(ctx, id, op, func(r *store.SandboxRecord) {
-		r.Route = next
-		r.PendingRoute = nil
-		r.PausedSnapshot = ""
-		r.NodeURL = w.NodeURL
-		r.State = store.StateRunning
-		if resp.EnvdVersion != "" {
-			r.EnvdVersion = resp.EnvdVersion
-		}
-		if timeout > 0 || !r.EndAt.After(now) {
-			if timeout <= 0 {
-				timeout = s.cfg.DefaultTimeout
-			}
-			r.EndAt = now.Add(timeout)
-		}
-		if autoPause != nil {
-			r.AutoPause = *autoPause
-		}
-		setExec(r, old, execRetired, now)
-		r.Executions = append(r.Executions, spacev1.Execution{Route: next, State: execRunning, StartedAt: started})
-	})
-	if err != nil {
-		// Killed (or recovered) while installing: undo the install.
-		log.Warn("publishing the new route failed; tearing the install down", "err", err)
-		if terr := s.teardown(ctx, w.NodeURL, next); terr != nil {
-			log.Warn("teardown failed", "err", terr)
-		}
-		return rec, nil, fmt.Errorf("%s sandbox %s: %w", op.Kind, id, err)
-	}
-	log.Info("sandbox moved", "new_execution", next.ExecutionID)
-
-	// 6. retire the old execution (its worker also learns it from the
-	// record watch: the published route's generation is above its own).
-	if alive {
-		if err := s.nodeRetire(ctx, oldURL, old); err != nil {
-			log.Warn("retire on the old worker failed; it learns retirement from the record watch", "err", err)
-		}
-	}
-	out := &MigrateResponse{
-		SandboxID: id, From: old, Route: next, SnapshotID: snapID,
-		ProcessesRestarted: true, FilesKept: true, Note: moveNote,
-	}
-	if next.Substrate == identity.SubstrateMicroVM {
-		out.ProcessesRestarted, out.Note = false, moveNoteVM
-	}
-	for _, e := range rec.Executions {
-		if e.Route == next {
-			out.Execution = e
-		}
-	}
-	return rec, out, nil
-}
-
-// ---- snapshot ----
-
-// snapshotSandbox archives the sandbox's writable layer into a persistent
-// snapshot (E2B's createSnapshot). A running sandbox is paused for the
-// archive and thawed after (same execution); a paused one stays paused.
-func (s *Server) snapshotSandbox(ctx context.Context, id, team, name string) (store.SnapshotRecord, error) {
-	ctx = context.WithoutCancel(ctx)
-	rec, op, err := s.beginOp(ctx, id, team, opSnapshot, store.StateSnapshotting, "", func(r store.SandboxRecord) error {
-		if r.State != store.StateRunning && r.State != store.StatePaused {
-			return fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, r.State)
-		}
-		return nil
-	})
-	if err != nil {
-		return store.SnapshotRecord{}, err
-	}
-	log := s.log.With("sandbox", id, "generation", rec.Route.Generation, "worker", rec.Route.WorkerID)
-	nodeURL, alive := s.liveWorker(ctx, rec.Route.WorkerID)
-	if !alive {
-		s.abortOp(ctx, id, op, op.From)
-		return store.SnapshotRecord{}, fmt.Errorf("%w: worker %s of sandbox %s is not registered", ErrUnavailable, rec.Route.WorkerID, id)
-	}
-	wasRunning := op.From == store.StateRunning
-	if wasRunning {
-		if err := s.nodeLifecycle(ctx, nodeURL, spacev1.NodePathPause, rec.Route); err != nil {
-			s.abortOp(ctx, id, op, store.StateRunning)
-			return store.SnapshotRecord{}, fmt.Errorf("snapshot sandbox %s: %w", id, err)
-		}
-	}
-	snapID := newSnapshotID()
-	sresp, serr := s.nodeSnapshot(ctx, nodeURL, rec.Route, snapID)
-	back := op.From
-	if wasRunning {
-		if err := s.nodeLifecycle(ctx, nodeURL, spacev1.NodePathResume, rec.Route); err != nil {
-			log.Warn("thaw after snapshot failed; the sandbox stays paused", "err", err)
-			back = store.StatePaused
-		}
-	}
-	now := s.now().UTC()
-	if _, err := s.finishOp(ctx, id, op, func(r *store.SandboxRecord) {
-		r.State = back
-		if back == store.StatePaused {
-			setExec(r, r.Route, execPaused, now)
-			if serr == nil {
-				r.PausedSnapshot = snapID
-			}
-			if wasRunning {
-				r.EndAt = now.Add(s.cfg.MaxTimeout)
-			}
-		}
-	}); err != nil && serr == nil {
-		serr = err
-	}
-	if serr != nil {
-		return store.SnapshotRecord{}, fmt.Errorf("snapshot sandbox %s: %w", id, serr)
-	}
-	snap := store.SnapshotRecord{
-		ID: snapID, TeamID: rec.TeamID, SandboxID: id, TemplateID: rec.TemplateID, Generation: rec.Route.Generation,
-		EnvVars: rec.EnvVars, CPUCount: rec.CPUCount, MemoryMB: rec.MemoryMB, DiskSizeMB: rec.DiskSizeMB,
-		SizeBytes: sresp.SizeBytes, CreatedAt: now,
-	}
-	if name != "" {
-		snap.Names = []string{rec.TeamID + "/" + name}
-	}
-	if err := s.st.CreateSnapshot(ctx, snap); err != nil {
-		return store.SnapshotRecord{}, fmt.Errorf("%w: recording snapshot %s: %v", ErrUnavailable, snapID, err)
-	}
-	log.Info("snapshot created", "snapshot", snapID, "size_bytes", sresp.SizeBytes)
-	return snap, nil
-}
-
-// ---- recovery ----
 
 // recoverOp releases a record whose operation overran opDeadline (its
 // control plane crashed or lost the store): the sandbox becomes paused on
@@ -688,10 +186,10 @@ func (s *Server) recoverOp(ctx context.Context, id, opID string) error {
 	var pending *identity.Route
 	rec, _, err := s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
 		if r.Op == nil || r.Op.ID != opID {
-			return fmt.Errorf("%w: operation ended", ErrConflict)
+			return fmt.Errorf("%w: operation ended", errdefs.ErrConflict)
 		}
 		if s.now().Sub(r.Op.StartedAt) <= s.opDeadline() {
-			return fmt.Errorf("%w: operation within its deadline", ErrConflict)
+			return fmt.Errorf("%w: operation within its deadline", errdefs.ErrConflict)
 		}
 		now := s.now().UTC()
 		pending = r.PendingRoute
@@ -712,7 +210,7 @@ func (s *Server) recoverOp(ctx context.Context, id, opID string) error {
 		"generation", rec.Route.Generation, "worker", rec.Route.WorkerID)
 	if pending != nil {
 		if u, ok := s.liveWorker(ctx, pending.WorkerID); ok {
-			if err := s.teardown(ctx, u, *pending); err != nil {
+			if err := s.node.teardown(ctx, u, *pending); err != nil {
 				s.log.Warn("teardown of an unpublished install failed", "sandbox", id, "err", err)
 			}
 		}
@@ -727,76 +225,8 @@ func (s *Server) teardownPending(ctx context.Context, rec store.SandboxRecord) {
 		return
 	}
 	if u, ok := s.liveWorker(ctx, p.WorkerID); ok {
-		if err := s.teardown(ctx, u, *p); err != nil {
+		if err := s.node.teardown(ctx, u, *p); err != nil {
 			s.log.Warn("teardown of an unpublished install failed", "sandbox", rec.ID, "worker", p.WorkerID, "err", err)
 		}
 	}
-}
-
-// settled makes a capability request wait (bounded) while a lifecycle
-// operation holds the sandbox, so that the edge's request (or route repair)
-// gets the route published by the operation rather than a refusal.
-// Capabilities only ever name the published route (Route), never a pending one.
-func (s *Server) settled(h http.HandlerFunc) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
-		if id, err := parseSandboxID(r.PathValue("id")); err == nil {
-			if rec, _, err := s.st.GetSandbox(r.Context(), id); err == nil && rec.State.Transitional() {
-				_, _ = s.waitSettled(r.Context(), id, capabilityWait)
-			}
-		}
-		h(w, r)
-	}
-}
-
-// capabilityWait bounds how long a capability request waits for a
-// lifecycle operation to end.
-const capabilityWait = 30 * time.Second
-
-// spawnAutoPause pauses a running sandbox whose timeout passed and which was
-// created with autoPause (instead of killing it).
-func (s *Server) spawnAutoPause(sem chan struct{}, id string) {
-	s.spawnReap(sem, id, func(ctx context.Context) error {
-		return s.pauseSandbox(ctx, id, "", func(cur store.SandboxRecord) error {
-			if cur.EndAt.After(s.now()) || !cur.AutoPause {
-				return fmt.Errorf("%w: timeout extended", ErrConflict)
-			}
-			return nil
-		})
-	})
-}
-
-// spawnRecover releases a record held by an operation past its deadline.
-func (s *Server) spawnRecover(sem chan struct{}, id, opID string) {
-	s.spawnReap(sem, id, func(ctx context.Context) error { return s.recoverOp(ctx, id, opID) })
-}
-
-// spawnReap runs fn for sandbox id on the reaper's pool, at most once at a
-// time per sandbox (like spawnKill).
-func (s *Server) spawnReap(sem chan struct{}, id string, fn func(context.Context) error) {
-	s.reapMu.Lock()
-	if s.reaping[id] {
-		s.reapMu.Unlock()
-		return
-	}
-	s.reaping[id] = true
-	s.reapMu.Unlock()
-	release := func() {
-		s.reapMu.Lock()
-		delete(s.reaping, id)
-		s.reapMu.Unlock()
-	}
-	select {
-	case sem <- struct{}{}:
-	case <-s.ctx.Done():
-		release()
-		return
-	}
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		defer func() { <-sem; release() }()
-		if err := fn(s.ctx); err != nil {
-			s.log.Debug("reaper: lifecycle step skipped", "sandbox", id, "err", err)
-		}
-	}()
 }

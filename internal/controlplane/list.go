@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -34,7 +35,7 @@ func (c cursor) encode() string {
 }
 
 func decodeCursor(s string) (*cursor, error) {
-	bad := fmt.Errorf("%w: nextToken is not a token this server issued", ErrInvalid)
+	bad := fmt.Errorf("%w: nextToken is not a token this server issued", errdefs.ErrInvalid)
 	if len(s) > 256 {
 		return nil, bad
 	}
@@ -64,17 +65,17 @@ func parseMetadataQuery(raw string) (map[string]string, error) {
 	}
 	vals, err := url.ParseQuery(raw)
 	if err != nil {
-		return nil, fmt.Errorf("%w: metadata filter must be a query string like \"user=abc&app=prod\"", ErrInvalid)
+		return nil, fmt.Errorf("%w: metadata filter must be a query string like \"user=abc&app=prod\"", errdefs.ErrInvalid)
 	}
 	out := make(map[string]string, len(vals))
 	for k, vs := range vals {
 		dk, err1 := url.QueryUnescape(k)
 		if err1 != nil || len(vs) != 1 {
-			return nil, fmt.Errorf("%w: metadata filter key %q is malformed or repeated", ErrInvalid, truncate(k, 64))
+			return nil, fmt.Errorf("%w: metadata filter key %q is malformed or repeated", errdefs.ErrInvalid, truncate(k, 64))
 		}
 		dv, err2 := url.QueryUnescape(vs[0])
 		if err2 != nil {
-			return nil, fmt.Errorf("%w: metadata filter value for %q is malformed", ErrInvalid, truncate(dk, 64))
+			return nil, fmt.Errorf("%w: metadata filter value for %q is malformed", errdefs.ErrInvalid, truncate(dk, 64))
 		}
 		out[dk] = dv
 	}
@@ -97,7 +98,7 @@ func parseListQuery(q url.Values, v2 bool) (listQuery, error) {
 		for _, s := range states {
 			for _, st := range strings.Split(s, ",") {
 				if st != e2bapi.StateRunning && st != e2bapi.StatePaused {
-					return lq, fmt.Errorf("%w: state must be running or paused", ErrInvalid)
+					return lq, fmt.Errorf("%w: state must be running or paused", errdefs.ErrInvalid)
 				}
 				lq.States[st] = true
 			}
@@ -107,7 +108,7 @@ func parseListQuery(q url.Values, v2 bool) (listQuery, error) {
 	if l := q.Get("limit"); l != "" {
 		n, err := strconv.Atoi(l)
 		if err != nil || n < 1 || n > e2bapi.MaxLimit {
-			return lq, fmt.Errorf("%w: limit must be an integer 1..%d", ErrInvalid, e2bapi.MaxLimit)
+			return lq, fmt.Errorf("%w: limit must be an integer 1..%d", errdefs.ErrInvalid, e2bapi.MaxLimit)
 		}
 		lq.Limit = n
 	}
@@ -121,12 +122,12 @@ func parseListQuery(q url.Values, v2 bool) (listQuery, error) {
 	case "asc":
 		lq.Asc = true
 	default:
-		return lq, fmt.Errorf("%w: order must be asc or desc", ErrInvalid)
+		return lq, fmt.Errorf("%w: order must be asc or desc", errdefs.ErrInvalid)
 	}
 	if t := q.Get("startedAfter"); t != "" {
 		ts, err := time.Parse(time.RFC3339Nano, t)
 		if err != nil {
-			return lq, fmt.Errorf("%w: startedAfter must be an RFC 3339 timestamp", ErrInvalid)
+			return lq, fmt.Errorf("%w: startedAfter must be an RFC 3339 timestamp", errdefs.ErrInvalid)
 		}
 		lq.StartedAfter = ts
 	}

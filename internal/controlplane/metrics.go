@@ -1,14 +1,13 @@
 package controlplane
 
 import (
-	"context"
 	"fmt"
 	"net/http"
 	"strconv"
 
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
-	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -36,7 +35,7 @@ func (s *Server) handleMetrics(w http.ResponseWriter, r *http.Request, c caller)
 		if v := r.URL.Query().Get(k); v != "" {
 			n, err := strconv.ParseInt(v, 10, 64)
 			if err != nil || n < 0 {
-				s.writeError(w, r, fmt.Errorf("%w: %s must be Unix seconds", ErrInvalid, k))
+				s.writeError(w, r, fmt.Errorf("%w: %s must be Unix seconds", errdefs.ErrInvalid, k))
 				return
 			}
 			window[i] = n
@@ -49,7 +48,7 @@ func (s *Server) handleMetrics(w http.ResponseWriter, r *http.Request, c caller)
 	}
 	out := []e2bapi.SandboxMetric{}
 	if rec.State == store.StateRunning || rec.State == store.StatePaused {
-		m, err := s.nodeMetrics(r.Context(), s.nodeURL(r.Context(), rec), rec.Route)
+		m, err := s.node.metrics(r.Context(), s.nodeURL(r.Context(), rec), rec.Route)
 		switch {
 		case err != nil && rec.State == store.StateRunning:
 			s.writeError(w, r, err)
@@ -81,13 +80,4 @@ func (s *Server) metric(rec store.SandboxRecord, m spacev1.MetricsResponse) e2ba
 		MemUsed: m.MemUsed, MemTotal: m.MemTotal, MemCache: m.MemCache,
 		DiskUsed: m.DiskUsed, DiskTotal: disk,
 	}
-}
-
-// nodeMetrics asks the worker for one usage sample of route.
-func (s *Server) nodeMetrics(ctx context.Context, nodeURL string, route identity.Route) (spacev1.MetricsResponse, error) {
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.NodeTimeout)
-	defer cancel()
-	var resp spacev1.MetricsResponse
-	err := s.nodeCall(ctx, nodeURL, spacev1.NodePathMetrics, route, spacev1.LifecycleRequest{Route: route}, &resp)
-	return resp, err
 }

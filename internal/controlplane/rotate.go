@@ -15,8 +15,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/atomicfile"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -63,19 +65,9 @@ func (r *rotatingSigner) Issue(c capability.Claims) (string, capability.Claims, 
 // KeyID is the id of the key in use.
 func (r *rotatingSigner) KeyID() string { return r.cur.Load().KeyID() }
 
-// RotateResponse answers POST /space/v1/keys/rotate.
-type RotateResponse struct {
-	KeyID            string    `json:"kid"`
-	PreviousKeyID    string    `json:"previous_kid"`
-	PreviousNotAfter time.Time `json:"previous_not_after"`
-	BundleRevision   int64     `json:"bundle_revision"`
-	// Keys lists the ids in the published bundle.
-	Keys []string `json:"keys"`
-}
-
 func (s *Server) handleRotate(w http.ResponseWriter, r *http.Request, c caller) {
 	if c.Role != store.RoleAdmin {
-		s.writeError(w, r, fmt.Errorf("%w: rotating the signing key needs an admin key", ErrDenied))
+		s.writeError(w, r, fmt.Errorf("%w: rotating the signing key needs an admin key", errdefs.ErrDenied))
 		return
 	}
 	out, err := s.RotateKey(context.WithoutCancel(r.Context()))
@@ -87,18 +79,18 @@ func (s *Server) handleRotate(w http.ResponseWriter, r *http.Request, c caller) 
 }
 
 // RotateKey replaces the signing key (see the package comment above).
-func (s *Server) RotateKey(ctx context.Context) (RotateResponse, error) {
+func (s *Server) RotateKey(ctx context.Context) (spacev1.RotateResponse, error) {
 	if !s.signer.mu.TryLock() {
-		return RotateResponse{}, fmt.Errorf("%w: a key rotation is in progress", ErrConflict)
+		return spacev1.RotateResponse{}, fmt.Errorf("%w: a key rotation is in progress", errdefs.ErrConflict)
 	}
 	defer s.signer.mu.Unlock()
 	prev := s.signer.KeyID()
 	_, priv, err := ed25519.GenerateKey(rand.Reader)
 	if err != nil {
-		return RotateResponse{}, fmt.Errorf("rotate: %w", err)
+		return spacev1.RotateResponse{}, fmt.Errorf("rotate: %w", err)
 	}
 	if err := writeKeyFile(s.cfg.DataDir, nextKeyFile, priv); err != nil {
-		return RotateResponse{}, fmt.Errorf("rotate: %w", err)
+		return spacev1.RotateResponse{}, fmt.Errorf("rotate: %w", err)
 	}
 	pub := priv.Public().(ed25519.PublicKey)
 	kid := KeyID(pub)
@@ -106,7 +98,7 @@ func (s *Server) RotateKey(ctx context.Context) (RotateResponse, error) {
 	notAfter := now.Add(s.keyPropagation() + capability.RetiredKeyGrace)
 	b, err := publishRotation(ctx, s.st, kid, pub, now, notAfter)
 	if err != nil {
-		return RotateResponse{}, fmt.Errorf("%w: publish key bundle: %v", ErrUnavailable, err)
+		return spacev1.RotateResponse{}, fmt.Errorf("%w: publish key bundle: %v", errdefs.ErrUnavailable, err)
 	}
 	s.log.Info("key rotation: bundle published", "kid", kid, "previous_kid", prev, "previous_not_after", notAfter,
 		"bundle_revision", b.Revision)
@@ -116,12 +108,12 @@ func (s *Server) RotateKey(ctx context.Context) (RotateResponse, error) {
 		case <-t.C:
 		case <-s.ctx.Done():
 			t.Stop()
-			return RotateResponse{}, fmt.Errorf("%w: shutting down during key rotation", ErrUnavailable)
+			return spacev1.RotateResponse{}, fmt.Errorf("%w: shutting down during key rotation", errdefs.ErrUnavailable)
 		}
 	}
 	sg, err := capability.NewSigner(kid, priv)
 	if err != nil {
-		return RotateResponse{}, fmt.Errorf("rotate: %w", err)
+		return spacev1.RotateResponse{}, fmt.Errorf("rotate: %w", err)
 	}
 	s.signer.cur.Store(sg)
 	if err := commitNextKey(s.cfg.DataDir); err != nil {
@@ -130,7 +122,7 @@ func (s *Server) RotateKey(ctx context.Context) (RotateResponse, error) {
 		s.log.Error("key rotation: replacing signing.key failed", "err", err)
 	}
 	s.log.Info("key rotation: signing with the new key", "kid", kid)
-	out := RotateResponse{KeyID: kid, PreviousKeyID: prev, PreviousNotAfter: notAfter, BundleRevision: b.Revision}
+	out := spacev1.RotateResponse{KeyID: kid, PreviousKeyID: prev, PreviousNotAfter: notAfter, BundleRevision: b.Revision}
 	for _, k := range b.Keys {
 		out.Keys = append(out.Keys, k.ID)
 		if k.ID == prev {
@@ -140,15 +132,8 @@ func (s *Server) RotateKey(ctx context.Context) (RotateResponse, error) {
 	return out, nil
 }
 
-func (s *Server) keyPropagation() time.Duration {
-	if s.cfg.KeyPropagation < 0 {
-		return 0
-	}
-	if s.cfg.KeyPropagation == 0 {
-		return DefaultKeyPropagation
-	}
-	return s.cfg.KeyPropagation
-}
+// keyPropagation is the configured wait, a negative one meaning none.
+func (s *Server) keyPropagation() time.Duration { return max(s.cfg.KeyPropagation, 0) }
 
 // publishRotation publishes a bundle with kid valid from now and every other
 // key retiring at notAfter at the latest; keys past their NotAfter are

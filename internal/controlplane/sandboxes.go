@@ -6,13 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
-	"strings"
 	"time"
 	"unicode/utf8"
 
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
-	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -50,42 +49,42 @@ type createParams struct {
 func (s *Server) validateCreate(req e2bapi.NewSandbox, v2 bool) (createParams, error) {
 	p := createParams{Template: req.TemplateID, Metadata: req.Metadata, EnvVars: req.EnvVars}
 	if req.TemplateID == "" {
-		return p, fmt.Errorf("%w: templateID is required", ErrInvalid)
+		return p, fmt.Errorf("%w: templateID is required", errdefs.ErrInvalid)
 	}
 	spec, ok := s.cfg.Templates[req.TemplateID]
 	if !ok {
-		return p, fmt.Errorf("%w: template %q", ErrNotFound, truncate(req.TemplateID, 64))
+		return p, fmt.Errorf("%w: template %q", errdefs.ErrNotFound, truncate(req.TemplateID, 64))
 	}
 	p.Spec = spec
 	p.Timeout = s.cfg.DefaultTimeout
 	if req.Timeout != nil {
 		if *req.Timeout <= 0 {
-			return p, fmt.Errorf("%w: timeout must be a positive number of seconds", ErrInvalid)
+			return p, fmt.Errorf("%w: timeout must be a positive number of seconds", errdefs.ErrInvalid)
 		}
 		p.Timeout = time.Duration(*req.Timeout) * time.Second
 		if p.Timeout > s.cfg.MaxTimeout {
-			return p, fmt.Errorf("%w: timeout exceeds the maximum of %d seconds", ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
+			return p, fmt.Errorf("%w: timeout exceeds the maximum of %d seconds", errdefs.ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
 		}
 	}
 	if err := validateMetadata(req.Metadata); err != nil {
 		return p, err
 	}
 	if len(req.EnvVars) > maxEnvVars {
-		return p, fmt.Errorf("%w: at most %d envVars", ErrInvalid, maxEnvVars)
+		return p, fmt.Errorf("%w: at most %d envVars", errdefs.ErrInvalid, maxEnvVars)
 	}
 	for k, v := range req.EnvVars {
 		if !envNameRE.MatchString(k) || len(k) > 256 {
-			return p, fmt.Errorf("%w: envVars name %q is not a valid variable name", ErrInvalid, truncate(k, 64))
+			return p, fmt.Errorf("%w: envVars name %q is not a valid variable name", errdefs.ErrInvalid, truncate(k, 64))
 		}
 		if len(v) > maxEnvValue || !utf8.ValidString(v) || containsNUL(v) {
-			return p, fmt.Errorf("%w: envVars %s: value must be UTF-8 without NUL, at most %d bytes", ErrInvalid, k, maxEnvValue)
+			return p, fmt.Errorf("%w: envVars %s: value must be UTF-8 without NUL, at most %d bytes", errdefs.ErrInvalid, k, maxEnvValue)
 		}
 	}
 	if len(req.VolumeMounts) > 0 {
-		return p, fmt.Errorf("%w: volumeMounts are not supported", ErrInvalid)
+		return p, fmt.Errorf("%w: volumeMounts are not supported", errdefs.ErrInvalid)
 	}
 	if req.AutoResume != nil && req.AutoResume.Enabled {
-		return p, fmt.Errorf("%w: autoResume is not supported", ErrInvalid)
+		return p, fmt.Errorf("%w: autoResume is not supported", errdefs.ErrInvalid)
 	}
 	p.Secure = v2 || (req.Secure != nil && *req.Secure)
 	if len(req.Network) > 0 && string(req.Network) != "null" {
@@ -93,7 +92,7 @@ func (s *Server) validateCreate(req e2bapi.NewSandbox, v2 bool) (createParams, e
 			AllowPublicTraffic *bool `json:"allowPublicTraffic"`
 		}
 		if err := json.Unmarshal(req.Network, &n); err != nil {
-			return p, fmt.Errorf("%w: network must be an object", ErrInvalid)
+			return p, fmt.Errorf("%w: network must be an object", errdefs.ErrInvalid)
 		}
 		p.PrivateTraffic = n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic
 	}
@@ -103,14 +102,14 @@ func (s *Server) validateCreate(req e2bapi.NewSandbox, v2 bool) (createParams, e
 
 func validateMetadata(m map[string]string) error {
 	if len(m) > maxMetadataEntries {
-		return fmt.Errorf("%w: at most %d metadata entries", ErrInvalid, maxMetadataEntries)
+		return fmt.Errorf("%w: at most %d metadata entries", errdefs.ErrInvalid, maxMetadataEntries)
 	}
 	for k, v := range m {
 		if k == "" || len(k) > maxMetadataKey || len(v) > maxMetadataValue {
-			return fmt.Errorf("%w: metadata keys must be 1..%d bytes and values at most %d", ErrInvalid, maxMetadataKey, maxMetadataValue)
+			return fmt.Errorf("%w: metadata keys must be 1..%d bytes and values at most %d", errdefs.ErrInvalid, maxMetadataKey, maxMetadataValue)
 		}
 		if !utf8.ValidString(k) || !utf8.ValidString(v) || containsNUL(k) || containsNUL(v) {
-			return fmt.Errorf("%w: metadata must be UTF-8 without NUL", ErrInvalid)
+			return fmt.Errorf("%w: metadata must be UTF-8 without NUL", errdefs.ErrInvalid)
 		}
 	}
 	return nil
@@ -123,68 +122,6 @@ func containsNUL(s string) bool {
 		}
 	}
 	return false
-}
-
-func (s *Server) newRoute(id string, gen uint64, workerID, substrate string) identity.Route {
-	return identity.Route{
-		SandboxID: id, Generation: gen, ExecutionID: randHex(16), WorkerID: workerID,
-		Substrate: substrate, ActivationID: randHex(16),
-	}
-}
-
-// loads returns each worker's placements as the store sees them (creating
-// and running sandboxes), which may be ahead of the worker's own report.
-// workersWithLoad lists the registered workers that run substrate ("":
-// all of them), with their load.
-func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]spacev1.Worker, error) {
-	// The two reads are independent: the sandbox records are read while
-	// the workers are.
-	type listed struct {
-		entries []store.SandboxEntry
-		err     error
-	}
-	sbxs := make(chan listed, 1)
-	go func() {
-		e, err := s.st.ListSandboxes(ctx)
-		sbxs <- listed{e, err}
-	}()
-	all, err := s.st.ListWorkers(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("%w: worker registry: %v", ErrUnavailable, err)
-	}
-	var ws []spacev1.Worker
-	var why []string
-	for _, w := range all {
-		if substrate == "" || w.Serves(substrate) {
-			ws = append(ws, w)
-		} else if r := w.Unavailable[substrate]; r != "" {
-			why = append(why, w.ID+": "+r)
-		}
-	}
-	if len(all) > 0 && len(ws) == 0 {
-		if len(why) > 0 {
-			return nil, fmt.Errorf("%w: no registered worker runs the %s substrate (%s)", ErrUnavailable, substrate, strings.Join(why, "; "))
-		}
-		return nil, fmt.Errorf("%w: no registered worker runs the %s substrate", ErrUnavailable, substrate)
-	}
-	l := <-sbxs
-	entries, err := l.entries, l.err
-	if err != nil {
-		return nil, fmt.Errorf("%w: sandbox records: %v", ErrUnavailable, err)
-	}
-	placed := map[string]int{}
-	for _, e := range entries {
-		if e.Record.State == store.StateCreating || e.Record.State == store.StateRunning || e.Record.State.Transitional() {
-			placed[e.Record.Route.WorkerID]++
-		}
-		if p := e.Record.PendingRoute; p != nil && !e.Record.State.Terminal() {
-			placed[p.WorkerID]++
-		}
-	}
-	for i := range ws {
-		ws[i].Load = max(ws[i].Load, placed[ws[i].ID])
-	}
-	return ws, nil
 }
 
 // CreateTimingMsg is the message of the debug record a create logs with
@@ -246,14 +183,14 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		}
 		log := s.log.With("sandbox", rec.ID, "generation", rec.Route.Generation, "worker", w.ID)
 		tRecord := time.Now()
-		resp, err := s.install(ctx, w.NodeURL, spacev1.InstallRequest{
+		resp, err := s.node.install(ctx, w.NodeURL, spacev1.InstallRequest{
 			Route: rec.Route, Template: rec.TemplateID, EnvVars: rec.EnvVars,
 			Limits: limitsOf(rec), RestoreSnapshot: p.RestoreSnapshot,
 		})
 		if err != nil {
 			log.Warn("install failed", "err", err)
 			lastErr = err
-			if terr := s.teardown(ctx, w.NodeURL, rec.Route); terr != nil {
+			if terr := s.node.teardown(ctx, w.NodeURL, rec.Route); terr != nil {
 				log.Warn("teardown after failed install failed", "err", terr)
 			}
 			continue
@@ -271,10 +208,10 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		if _, err := s.st.UpdateSandbox(ctx, rec.ID, rev, rec); err != nil {
 			// Killed while installing: undo the install.
 			log.Warn("sandbox changed during install; tearing down", "err", err)
-			if terr := s.teardown(ctx, w.NodeURL, rec.Route); terr != nil {
+			if terr := s.node.teardown(ctx, w.NodeURL, rec.Route); terr != nil {
 				log.Warn("teardown failed", "err", terr)
 			}
-			return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s was removed while starting", ErrConflict, rec.ID)
+			return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s was removed while starting", errdefs.ErrConflict, rec.ID)
 		}
 		log.Debug(CreateTimingMsg, "place", tPlace.Sub(t0), "record", tRecord.Sub(tPlace),
 			"install", tInstall.Sub(tRecord), "commit", time.Since(tInstall))
@@ -290,16 +227,9 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		}
 	}
 	if lastErr == nil {
-		lastErr = fmt.Errorf("%w: sandbox could not be placed", ErrUnavailable)
+		lastErr = fmt.Errorf("%w: sandbox could not be placed", errdefs.ErrUnavailable)
 	}
 	return store.SandboxRecord{}, fmt.Errorf("create sandbox: %w", lastErr)
-}
-
-func errString(err error) string {
-	if err == nil {
-		return ""
-	}
-	return err.Error()
 }
 
 // visible reports whether an E2B route shows the record: an owner's,
@@ -310,11 +240,11 @@ func visible(rec store.SandboxRecord, team string) bool {
 
 func (s *Server) getSandbox(ctx context.Context, c caller, id string) (store.SandboxRecord, error) {
 	rec, _, err := s.st.GetSandbox(ctx, id)
-	if errors.Is(err, store.ErrNotFound) || (err == nil && !visible(rec, c.TeamID)) {
-		return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+	if errors.Is(err, errdefs.ErrNotFound) || (err == nil && !visible(rec, c.TeamID)) {
+		return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 	}
 	if err != nil {
-		return store.SandboxRecord{}, fmt.Errorf("%w: %v", ErrUnavailable, err)
+		return store.SandboxRecord{}, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err)
 	}
 	return rec, nil
 }
@@ -327,7 +257,7 @@ func (s *Server) killSandbox(ctx context.Context, id, team, reason string, check
 	now := s.now().UTC()
 	rec, _, err := s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
 		if (team != "" && r.TeamID != team) || r.State.Terminal() {
-			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+			return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 		}
 		if check != nil {
 			if err := check(*r); err != nil {
@@ -349,15 +279,15 @@ func (s *Server) killSandbox(ctx context.Context, id, team, reason string, check
 		return nil
 	})
 	if err != nil {
-		if errors.Is(err, store.ErrNotFound) {
-			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+		if errors.Is(err, errdefs.ErrNotFound) {
+			return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 		}
 		return err
 	}
 	log := s.log.With("sandbox", id, "generation", rec.Route.Generation, "worker", rec.Route.WorkerID)
 	log.Info("sandbox killed", "reason", reason)
 	if rec.Route.WorkerID != "" {
-		if err := s.teardown(ctx, s.nodeURL(ctx, rec), rec.Route); err != nil {
+		if err := s.node.teardown(ctx, s.nodeURL(ctx, rec), rec.Route); err != nil {
 			// The record is killed: no new capability names this
 			// execution, and workers learn of it through the record watch.
 			log.Warn("teardown failed; execution left to worker reconciliation", "err", err)
@@ -367,29 +297,20 @@ func (s *Server) killSandbox(ctx context.Context, id, team, reason string, check
 	return nil
 }
 
-// nodeURL is the worker's registered node-api URL, or the one recorded at
-// install when the worker is not registered now.
-func (s *Server) nodeURL(ctx context.Context, rec store.SandboxRecord) string {
-	if w, err := s.st.GetWorker(ctx, rec.Route.WorkerID); err == nil && w.NodeURL != "" {
-		return w.NodeURL
-	}
-	return rec.NodeURL
-}
-
 func (s *Server) setTimeout(ctx context.Context, c caller, id string, secs int32) error {
 	if secs < 0 || time.Duration(secs)*time.Second > s.cfg.MaxTimeout {
-		return fmt.Errorf("%w: timeout must be 0..%d seconds", ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
+		return fmt.Errorf("%w: timeout must be 0..%d seconds", errdefs.ErrInvalid, int64(s.cfg.MaxTimeout/time.Second))
 	}
 	end := s.now().UTC().Add(time.Duration(secs) * time.Second)
 	_, _, err := s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
 		if !visible(*r, c.TeamID) {
-			return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+			return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 		}
 		r.EndAt = end
 		return nil
 	})
-	if errors.Is(err, store.ErrNotFound) {
-		return fmt.Errorf("%w: sandbox %s", ErrNotFound, id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 	}
 	return err
 }

@@ -11,8 +11,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/spacesbx/space/api/e2bapi"
-	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/scheduler"
 	"github.com/spacesbx/space/internal/snapshot"
@@ -24,10 +22,10 @@ import (
 type Server struct {
 	cfg    Config
 	st     *store.Store
-	http   *http.Client
 	log    *slog.Logger
 	now    func() time.Time
 	signer *rotatingSigner
+	node   *nodeClient
 	sched  *scheduler.Scheduler
 	snaps  snapshot.Store // nil: snapshot archives are not removed here
 
@@ -50,25 +48,16 @@ type Server struct {
 // the store's bundle, stores the bootstrap API key's hash and starts the
 // timeout loop. It does not listen: call Run, or serve Handler yourself.
 func New(cfg Config, deps Deps) (*Server, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	cfg.setDefaults()
 	if deps.Store == nil {
 		return nil, fmt.Errorf("controlplane: store required")
 	}
-	s := &Server{cfg: cfg, st: deps.Store, http: deps.HTTPClient, log: deps.Logger, now: deps.Clock,
+	deps = deps.withDefaults()
+	s := &Server{cfg: cfg, st: deps.Store, log: deps.Logger.With("component", "space-api"), now: deps.Clock,
 		sched: scheduler.New(scheduler.DefaultK, nil), snaps: deps.Snapshots, reaping: map[string]bool{}}
-	if s.http == nil {
-		s.http = &http.Client{}
-	}
-	if s.log == nil {
-		s.log = slog.Default()
-	}
-	s.log = s.log.With("component", "space-api")
-	if s.now == nil {
-		s.now = time.Now
-	}
 
 	adopted, err := adoptPendingKey(cfg.DataDir)
 	if err != nil {
@@ -85,6 +74,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
 	s.signer = newRotatingSigner(sg)
+	s.node = &nodeClient{http: deps.HTTPClient, signer: s.signer, now: s.now, installTimeout: cfg.InstallTimeout, callTimeout: cfg.NodeTimeout}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if s.bundle, err = s.publishStartKey(ctx, adopted, kid, pub); err != nil {
@@ -165,99 +155,4 @@ func (s *Server) Close() error {
 		s.wg.Wait()
 	})
 	return nil
-}
-
-func (s *Server) routes() http.Handler {
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /health", s.handleHealth)
-	mux.HandleFunc("POST /sandboxes", s.withKey(func(w http.ResponseWriter, r *http.Request, c caller) { s.handleCreate(w, r, c, false) }))
-	mux.HandleFunc("POST /v2/sandboxes", s.withKey(func(w http.ResponseWriter, r *http.Request, c caller) { s.handleCreate(w, r, c, true) }))
-	mux.HandleFunc("GET /sandboxes", s.withKey(s.handleListV1))
-	mux.HandleFunc("GET /v2/sandboxes", s.withKey(s.handleListV2))
-	mux.HandleFunc("GET /sandboxes/{id}", s.withKey(s.handleGet))
-	mux.HandleFunc("GET /sandboxes/{id}/metrics", s.withKey(s.handleMetrics))
-	mux.HandleFunc("DELETE /sandboxes/{id}", s.withKey(s.handleKill))
-	mux.HandleFunc("POST /sandboxes/{id}/timeout", s.withKey(s.handleTimeout))
-	mux.HandleFunc("GET /space/v1/workers", s.handleWorkers)
-	mux.HandleFunc("GET /space/v1/sandboxes/{id}/executions", s.handleExecutions)
-	mux.HandleFunc("POST /space/v1/sandboxes/{id}/capabilities", s.settled(s.handleCapability))
-	s.lifecycleRoutes(mux)
-	s.snapshotExtraRoutes(mux)
-	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		s.writeError(w, r, fmt.Errorf("%w: no route for %s %s", ErrNotFound, r.Method, r.URL.Path))
-	})
-	return s.recoverer(mux)
-}
-
-// recoverer turns a handler panic into a 500 instead of a dropped connection.
-func (s *Server) recoverer(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		defer func() {
-			if v := recover(); v != nil {
-				if v == http.ErrAbortHandler {
-					panic(v)
-				}
-				s.log.Error("handler panic", "method", r.Method, "path", r.URL.Path, "panic", fmt.Sprint(v))
-				writeJSON(w, http.StatusInternalServerError, e2bapi.Error{Code: 500, Message: "internal error"})
-			}
-		}()
-		h.ServeHTTP(w, r)
-	})
-}
-
-func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
-	defer cancel()
-	if err := s.st.Ping(ctx); err != nil {
-		s.writeError(w, r, fmt.Errorf("%w: store not answering", ErrUnavailable))
-		return
-	}
-	writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
-}
-
-// caller is an authenticated API key holder.
-type caller struct {
-	TeamID string
-	KeyID  string
-	Role   string
-}
-
-func (c caller) edge() bool { return c.Role == store.RoleEdge }
-
-// authenticate resolves an API key: the edge's service key, or a stored key.
-func (s *Server) authenticate(ctx context.Context, key string) (caller, error) {
-	if key == "" {
-		return caller{}, fmt.Errorf("%w: missing %s header", ErrUnauthenticated, spacev1.HeaderAPIKey)
-	}
-	if s.cfg.EdgeKey != "" && equalSecret(key, s.cfg.EdgeKey) {
-		return caller{TeamID: "", KeyID: "edge", Role: store.RoleEdge}, nil
-	}
-	if len(key) > 256 {
-		return caller{}, fmt.Errorf("%w: invalid API key", ErrUnauthenticated)
-	}
-	h := store.HashAPIKey(key)
-	rec, err := s.st.LookupAPIKey(ctx, h)
-	if errors.Is(err, store.ErrNotFound) {
-		return caller{}, fmt.Errorf("%w: invalid API key", ErrUnauthenticated)
-	}
-	if err != nil {
-		return caller{}, fmt.Errorf("%w: key lookup failed: %v", ErrUnavailable, err)
-	}
-	return caller{TeamID: rec.TeamID, KeyID: rec.KeyID, Role: rec.Role}, nil
-}
-
-// withKey authenticates an E2B route: a team's API key (not the edge's).
-func (s *Server) withKey(h func(http.ResponseWriter, *http.Request, caller)) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
-		c, err := s.authenticate(r.Context(), r.Header.Get(spacev1.HeaderAPIKey))
-		if err != nil {
-			s.writeError(w, r, err)
-			return
-		}
-		if c.edge() {
-			s.writeError(w, r, fmt.Errorf("%w: the edge service key cannot manage sandboxes", ErrDenied))
-			return
-		}
-		h(w, r, c)
-	}
 }

@@ -8,12 +8,12 @@
 package scheduler
 
 import (
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"sync"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 // Worker states that accept placements.
@@ -22,8 +22,15 @@ const StateReady = "ready"
 // DefaultK is the number of random candidates compared.
 const DefaultK = 2
 
-// ErrNoCapacity is returned when no live worker has free capacity.
-var ErrNoCapacity = errors.New("no worker with free capacity")
+// ErrNoCapacity is returned when no live worker has free capacity. It is an
+// errdefs.ErrUnavailable: a later try may find room.
+var ErrNoCapacity error = noCapacityError{}
+
+// noCapacityError keeps ErrNoCapacity's text while classing it.
+type noCapacityError struct{}
+
+func (noCapacityError) Error() string { return "no worker with free capacity" }
+func (noCapacityError) Unwrap() error { return errdefs.ErrUnavailable }
 
 // Scheduler picks workers. It is safe for concurrent use.
 type Scheduler struct {

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 func w(id string, load, capacity int) spacev1.Worker {
@@ -118,4 +119,13 @@ func TestConcurrent(t *testing.T) {
 		}()
 	}
 	wg.Wait()
+}
+
+// No capacity is a class of its own for callers and unavailable (retry
+// later) for the API edges.
+func TestNoCapacityIsUnavailable(t *testing.T) {
+	_, err := New(0, nil).Pick(nil)
+	if !errors.Is(err, ErrNoCapacity) || !errors.Is(err, errdefs.ErrUnavailable) || ErrNoCapacity.Error() != "no worker with free capacity" {
+		t.Fatalf("%v", err)
+	}
 }

@@ -7,6 +7,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"time"
+
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 // API key roles.
@@ -43,15 +45,15 @@ func validHash(h string) bool {
 // PutAPIKey stores rec under hash (from HashAPIKey), replacing any record.
 func (s *Store) PutAPIKey(ctx context.Context, hash string, rec APIKeyRecord) error {
 	if !validHash(hash) {
-		return fmt.Errorf("store: put api key: %w: hash must be 64 hex characters", ErrInvalid)
+		return fmt.Errorf("store: put api key: %w: hash must be 64 hex characters", errdefs.ErrInvalid)
 	}
 	if rec.TeamID == "" || rec.KeyID == "" {
-		return fmt.Errorf("store: put api key: %w: team and key id required", ErrInvalid)
+		return fmt.Errorf("store: put api key: %w: team and key id required", errdefs.ErrInvalid)
 	}
 	switch rec.Role {
 	case RoleAdmin, RoleUser, RoleEdge:
 	default:
-		return fmt.Errorf("store: put api key: %w: unknown role %q", ErrInvalid, rec.Role)
+		return fmt.Errorf("store: put api key: %w: unknown role %q", errdefs.ErrInvalid, rec.Role)
 	}
 	b, _ := json.Marshal(rec)
 	if _, err := s.cli.Put(ctx, apiKeysPrefix+hash, string(b)); err != nil {
@@ -60,17 +62,17 @@ func (s *Store) PutAPIKey(ctx context.Context, hash string, rec APIKeyRecord) er
 	return nil
 }
 
-// LookupAPIKey returns the record stored under hash, or ErrNotFound.
+// LookupAPIKey returns the record stored under hash, or errdefs.ErrNotFound.
 func (s *Store) LookupAPIKey(ctx context.Context, hash string) (APIKeyRecord, error) {
 	if !validHash(hash) {
-		return APIKeyRecord{}, fmt.Errorf("store: lookup api key: %w", ErrNotFound)
+		return APIKeyRecord{}, fmt.Errorf("store: lookup api key: %w", errdefs.ErrNotFound)
 	}
 	resp, err := s.cli.Get(ctx, apiKeysPrefix+hash)
 	if err != nil {
 		return APIKeyRecord{}, wrapErr("lookup api key", err)
 	}
 	if len(resp.Kvs) == 0 {
-		return APIKeyRecord{}, fmt.Errorf("store: api key: %w", ErrNotFound)
+		return APIKeyRecord{}, fmt.Errorf("store: api key: %w", errdefs.ErrNotFound)
 	}
 	var rec APIKeyRecord
 	if err := json.Unmarshal(resp.Kvs[0].Value, &rec); err != nil {
@@ -79,17 +81,17 @@ func (s *Store) LookupAPIKey(ctx context.Context, hash string) (APIKeyRecord, er
 	return rec, nil
 }
 
-// DeleteAPIKey removes the record under hash (ErrNotFound if none).
+// DeleteAPIKey removes the record under hash (errdefs.ErrNotFound if none).
 func (s *Store) DeleteAPIKey(ctx context.Context, hash string) error {
 	if !validHash(hash) {
-		return fmt.Errorf("store: delete api key: %w", ErrNotFound)
+		return fmt.Errorf("store: delete api key: %w", errdefs.ErrNotFound)
 	}
 	resp, err := s.cli.Delete(ctx, apiKeysPrefix+hash)
 	if err != nil {
 		return wrapErr("delete api key", err)
 	}
 	if resp.Deleted == 0 {
-		return fmt.Errorf("store: api key: %w", ErrNotFound)
+		return fmt.Errorf("store: api key: %w", errdefs.ErrNotFound)
 	}
 	return nil
 }

@@ -8,20 +8,21 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
-// PutBundle publishes b. It refuses (ErrConflict) a bundle whose revision is
+// PutBundle publishes b. It refuses (errdefs.ErrConflict) a bundle whose revision is
 // not greater than the stored one, so receivers never see a revision go back.
 func (s *Store) PutBundle(ctx context.Context, b capability.Bundle) error {
 	if err := b.Validate(); err != nil {
-		return fmt.Errorf("store: put bundle: %w: %v", ErrInvalid, err)
+		return fmt.Errorf("store: put bundle: %w: %v", errdefs.ErrInvalid, err)
 	}
 	cur, rev, err := s.getBundle(ctx)
 	if err != nil && !isNotFound(err) {
 		return err
 	}
 	if err == nil && b.Revision <= cur.Revision {
-		return fmt.Errorf("store: put bundle: %w: revision %d not above stored %d", ErrConflict, b.Revision, cur.Revision)
+		return fmt.Errorf("store: put bundle: %w: revision %d not above stored %d", errdefs.ErrConflict, b.Revision, cur.Revision)
 	}
 	return s.casBundle(ctx, rev, b)
 }
@@ -48,7 +49,7 @@ func (s *Store) UpdateBundle(ctx context.Context, fn func(cur capability.Bundle,
 			next.Revision = cur.Revision + 1
 		}
 		if err := next.Validate(); err != nil {
-			return capability.Bundle{}, fmt.Errorf("store: update bundle: %w: %v", ErrInvalid, err)
+			return capability.Bundle{}, fmt.Errorf("store: update bundle: %w: %v", errdefs.ErrInvalid, err)
 		}
 		err = s.casBundle(ctx, rev, next)
 		if err == nil {
@@ -58,7 +59,7 @@ func (s *Store) UpdateBundle(ctx context.Context, fn func(cur capability.Bundle,
 			return capability.Bundle{}, err
 		}
 	}
-	return capability.Bundle{}, fmt.Errorf("store: update bundle: %w: too much contention", ErrConflict)
+	return capability.Bundle{}, fmt.Errorf("store: update bundle: %w: too much contention", errdefs.ErrConflict)
 }
 
 // casBundle writes b if the key's mod revision is still rev (0: absent).
@@ -75,12 +76,12 @@ func (s *Store) casBundle(ctx context.Context, rev int64, b capability.Bundle) e
 		return wrapErr("put bundle", err)
 	}
 	if !resp.Succeeded {
-		return fmt.Errorf("store: put bundle: %w: bundle changed concurrently", ErrConflict)
+		return fmt.Errorf("store: put bundle: %w: bundle changed concurrently", errdefs.ErrConflict)
 	}
 	return nil
 }
 
-// GetBundle returns the published bundle or ErrNotFound.
+// GetBundle returns the published bundle or errdefs.ErrNotFound.
 func (s *Store) GetBundle(ctx context.Context) (capability.Bundle, error) {
 	b, _, err := s.getBundle(ctx)
 	return b, err
@@ -92,7 +93,7 @@ func (s *Store) getBundle(ctx context.Context) (capability.Bundle, int64, error)
 		return capability.Bundle{}, 0, wrapErr("get bundle", err)
 	}
 	if len(resp.Kvs) == 0 {
-		return capability.Bundle{}, 0, fmt.Errorf("store: bundle: %w", ErrNotFound)
+		return capability.Bundle{}, 0, fmt.Errorf("store: bundle: %w", errdefs.ErrNotFound)
 	}
 	var b capability.Bundle
 	if err := json.Unmarshal(resp.Kvs[0].Value, &b); err != nil {

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"testing"
 	"time"
+
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 func TestLifecycleStateAndSnapshots(t *testing.T) {
@@ -20,12 +22,12 @@ func TestLifecycleStateAndSnapshots(t *testing.T) {
 	// A transitional state needs an operation and vice versa.
 	bad := rec
 	bad.State = StateMigrating
-	if _, err := s.UpdateSandbox(ctx, rec.ID, rev, bad); !errors.Is(err, ErrInvalid) {
+	if _, err := s.UpdateSandbox(ctx, rec.ID, rev, bad); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("transitional without op: %v", err)
 	}
 	bad = rec
 	bad.Op = &LifecycleOp{ID: "op1", Kind: "pause", From: StateRunning}
-	if _, err := s.UpdateSandbox(ctx, rec.ID, rev, bad); !errors.Is(err, ErrInvalid) {
+	if _, err := s.UpdateSandbox(ctx, rec.ID, rev, bad); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("op on a stable state: %v", err)
 	}
 	// A pending route must lie above the published route, within the counter.
@@ -33,7 +35,7 @@ func TestLifecycleStateAndSnapshots(t *testing.T) {
 	bad.State, bad.Op = StateMigrating, &LifecycleOp{ID: "op1", Kind: "migrate", From: StateRunning}
 	p := rec.Route
 	bad.PendingRoute = &p
-	if _, err := s.UpdateSandbox(ctx, rec.ID, rev, bad); !errors.Is(err, ErrInvalid) {
+	if _, err := s.UpdateSandbox(ctx, rec.ID, rev, bad); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("pending route at the published generation: %v", err)
 	}
 	good := bad
@@ -52,16 +54,16 @@ func TestLifecycleStateAndSnapshots(t *testing.T) {
 	if err := s.CreateSnapshot(ctx, snap); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.CreateSnapshot(ctx, snap); !errors.Is(err, ErrConflict) {
+	if err := s.CreateSnapshot(ctx, snap); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("duplicate: %v", err)
 	}
-	if err := s.CreateSnapshot(ctx, SnapshotRecord{ID: "../x", TeamID: "t"}); !errors.Is(err, ErrInvalid) {
+	if err := s.CreateSnapshot(ctx, SnapshotRecord{ID: "../x", TeamID: "t"}); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("bad id: %v", err)
 	}
 	if g, err := s.GetSnapshot(ctx, "snap-1"); err != nil || g.SandboxID != rec.ID {
 		t.Fatalf("get: %+v %v", g, err)
 	}
-	if _, err := s.GetSnapshot(ctx, "Bad/Id"); !errors.Is(err, ErrNotFound) {
+	if _, err := s.GetSnapshot(ctx, "Bad/Id"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("get bad id: %v", err)
 	}
 	if l, err := s.ListSnapshots(ctx); err != nil || len(l) != 1 {
@@ -70,7 +72,7 @@ func TestLifecycleStateAndSnapshots(t *testing.T) {
 	if err := s.DeleteSnapshot(ctx, "snap-1"); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.DeleteSnapshot(ctx, "snap-1"); !errors.Is(err, ErrNotFound) {
+	if err := s.DeleteSnapshot(ctx, "snap-1"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("delete twice: %v", err)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 )
 
@@ -124,28 +125,28 @@ func (r SandboxRecord) LogValue() slog.Value {
 // Validate checks what the store requires of a record.
 func (r SandboxRecord) Validate() error {
 	if err := identity.ValidateSandboxID(r.ID); err != nil {
-		return fmt.Errorf("%w: %v", ErrInvalid, err)
+		return fmt.Errorf("%w: %v", errdefs.ErrInvalid, err)
 	}
 	if r.TeamID == "" {
-		return fmt.Errorf("%w: sandbox %s has no team", ErrInvalid, r.ID)
+		return fmt.Errorf("%w: sandbox %s has no team", errdefs.ErrInvalid, r.ID)
 	}
 	switch r.State {
 	case StateCreating, StateRunning, StatePaused, StateKilled, StateFailed,
 		StatePausing, StateResuming, StateMigrating, StateSnapshotting:
 	default:
-		return fmt.Errorf("%w: sandbox %s has unknown state %q", ErrInvalid, r.ID, r.State)
+		return fmt.Errorf("%w: sandbox %s has unknown state %q", errdefs.ErrInvalid, r.ID, r.State)
 	}
 	if r.State.Transitional() != (r.Op != nil) {
-		return fmt.Errorf("%w: sandbox %s: state %s with operation %v", ErrInvalid, r.ID, r.State, r.Op != nil)
+		return fmt.Errorf("%w: sandbox %s: state %s with operation %v", errdefs.ErrInvalid, r.ID, r.State, r.Op != nil)
 	}
 	if p := r.PendingRoute; p != nil && (p.SandboxID != r.ID || p.Generation > r.Generation || p.Generation <= r.Route.Generation) {
-		return fmt.Errorf("%w: sandbox %s: pending route generation %d outside (%d, %d]", ErrInvalid, r.ID, p.Generation, r.Route.Generation, r.Generation)
+		return fmt.Errorf("%w: sandbox %s: pending route generation %d outside (%d, %d]", errdefs.ErrInvalid, r.ID, p.Generation, r.Route.Generation, r.Generation)
 	}
 	if r.Route.SandboxID != "" && r.Route.SandboxID != r.ID {
-		return fmt.Errorf("%w: sandbox %s route names sandbox %q", ErrInvalid, r.ID, r.Route.SandboxID)
+		return fmt.Errorf("%w: sandbox %s route names sandbox %q", errdefs.ErrInvalid, r.ID, r.Route.SandboxID)
 	}
 	if r.Route.Generation > r.Generation {
-		return fmt.Errorf("%w: sandbox %s route generation %d above counter %d", ErrInvalid, r.ID, r.Route.Generation, r.Generation)
+		return fmt.Errorf("%w: sandbox %s route generation %d above counter %d", errdefs.ErrInvalid, r.ID, r.Route.Generation, r.Generation)
 	}
 	return nil
 }
@@ -153,7 +154,7 @@ func (r SandboxRecord) Validate() error {
 func sandboxKey(id string) string { return sandboxesPrefix + id }
 
 // CreateSandbox writes a new record and returns its mod revision. It fails
-// with ErrConflict if a record with that id exists (ids are never reused).
+// with errdefs.ErrConflict if a record with that id exists (ids are never reused).
 func (s *Store) CreateSandbox(ctx context.Context, rec SandboxRecord) (int64, error) {
 	if err := rec.Validate(); err != nil {
 		return 0, fmt.Errorf("store: create sandbox: %w", err)
@@ -171,22 +172,22 @@ func (s *Store) CreateSandbox(ctx context.Context, rec SandboxRecord) (int64, er
 		return 0, wrapErr("create sandbox", err)
 	}
 	if !resp.Succeeded {
-		return 0, fmt.Errorf("store: create sandbox %s: %w: already exists", rec.ID, ErrConflict)
+		return 0, fmt.Errorf("store: create sandbox %s: %w: already exists", rec.ID, errdefs.ErrConflict)
 	}
 	return resp.Header.Revision, nil
 }
 
-// GetSandbox returns the record and its mod revision, or ErrNotFound.
+// GetSandbox returns the record and its mod revision, or errdefs.ErrNotFound.
 func (s *Store) GetSandbox(ctx context.Context, id string) (SandboxRecord, int64, error) {
 	if err := identity.ValidateSandboxID(id); err != nil {
-		return SandboxRecord{}, 0, fmt.Errorf("store: get sandbox: %w: %v", ErrInvalid, err)
+		return SandboxRecord{}, 0, fmt.Errorf("store: get sandbox: %w: %v", errdefs.ErrInvalid, err)
 	}
 	resp, err := s.cli.Get(ctx, sandboxKey(id))
 	if err != nil {
 		return SandboxRecord{}, 0, wrapErr("get sandbox", err)
 	}
 	if len(resp.Kvs) == 0 {
-		return SandboxRecord{}, 0, fmt.Errorf("store: sandbox %s: %w", id, ErrNotFound)
+		return SandboxRecord{}, 0, fmt.Errorf("store: sandbox %s: %w", id, errdefs.ErrNotFound)
 	}
 	var rec SandboxRecord
 	if err := json.Unmarshal(resp.Kvs[0].Value, &rec); err != nil {
@@ -196,15 +197,15 @@ func (s *Store) GetSandbox(ctx context.Context, id string) (SandboxRecord, int64
 }
 
 // UpdateSandbox replaces the record if its mod revision is still
-// expectRevision and returns the new revision. It fails with ErrConflict when
+// expectRevision and returns the new revision. It fails with errdefs.ErrConflict when
 // the record moved since the caller read it (so two operations that both read
-// generation N can never both write N+1), and ErrNotFound when it is gone.
+// generation N can never both write N+1), and errdefs.ErrNotFound when it is gone.
 func (s *Store) UpdateSandbox(ctx context.Context, id string, expectRevision int64, rec SandboxRecord) (int64, error) {
 	if rec.ID != id {
-		return 0, fmt.Errorf("store: update sandbox %s: %w: record names %q", id, ErrInvalid, rec.ID)
+		return 0, fmt.Errorf("store: update sandbox %s: %w: record names %q", id, errdefs.ErrInvalid, rec.ID)
 	}
 	if expectRevision <= 0 {
-		return 0, fmt.Errorf("store: update sandbox %s: %w: expected revision must be positive", id, ErrInvalid)
+		return 0, fmt.Errorf("store: update sandbox %s: %w: expected revision must be positive", id, errdefs.ErrInvalid)
 	}
 	if err := rec.Validate(); err != nil {
 		return 0, fmt.Errorf("store: update sandbox: %w", err)
@@ -224,9 +225,9 @@ func (s *Store) UpdateSandbox(ctx context.Context, id string, expectRevision int
 	}
 	if !resp.Succeeded {
 		if len(resp.Responses) > 0 && resp.Responses[0].GetResponseRange().GetCount() == 0 {
-			return 0, fmt.Errorf("store: update sandbox %s: %w", id, ErrNotFound)
+			return 0, fmt.Errorf("store: update sandbox %s: %w", id, errdefs.ErrNotFound)
 		}
-		return 0, fmt.Errorf("store: update sandbox %s: %w: revision moved since %d", id, ErrConflict, expectRevision)
+		return 0, fmt.Errorf("store: update sandbox %s: %w: revision moved since %d", id, errdefs.ErrConflict, expectRevision)
 	}
 	return resp.Header.Revision, nil
 }
@@ -252,11 +253,11 @@ func (s *Store) MutateSandbox(ctx context.Context, id string, fn func(*SandboxRe
 			return SandboxRecord{}, 0, err
 		}
 	}
-	return SandboxRecord{}, 0, fmt.Errorf("store: mutate sandbox %s: %w: too much contention", id, ErrConflict)
+	return SandboxRecord{}, 0, fmt.Errorf("store: mutate sandbox %s: %w: too much contention", id, errdefs.ErrConflict)
 }
 
 // DeleteSandbox removes the record. With expectRevision > 0 the delete is
-// conditional on the mod revision (ErrConflict when it moved). ErrNotFound
+// conditional on the mod revision (errdefs.ErrConflict when it moved). errdefs.ErrNotFound
 // when there is no record.
 func (s *Store) DeleteSandbox(ctx context.Context, id string, expectRevision int64) error {
 	k := sandboxKey(id)
@@ -273,9 +274,9 @@ func (s *Store) DeleteSandbox(ctx context.Context, id string, expectRevision int
 	}
 	if !resp.Succeeded {
 		if len(resp.Responses) > 0 && resp.Responses[0].GetResponseRange().GetCount() == 0 {
-			return fmt.Errorf("store: delete sandbox %s: %w", id, ErrNotFound)
+			return fmt.Errorf("store: delete sandbox %s: %w", id, errdefs.ErrNotFound)
 		}
-		return fmt.Errorf("store: delete sandbox %s: %w: revision moved", id, ErrConflict)
+		return fmt.Errorf("store: delete sandbox %s: %w: revision moved", id, errdefs.ErrConflict)
 	}
 	return nil
 }
@@ -359,5 +360,5 @@ func (s *Store) WatchSandboxes(ctx context.Context, fn func(SandboxEvent)) error
 	})
 }
 
-func isNotFound(err error) bool { return errors.Is(err, ErrNotFound) }
-func isConflict(err error) bool { return errors.Is(err, ErrConflict) }
+func isNotFound(err error) bool { return errors.Is(err, errdefs.ErrNotFound) }
+func isConflict(err error) bool { return errors.Is(err, errdefs.ErrConflict) }

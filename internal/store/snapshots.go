@@ -9,6 +9,8 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 const snapshotsPrefix = prefix + "snapshots/"
@@ -39,10 +41,10 @@ type SnapshotRecord struct {
 // ValidSnapshotID reports whether id has the form of a snapshot id.
 func ValidSnapshotID(id string) bool { return snapshotIDRE.MatchString(id) }
 
-// CreateSnapshot writes a new snapshot record (ErrConflict if the id exists).
+// CreateSnapshot writes a new snapshot record (errdefs.ErrConflict if the id exists).
 func (s *Store) CreateSnapshot(ctx context.Context, rec SnapshotRecord) error {
 	if !ValidSnapshotID(rec.ID) || rec.TeamID == "" {
-		return fmt.Errorf("store: create snapshot: %w: bad id or team", ErrInvalid)
+		return fmt.Errorf("store: create snapshot: %w: bad id or team", errdefs.ErrInvalid)
 	}
 	data, err := json.Marshal(rec)
 	if err != nil {
@@ -57,22 +59,22 @@ func (s *Store) CreateSnapshot(ctx context.Context, rec SnapshotRecord) error {
 		return wrapErr("create snapshot", err)
 	}
 	if !resp.Succeeded {
-		return fmt.Errorf("store: create snapshot %s: %w: already exists", rec.ID, ErrConflict)
+		return fmt.Errorf("store: create snapshot %s: %w: already exists", rec.ID, errdefs.ErrConflict)
 	}
 	return nil
 }
 
-// GetSnapshot returns a snapshot record or ErrNotFound.
+// GetSnapshot returns a snapshot record or errdefs.ErrNotFound.
 func (s *Store) GetSnapshot(ctx context.Context, id string) (SnapshotRecord, error) {
 	if !ValidSnapshotID(id) {
-		return SnapshotRecord{}, fmt.Errorf("store: snapshot %q: %w", id, ErrNotFound)
+		return SnapshotRecord{}, fmt.Errorf("store: snapshot %q: %w", id, errdefs.ErrNotFound)
 	}
 	resp, err := s.cli.Get(ctx, snapshotsPrefix+id)
 	if err != nil {
 		return SnapshotRecord{}, wrapErr("get snapshot", err)
 	}
 	if len(resp.Kvs) == 0 {
-		return SnapshotRecord{}, fmt.Errorf("store: snapshot %s: %w", id, ErrNotFound)
+		return SnapshotRecord{}, fmt.Errorf("store: snapshot %s: %w", id, errdefs.ErrNotFound)
 	}
 	var rec SnapshotRecord
 	if err := json.Unmarshal(resp.Kvs[0].Value, &rec); err != nil {
@@ -100,17 +102,17 @@ func (s *Store) ListSnapshots(ctx context.Context) ([]SnapshotRecord, error) {
 	return out, nil
 }
 
-// DeleteSnapshot removes a snapshot record (ErrNotFound when absent).
+// DeleteSnapshot removes a snapshot record (errdefs.ErrNotFound when absent).
 func (s *Store) DeleteSnapshot(ctx context.Context, id string) error {
 	if !ValidSnapshotID(id) {
-		return fmt.Errorf("store: snapshot %q: %w", id, ErrNotFound)
+		return fmt.Errorf("store: snapshot %q: %w", id, errdefs.ErrNotFound)
 	}
 	resp, err := s.cli.Delete(ctx, snapshotsPrefix+id)
 	if err != nil {
 		return wrapErr("delete snapshot", err)
 	}
 	if resp.Deleted == 0 {
-		return fmt.Errorf("store: snapshot %s: %w", id, ErrNotFound)
+		return fmt.Errorf("store: snapshot %s: %w", id, errdefs.ErrNotFound)
 	}
 	return nil
 }

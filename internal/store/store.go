@@ -26,21 +26,23 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 
 	"github.com/spacesbx/space/internal/atomicfile"
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
-// Error classes. Every error the store returns for these situations wraps one
-// of them (test with errors.Is).
-var (
-	// ErrNotFound: the key does not exist.
-	ErrNotFound = errors.New("not found")
-	// ErrConflict: the key already exists, or its revision moved since the
-	// caller read it (compare-and-swap lost).
-	ErrConflict = errors.New("conflict")
-	// ErrInvalid: the caller passed a value the store refuses to write.
-	ErrInvalid = errors.New("invalid")
-	// ErrClosed: the store was closed.
-	ErrClosed = errors.New("store closed")
-)
+// Errors the store returns wrap the errdefs classes (test with errors.Is):
+// errdefs.ErrNotFound when a key does not exist, errdefs.ErrConflict when it
+// already exists or its revision moved since the caller read it (a lost
+// compare-and-swap), errdefs.ErrInvalid for a value the store refuses to
+// write, and ErrClosed once the store is closed.
+
+// ErrClosed: the store was closed. It is an errdefs.ErrUnavailable.
+var ErrClosed error = closedError{}
+
+// closedError keeps ErrClosed's text while classing it.
+type closedError struct{}
+
+func (closedError) Error() string { return "store closed" }
+func (closedError) Unwrap() error { return errdefs.ErrUnavailable }
 
 // Key layout.
 const (
@@ -86,7 +88,9 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-func (c *Config) setDefaults() {
+// withDefaults returns c with every unset (zero or negative) timeout and a
+// nil Logger replaced by its documented default.
+func (c Config) withDefaults() Config {
 	if c.DialTimeout <= 0 {
 		c.DialTimeout = DefaultDialTimeout
 	}
@@ -99,16 +103,18 @@ func (c *Config) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	return c
 }
 
-// Validate reports whether c can be opened.
+// Validate reports whether c can be opened. It only checks: unset fields
+// that have a default are valid (Open fills the defaults first).
 func (c Config) Validate() error {
 	if len(c.Endpoints) == 0 && c.DataDir == "" {
-		return fmt.Errorf("store config: %w: data dir or etcd endpoints required", ErrInvalid)
+		return fmt.Errorf("store config: %w: data dir or etcd endpoints required", errdefs.ErrInvalid)
 	}
 	for _, e := range c.Endpoints {
 		if e == "" {
-			return fmt.Errorf("store config: %w: empty etcd endpoint", ErrInvalid)
+			return fmt.Errorf("store config: %w: empty etcd endpoint", errdefs.ErrInvalid)
 		}
 	}
 	for name, u := range map[string]string{"client url": c.ClientURL, "peer url": c.PeerURL} {
@@ -117,7 +123,7 @@ func (c Config) Validate() error {
 		}
 		pu, err := url.Parse(u)
 		if err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
-			return fmt.Errorf("store config: %w: %s %q must be http(s)://host:port", ErrInvalid, name, u)
+			return fmt.Errorf("store config: %w: %s %q must be http(s)://host:port", errdefs.ErrInvalid, name, u)
 		}
 	}
 	return nil
@@ -138,10 +144,10 @@ type Store struct {
 // Open connects to etcd, starting the embedded one unless cfg.Endpoints is
 // set. ctx bounds the start.
 func Open(ctx context.Context, cfg Config) (*Store, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	cfg.setDefaults()
 	s := &Store{log: cfg.Logger.With("component", "store"), closeTO: cfg.CloseTimeout}
 	endpoints := cfg.Endpoints
 	if len(endpoints) == 0 {
@@ -318,7 +324,7 @@ func FreePort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
-// ctxErr maps a client error: a closed client reads as ErrClosed.
+// wrapErr maps a client error: a closed client reads as ErrClosed.
 func wrapErr(op string, err error) error {
 	if err == nil {
 		return nil

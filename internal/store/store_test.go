@@ -8,15 +8,18 @@ import (
 	"io"
 	"log/slog"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/goleak"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 )
 
@@ -48,10 +51,10 @@ func testRecord(id string) SandboxRecord {
 }
 
 func TestConfigValidate(t *testing.T) {
-	if err := (Config{}).Validate(); !errors.Is(err, ErrInvalid) {
+	if err := (Config{}).Validate(); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("empty config: %v", err)
 	}
-	if err := (Config{DataDir: "x", ClientURL: "ftp://x"}).Validate(); !errors.Is(err, ErrInvalid) {
+	if err := (Config{DataDir: "x", ClientURL: "ftp://x"}).Validate(); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("bad url: %v", err)
 	}
 	if err := (Config{Endpoints: []string{"http://127.0.0.1:1"}}).Validate(); err != nil {
@@ -83,17 +86,17 @@ func testSandboxCRUD(t *testing.T, s *Store) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := s.CreateSandbox(ctx, rec); !errors.Is(err, ErrConflict) {
-		t.Fatalf("second create: %v, want ErrConflict", err)
+	if _, err := s.CreateSandbox(ctx, rec); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("second create: %v, want errdefs.ErrConflict", err)
 	}
 	got, grev, err := s.GetSandbox(ctx, "crud1")
 	if err != nil || grev != rev || got.AccessToken != "secret-token" || got.Route != rec.Route {
 		t.Fatalf("get: %+v rev %d/%d err %v", got, grev, rev, err)
 	}
-	if _, _, err := s.GetSandbox(ctx, "nope"); !errors.Is(err, ErrNotFound) {
+	if _, _, err := s.GetSandbox(ctx, "nope"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("get missing: %v", err)
 	}
-	if _, _, err := s.GetSandbox(ctx, "Bad/ID"); !errors.Is(err, ErrInvalid) {
+	if _, _, err := s.GetSandbox(ctx, "Bad/ID"); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("get bad id: %v", err)
 	}
 	got.State = StateKilled
@@ -101,34 +104,34 @@ func testSandboxCRUD(t *testing.T, s *Store) {
 	if err != nil || nrev <= rev {
 		t.Fatalf("update: %d %v", nrev, err)
 	}
-	if _, err := s.UpdateSandbox(ctx, "crud1", rev, got); !errors.Is(err, ErrConflict) {
+	if _, err := s.UpdateSandbox(ctx, "crud1", rev, got); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("stale update: %v", err)
 	}
-	if _, err := s.UpdateSandbox(ctx, "ghost", 5, testRecord("ghost")); !errors.Is(err, ErrNotFound) {
+	if _, err := s.UpdateSandbox(ctx, "ghost", 5, testRecord("ghost")); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("update missing: %v", err)
 	}
 	bad := got
 	bad.State = "weird"
-	if _, err := s.UpdateSandbox(ctx, "crud1", nrev, bad); !errors.Is(err, ErrInvalid) {
+	if _, err := s.UpdateSandbox(ctx, "crud1", nrev, bad); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("invalid update: %v", err)
 	}
 	list, err := s.ListSandboxes(ctx)
 	if err != nil || len(list) == 0 {
 		t.Fatalf("list: %v %v", list, err)
 	}
-	if err := s.DeleteSandbox(ctx, "crud1", rev); !errors.Is(err, ErrConflict) {
+	if err := s.DeleteSandbox(ctx, "crud1", rev); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("conditional delete with stale rev: %v", err)
 	}
 	if err := s.DeleteSandbox(ctx, "crud1", nrev); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.DeleteSandbox(ctx, "crud1", 0); !errors.Is(err, ErrNotFound) {
+	if err := s.DeleteSandbox(ctx, "crud1", 0); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("delete missing: %v", err)
 	}
 }
 
 // Two operations read generation N and both try to write N+1: exactly one
-// wins, the other sees ErrConflict.
+// wins, the other sees errdefs.ErrConflict.
 func testCAS(t *testing.T, s *Store) {
 	ctx := context.Background()
 	rec := testRecord("cas1")
@@ -158,7 +161,7 @@ func testCAS(t *testing.T, s *Store) {
 				switch {
 				case err == nil:
 					wins.Add(1)
-				case errors.Is(err, ErrConflict):
+				case errors.Is(err, errdefs.ErrConflict):
 					conflicts.Add(1)
 				default:
 					t.Errorf("update: %v", err)
@@ -200,7 +203,7 @@ func testCAS(t *testing.T, s *Store) {
 
 func testWorkerLease(t *testing.T, s *Store) {
 	ctx := context.Background()
-	if _, err := s.RegisterWorker(ctx, spacev1.Worker{ID: "a/b", NodeURL: "http://x"}, 2*time.Second); !errors.Is(err, ErrInvalid) {
+	if _, err := s.RegisterWorker(ctx, spacev1.Worker{ID: "a/b", NodeURL: "http://x"}, 2*time.Second); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("bad id: %v", err)
 	}
 	live, err := s.RegisterWorker(ctx, spacev1.Worker{ID: "w-live", NodeURL: "http://127.0.0.1:1", State: "ready", Capacity: 4}, 2*time.Second)
@@ -245,7 +248,7 @@ func testWorkerLease(t *testing.T, s *Store) {
 	if err := live.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := s.GetWorker(ctx, "w-live"); !errors.Is(err, ErrNotFound) {
+	if _, err := s.GetWorker(ctx, "w-live"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("closed registration still listed: %v", err)
 	}
 }
@@ -261,7 +264,7 @@ func newKey(t *testing.T, id string) capability.Key {
 func testBundleWatch(t *testing.T, s *Store) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	if _, err := s.GetBundle(ctx); !errors.Is(err, ErrNotFound) {
+	if _, err := s.GetBundle(ctx); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("no bundle yet: %v", err)
 	}
 	got := make(chan capability.Bundle, 16)
@@ -284,10 +287,10 @@ func testBundleWatch(t *testing.T, s *Store) {
 		}
 	}
 	expect(1, 1)
-	if err := s.PutBundle(ctx, capability.Bundle{Revision: 1, Keys: []capability.Key{k1}}); !errors.Is(err, ErrConflict) {
+	if err := s.PutBundle(ctx, capability.Bundle{Revision: 1, Keys: []capability.Key{k1}}); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("same revision: %v", err)
 	}
-	if err := s.PutBundle(ctx, capability.Bundle{Revision: 2, Keys: []capability.Key{k1, k1}}); !errors.Is(err, ErrInvalid) {
+	if err := s.PutBundle(ctx, capability.Bundle{Revision: 2, Keys: []capability.Key{k1, k1}}); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("duplicate keys: %v", err)
 	}
 	b, err := s.UpdateBundle(ctx, func(cur capability.Bundle, found bool) (capability.Bundle, bool, error) {
@@ -337,13 +340,13 @@ func testBundleWatch(t *testing.T, s *Store) {
 func testAPIKeys(t *testing.T, s *Store) {
 	ctx := context.Background()
 	h := HashAPIKey("e2b_secret")
-	if _, err := s.LookupAPIKey(ctx, h); !errors.Is(err, ErrNotFound) {
+	if _, err := s.LookupAPIKey(ctx, h); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("missing: %v", err)
 	}
-	if err := s.PutAPIKey(ctx, "nothex", APIKeyRecord{TeamID: "t", KeyID: "k", Role: RoleUser}); !errors.Is(err, ErrInvalid) {
+	if err := s.PutAPIKey(ctx, "nothex", APIKeyRecord{TeamID: "t", KeyID: "k", Role: RoleUser}); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("bad hash: %v", err)
 	}
-	if err := s.PutAPIKey(ctx, h, APIKeyRecord{TeamID: "t", KeyID: "k", Role: "root"}); !errors.Is(err, ErrInvalid) {
+	if err := s.PutAPIKey(ctx, h, APIKeyRecord{TeamID: "t", KeyID: "k", Role: "root"}); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("bad role: %v", err)
 	}
 	if err := s.PutAPIKey(ctx, h, APIKeyRecord{TeamID: "t", KeyID: "k", Role: RoleUser}); err != nil {
@@ -353,7 +356,7 @@ func testAPIKeys(t *testing.T, s *Store) {
 	if err != nil || rec.TeamID != "t" {
 		t.Fatalf("lookup: %+v %v", rec, err)
 	}
-	if _, err := s.LookupAPIKey(ctx, "zz"); !errors.Is(err, ErrNotFound) {
+	if _, err := s.LookupAPIKey(ctx, "zz"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("malformed hash: %v", err)
 	}
 	if err := s.DeleteAPIKey(ctx, h); err != nil {
@@ -427,3 +430,11 @@ func TestOpenExternalUnreachable(t *testing.T) {
 }
 
 func itoa(i int) string { return strconv.Itoa(i) }
+
+// A closed store is unavailable to the API edges; its text stays.
+func TestClosedIsUnavailable(t *testing.T) {
+	if err := wrapErr("get", clientv3.ErrNoAvailableEndpoints); !errors.Is(err, ErrClosed) || !errors.Is(err, errdefs.ErrUnavailable) ||
+		!strings.Contains(err.Error(), "store closed") {
+		t.Fatalf("%v", err)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
@@ -13,7 +14,7 @@ import (
 // when ctx ends.
 func (s *Store) watchLoop(ctx context.Context, key string, isPrefix bool,
 	load func(*clientv3.GetResponse), event func(*clientv3.Event)) error {
-	backoff := 100 * time.Millisecond
+	retry := newBackOff(100 * time.Millisecond)
 	for {
 		var opts []clientv3.OpOption
 		if isPrefix {
@@ -25,10 +26,9 @@ func (s *Store) watchLoop(ctx context.Context, key string, isPrefix bool,
 				return ctx.Err()
 			}
 			s.log.Warn("watch: read failed; retrying", "key", key, "err", err)
-			if !sleepCtx(ctx, backoff) {
+			if !sleepCtx(ctx, retry.NextBackOff()) {
 				return ctx.Err()
 			}
-			backoff = min(backoff*2, 5*time.Second)
 			continue
 		}
 		load(resp)
@@ -40,7 +40,7 @@ func (s *Store) watchLoop(ctx context.Context, key string, isPrefix bool,
 				s.log.Warn("watch: broken; resyncing", "key", key, "err", err)
 				break
 			}
-			backoff = 100 * time.Millisecond
+			retry.Reset()
 			for _, ev := range wr.Events {
 				event(ev)
 			}
@@ -49,11 +49,22 @@ func (s *Store) watchLoop(ctx context.Context, key string, isPrefix bool,
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if !sleepCtx(ctx, backoff) {
+		if !sleepCtx(ctx, retry.NextBackOff()) {
 			return ctx.Err()
 		}
-		backoff = min(backoff*2, 5*time.Second)
 	}
+}
+
+// maxBackOff caps the store's retry intervals.
+const maxBackOff = 5 * time.Second
+
+// newBackOff returns the store's retry schedule: initial, doubling up to
+// maxBackOff, without jitter (the only clients of a key are this process's
+// own loops).
+func newBackOff(initial time.Duration) *backoff.ExponentialBackOff {
+	b := &backoff.ExponentialBackOff{InitialInterval: initial, Multiplier: 2, MaxInterval: maxBackOff}
+	b.Reset()
+	return b
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) bool {

@@ -13,6 +13,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 // MinWorkerTTL is the shortest registration lease accepted. etcd itself
@@ -43,10 +44,10 @@ func workerKey(id string) string { return workersPrefix + id }
 
 func validateWorker(w spacev1.Worker) error {
 	if w.ID == "" || len(w.ID) > 253 || strings.ContainsAny(w.ID, "/ \t\r\n") {
-		return fmt.Errorf("%w: worker id %q must be 1..253 characters without '/' or spaces", ErrInvalid, w.ID)
+		return fmt.Errorf("%w: worker id %q must be 1..253 characters without '/' or spaces", errdefs.ErrInvalid, w.ID)
 	}
 	if w.NodeURL == "" {
-		return fmt.Errorf("%w: worker %q has no node url", ErrInvalid, w.ID)
+		return fmt.Errorf("%w: worker %q has no node url", errdefs.ErrInvalid, w.ID)
 	}
 	return nil
 }
@@ -59,7 +60,7 @@ func (s *Store) RegisterWorker(ctx context.Context, w spacev1.Worker, ttl time.D
 		return nil, fmt.Errorf("store: register worker: %w", err)
 	}
 	if ttl < MinWorkerTTL {
-		return nil, fmt.Errorf("store: register worker: %w: ttl %s below %s", ErrInvalid, ttl, MinWorkerTTL)
+		return nil, fmt.Errorf("store: register worker: %w: ttl %s below %s", errdefs.ErrInvalid, ttl, MinWorkerTTL)
 	}
 	if w.Since.IsZero() {
 		w.Since = time.Now().UTC()
@@ -104,7 +105,7 @@ func (r *Registration) register(ctx context.Context) (<-chan *clientv3.LeaseKeep
 
 func (r *Registration) run(ch <-chan *clientv3.LeaseKeepAliveResponse) {
 	defer close(r.done)
-	backoff := 200 * time.Millisecond
+	retry := newBackOff(200 * time.Millisecond)
 	for {
 		for range ch { //nolint:revive // drain keep-alive responses
 		}
@@ -112,8 +113,9 @@ func (r *Registration) run(ch <-chan *clientv3.LeaseKeepAliveResponse) {
 			return
 		}
 		r.log.Warn("worker lease lost; registering again")
+		retry.Reset()
 		for {
-			if !sleepCtx(r.ctx, backoff) {
+			if !sleepCtx(r.ctx, retry.NextBackOff()) {
 				return
 			}
 			ctx, cancel := context.WithTimeout(r.ctx, r.ttl+5*time.Second)
@@ -121,14 +123,12 @@ func (r *Registration) run(ch <-chan *clientv3.LeaseKeepAliveResponse) {
 			ch, err = r.register(ctx)
 			cancel()
 			if err == nil {
-				backoff = 200 * time.Millisecond
 				break
 			}
 			if r.ctx.Err() != nil {
 				return
 			}
 			r.log.Warn("worker registration failed; retrying", "err", err)
-			backoff = min(backoff*2, 5*time.Second)
 		}
 	}
 }
@@ -139,7 +139,7 @@ func (r *Registration) Update(ctx context.Context, w spacev1.Worker) error {
 	r.mu.Lock()
 	if w.ID != r.w.ID {
 		r.mu.Unlock()
-		return fmt.Errorf("store: update worker: %w: id cannot change", ErrInvalid)
+		return fmt.Errorf("store: update worker: %w: id cannot change", errdefs.ErrInvalid)
 	}
 	if w.Since.IsZero() {
 		w.Since = r.w.Since
@@ -208,14 +208,14 @@ func (s *Store) ListWorkers(ctx context.Context) ([]spacev1.Worker, error) {
 	return out, nil
 }
 
-// GetWorker returns one registered worker or ErrNotFound.
+// GetWorker returns one registered worker or errdefs.ErrNotFound.
 func (s *Store) GetWorker(ctx context.Context, id string) (spacev1.Worker, error) {
 	resp, err := s.cli.Get(ctx, workerKey(id))
 	if err != nil {
 		return spacev1.Worker{}, wrapErr("get worker", err)
 	}
 	if len(resp.Kvs) == 0 {
-		return spacev1.Worker{}, fmt.Errorf("store: worker %q: %w", id, ErrNotFound)
+		return spacev1.Worker{}, fmt.Errorf("store: worker %q: %w", id, errdefs.ErrNotFound)
 	}
 	var w spacev1.Worker
 	if err := json.Unmarshal(resp.Kvs[0].Value, &w); err != nil {

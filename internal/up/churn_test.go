@@ -42,7 +42,6 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
-	"github.com/spacesbx/space/internal/controlplane"
 	"github.com/spacesbx/space/internal/store"
 	"github.com/spacesbx/space/sdk"
 )
@@ -471,7 +470,7 @@ func churnDriver(ctx context.Context, lp *lcPlat, hc *http.Client, mine []*churn
 	}
 	migrate := func(cs *churnSandbox) {
 		st.migrates.Add(1)
-		call("migrate", http.MethodPost, "/space/v1/sandboxes/"+cs.sbx.ID+"/migrate", controlplane.MigrateRequest{TargetWorker: target(cs)}, http.StatusOK)
+		call("migrate", http.MethodPost, "/space/v1/sandboxes/"+cs.sbx.ID+"/migrate", spacev1.MigrateRequest{TargetWorker: target(cs)}, http.StatusOK)
 	}
 	for ctx.Err() == nil {
 		cs := mine[r.IntN(len(mine))]

@@ -181,13 +181,13 @@ func (lp *lcPlat) capability(t *testing.T, id, purpose string) spacev1.Capabilit
 }
 
 // migrate moves id (to target, or the scheduler's pick when empty).
-func (lp *lcPlat) migrate(t *testing.T, id, target string) controlplane.MigrateResponse {
+func (lp *lcPlat) migrate(t *testing.T, id, target string) spacev1.MigrateResponse {
 	t.Helper()
-	r := lp.api(t, http.MethodPost, "/space/v1/sandboxes/"+id+"/migrate", controlplane.MigrateRequest{TargetWorker: target})
+	r := lp.api(t, http.MethodPost, "/space/v1/sandboxes/"+id+"/migrate", spacev1.MigrateRequest{TargetWorker: target})
 	if r.status != http.StatusOK {
 		t.Fatalf("migrate %s to %q: %d %s", id, target, r.status, r.body)
 	}
-	var mr controlplane.MigrateResponse
+	var mr spacev1.MigrateResponse
 	if err := json.Unmarshal(r.body, &mr); err != nil {
 		t.Fatalf("migrate answer: %v (%s)", err, r.body)
 	}
@@ -685,7 +685,7 @@ func testKeyRotation(t *testing.T, lp *lcPlat) {
 	if r.status != http.StatusOK {
 		t.Fatalf("rotate: %d %s", r.status, r.body)
 	}
-	var rot controlplane.RotateResponse
+	var rot spacev1.RotateResponse
 	if err := json.Unmarshal(r.body, &rot); err != nil {
 		t.Fatal(err)
 	}
