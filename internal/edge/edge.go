@@ -222,7 +222,7 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	t, err := classify(r, sandbox, port)
 	if err != nil {
-		e.metrics.requests.WithLabelValues("none", statusLabel(errdefs.HTTPStatus(err))).Inc()
+		e.metrics.requests.WithLabelValues("none", statusLabel(errorStatus(err))).Inc()
 		dropUnreadBody(w, r)
 		writeError(w, err)
 		return

@@ -69,14 +69,19 @@ func contextEnded(err error) bool {
 // classified reports whether err carries an errdefs class, i.e. is one of
 // the edge's answers rather than a transport failure or a context's end.
 func classified(err error) bool {
-	st := errdefs.HTTPStatus(err)
+	st := errorStatus(err)
 	return st != http.StatusInternalServerError && st != http.StatusGatewayTimeout
 }
+
+// errorStatus is the edge's one mapping from an error (its class) to an
+// HTTP status; errorResponse, the metrics and the reattach decisions all
+// read the status through it.
+func errorStatus(err error) int { return errdefs.HTTPStatus(err) }
 
 // errorResponse is the edge's one mapping from an error to the status,
 // headers and JSON body {code, message, reason} the client gets.
 func errorResponse(err error) (int, http.Header, []byte) {
-	status := errdefs.HTTPStatus(err)
+	status := errorStatus(err)
 	h := http.Header{"Content-Type": {"application/json"}, "Cache-Control": {"no-store"}}
 	if ra := errdefs.RetryAfter(err); ra != "" {
 		h.Set("Retry-After", ra)

@@ -38,7 +38,6 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/envelope"
-	"github.com/spacesbx/space/internal/errdefs"
 )
 
 const (
@@ -364,7 +363,7 @@ func moving(err error) bool {
 	if !classified(err) || isNotFound(err) {
 		return false
 	}
-	return retryableStatus(errdefs.HTTPStatus(err))
+	return retryableStatus(errorStatus(err))
 }
 
 // retryableStatus: paused, refresh-route, and unavailable answers.
