@@ -62,7 +62,7 @@ func newWorker(t *testing.T, dir string, feed bundleFeed, reg *fakeRegistrar) *W
 	t.Helper()
 	w, err := New(Config{ID: "w1", StateDir: dir, BundleWait: 5 * time.Second,
 		Manager: sbxmanager.Config{SpacedHostPath: "/x", AgentPath: "/x"}},
-		Deps{Substrate: nopSubstrate{}, Registrar: reg, Bundles: feed})
+		Deps{Substrates: []substrate.Substrate{nopSubstrate{}}, Registrar: reg, Bundles: feed})
 	if err != nil {
 		t.Fatal(err)
 	}
