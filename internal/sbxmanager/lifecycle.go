@@ -57,9 +57,9 @@ import (
 	"github.com/spacesbx/space/internal/substrate"
 )
 
-// upperDir is the writable layer inside an activation directory of a
-// substrate that is not a substrate.LayerPreparer (test substrates).
-const upperDir = "upper"
+// noHostLayer names no file: WritableLayer's answer, in the activation
+// directory, for a substrate without a host-side writable layer.
+const noHostLayer = "no-host-layer"
 
 // SnapshotStore is where Snapshot archives writable layers and installs
 // restore them from (snapshot.Local, or an object store).
@@ -128,7 +128,7 @@ func (m *Manager) Pause(ctx context.Context, route identity.Route) error {
 	// already inside the guest get to finish (bounded) rather than fail.
 	act.paused.Store(true)
 	m.drainUnary(act, pauseDrain)
-	if _, keepsProcesses := act.inst.(substrate.StateSaver); !keepsProcesses {
+	if !m.caps(route).SavesState { // a move would restart the processes
 		m.drainStarts(act, m.cfg.PauseStreamGrace)
 	}
 	if err := act.inst.Pause(ctx); err != nil {
@@ -232,13 +232,13 @@ func (m *Manager) Snapshot(ctx context.Context, route identity.Route, id string)
 	if act != nil && !act.paused.Load() {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: execution must be paused first", route.SandboxID, errdefs.ErrConflict)
 	}
-	if route.Substrate == identity.SubstrateMicroVM {
+	if m.caps(route).SavesState {
 		return m.snapshotState(ctx, route, act, id)
 	}
 	if _, err := os.Stat(rec.Dir); err != nil {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: activation dir %s missing", route.SandboxID, errdefs.ErrNotFound, rec.Dir)
 	}
-	upper, release, err := m.writableLayer(ctx, route.Substrate, rec.Dir, rec.Limits)
+	upper, release, err := m.writableLayer(ctx, route, rec.Dir, rec.Limits)
 	if err != nil {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w", route.SandboxID, err)
 	}
@@ -265,8 +265,8 @@ func (m *Manager) Snapshot(ctx context.Context, route identity.Route, id string)
 	return spacev1.SnapshotResponse{SnapshotID: id, SizeBytes: n}, nil
 }
 
-// snapshotState stores a paused VM's whole state (memory, devices; its
-// files live in memory) under id. Runs under the sandbox lock.
+// snapshotState stores a paused instance's whole state (memory, devices;
+// its files live in memory) under id. Runs under the sandbox lock.
 func (m *Manager) snapshotState(ctx context.Context, route identity.Route, act *activation, id string) (spacev1.SnapshotResponse, error) {
 	var saver substrate.StateSaver
 	if act != nil {
@@ -365,31 +365,32 @@ func (m *Manager) Installed(sandbox string) (identity.Record, bool) {
 
 // WritableLayer returns the host path of the sandbox's writable layer
 // (measurements and tests): valid while its execution runs here (a layer
-// kept on a disk of its own is mounted only then).
+// kept on a disk of its own is mounted only then). A substrate without a
+// host-side layer (a VM's files live in guest memory) has none: the path
+// is then one in the activation directory that names no file.
 func (m *Manager) WritableLayer(sandbox string) (string, bool) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	rec, ok := m.records[sandbox]
-	if act := m.active[sandbox]; act != nil {
-		if l, ok2 := act.inst.(interface{ LayerDir() string }); ok2 {
-			return l.LayerDir(), ok
-		}
+	if !ok {
+		return "", false
 	}
-	return filepath.Join(rec.Dir, upperDir), ok
+	if p, isLayer := m.subs[rec.Route.Substrate].(substrate.LayerPreparer); isLayer {
+		return p.LayerDir(rec.Dir), true
+	}
+	return filepath.Join(rec.Dir, noHostLayer), true
 }
 
 // writableLayer makes the writable layer of activation directory dir
 // available on the host (a substrate that keeps it on a disk of its own
 // mounts it, with the sandbox's quota when it makes it) and returns its
 // path and the release to call when done.
-func (m *Manager) writableLayer(ctx context.Context, sub, dir string, lim spacev1.Limits) (string, func() error, error) {
-	if p, ok := m.subs[sub].(substrate.LayerPreparer); ok {
-		return p.PrepareLayer(ctx, dir, substrateLimits(m.withDefaultLimits(lim)))
+func (m *Manager) writableLayer(ctx context.Context, r identity.Route, dir string, lim spacev1.Limits) (string, func() error, error) {
+	p, ok := m.subs[r.Substrate].(substrate.LayerPreparer)
+	if !ok {
+		return "", nil, fmt.Errorf("%w: substrate %s keeps no writable layer on the host", errdefs.ErrUnavailable, r.Substrate)
 	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return "", nil, err
-	}
-	return filepath.Join(dir, upperDir), func() error { return nil }, nil
+	return p.PrepareLayer(ctx, dir, substrateLimits(m.withDefaultLimits(lim)))
 }
 
 // prepareInstall runs under the sandbox lock before Install touches the
@@ -410,10 +411,10 @@ func (m *Manager) prepareInstall(ctx context.Context, req spacev1.InstallRequest
 		return fmt.Errorf("install %s: %w: no snapshot store configured on worker %s", r.SandboxID, errdefs.ErrUnavailable, m.cfg.WorkerID)
 	}
 	dir := activationDir(m.cfg.StateDir, r)
-	if r.Substrate == identity.SubstrateMicroVM {
+	if m.caps(r).SavesState {
 		return m.fetchState(ctx, r, req.RestoreSnapshot, dir)
 	}
-	upper, release, err := m.writableLayer(ctx, r.Substrate, dir, req.Limits)
+	upper, release, err := m.writableLayer(ctx, r, dir, req.Limits)
 	if err != nil {
 		return fmt.Errorf("install %s: writable layer: %w", r.SandboxID, err)
 	}
@@ -451,7 +452,7 @@ func ownFileSystem(path, dir string) bool {
 	return unix.Stat(path, &a) == nil && unix.Stat(dir, &b) == nil && a.Dev != b.Dev
 }
 
-// fetchState copies a VM state snapshot into the new activation's
+// fetchState copies an instance state snapshot into the new activation's
 // directory, where activate hands it to the substrate (which checks its
 // header before loading it).
 func (m *Manager) fetchState(ctx context.Context, r identity.Route, id, dir string) error {

@@ -35,9 +35,10 @@ import (
 // Connect streaming protocol (envelopes) for the stream-lease tests, and
 // records pauses and forwarded requests.
 type connectSubstrate struct {
-	forwarded atomic.Int64 // requests that reached any guest
-	mu        sync.Mutex
-	insts     []*connectInstance
+	fakeSubstrate              // capabilities and writable layer
+	forwarded     atomic.Int64 // requests that reached any guest
+	mu            sync.Mutex
+	insts         []*connectInstance
 }
 
 type connectInstance struct {
@@ -64,7 +65,7 @@ func envelope(flags byte, msg string) []byte {
 func (f *connectSubstrate) Name() string { return identity.SubstrateNS }
 
 func (f *connectSubstrate) Start(ctx context.Context, spec substrate.Spec) (substrate.Instance, error) {
-	if err := os.MkdirAll(filepath.Join(spec.Dir, upperDir), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Join(spec.Dir, fakeLayer), 0o755); err != nil {
 		return nil, err
 	}
 	sock := filepath.Join(spec.Dir, "guest.sock")
@@ -150,7 +151,7 @@ func newLCFixture(t *testing.T) *lcFixture {
 func (f *lcFixture) open(t *testing.T) {
 	t.Helper()
 	m, err := New(Config{WorkerID: "w1", StateDir: f.dir, SpacedHostPath: spacedHost, AgentPath: "/nonexistent", NetgtwPath: "/nonexistent"},
-		Deps{Substrate: f.sub, Verifier: f.ver, Snapshots: f.snaps})
+		Deps{Substrates: []substrate.Substrate{f.sub}, Verifier: f.ver, Snapshots: f.snaps})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -413,7 +414,7 @@ func TestSnapshotAndRestoreOnInstall(t *testing.T) {
 	r1 := route("sbxn", 1)
 	f.install(t, r1)
 	rec1, _ := f.m.records["sbxn"], 0
-	upper1 := filepath.Join(rec1.Dir, upperDir)
+	upper1 := filepath.Join(rec1.Dir, fakeLayer)
 	os.MkdirAll(filepath.Join(upper1, "root"), 0o700)
 	os.WriteFile(filepath.Join(upper1, "root", "note"), []byte("kept across workers"), 0o600)
 
@@ -457,7 +458,7 @@ func TestSnapshotAndRestoreOnInstall(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec2 := f.m.records["sbxn"]
-	if b, err := os.ReadFile(filepath.Join(rec2.Dir, upperDir, "root", "note")); err != nil || string(b) != "kept across workers" {
+	if b, err := os.ReadFile(filepath.Join(rec2.Dir, fakeLayer, "root", "note")); err != nil || string(b) != "kept across workers" {
 		t.Fatalf("restored file: %q %v", b, err)
 	}
 	if _, err := os.Stat(rec1.Dir); !errors.Is(err, os.ErrNotExist) {

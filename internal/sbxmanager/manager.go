@@ -113,10 +113,8 @@ func (c *Config) Validate() error {
 
 // Deps are the manager's collaborators.
 type Deps struct {
-	// Substrate runs sandboxes; Substrates adds more (e.g. ns and
-	// microvm on one worker). Routes pick one by name; at least one is
-	// required.
-	Substrate  substrate.Substrate
+	// Substrates run sandboxes (e.g. ns and microvm on one worker).
+	// Routes pick one by name; at least one is required.
 	Substrates []substrate.Substrate
 	Verifier   *capability.Verifier
 	// Snapshots stores writable-layer snapshots (nil: Snapshot and
@@ -183,7 +181,7 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 		return nil, err
 	}
 	subs := map[string]substrate.Substrate{}
-	for _, s := range append([]substrate.Substrate{deps.Substrate}, deps.Substrates...) {
+	for _, s := range deps.Substrates {
 		if s != nil {
 			subs[s.Name()] = s
 		}
@@ -285,7 +283,7 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	limits := m.withDefaultLimits(req.Limits)
 	dir := activationDir(m.cfg.StateDir, r)
 	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC()}
-	if req.RestoreSnapshot != "" && r.Substrate == identity.SubstrateMicroVM {
+	if req.RestoreSnapshot != "" && m.caps(r).SavesState {
 		rec.restoreState = filepath.Join(dir, stateFile) // prepareInstall fetched it
 		defer os.Remove(rec.restoreState)                // loaded by now, or useless
 	}
@@ -325,9 +323,10 @@ func activationDir(stateDir string, r identity.Route) string {
 	return filepath.Join(stateDir, "act", hex.EncodeToString(sum[:8]))
 }
 
-// Files in a microvm activation directory: the guest configuration that
-// spaced-host sends as the activation message, and a VM state being
-// restored (removed once loaded).
+// Files in the activation directory of a substrate with
+// Capabilities.Activation and SavesState: the guest configuration that
+// spaced-host sends as the activation message, and an instance state
+// being restored (removed once loaded).
 const (
 	activationFile = "activation.json"
 	stateFile      = "restore.state"
@@ -348,6 +347,15 @@ const InstallTimingMsg = "install timing"
 // installTiming is how long each phase of an install took.
 type installTiming struct {
 	substrate, bridge, gateway, persist time.Duration
+}
+
+// caps are the capabilities of the substrate r names (Install checked
+// that this worker runs it).
+func (m *Manager) caps(r identity.Route) substrate.Capabilities {
+	if sub := m.subs[r.Substrate]; sub != nil {
+		return sub.Capabilities()
+	}
+	return substrate.Capabilities{}
 }
 
 // withDefaultLimits fills l's zero fields from the worker's defaults.
@@ -380,10 +388,10 @@ func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (
 		Limits:       substrateLimits(rec.Limits),
 		RestoreState: rec.restoreState,
 	}
-	// The ns agent reads its configuration at start; a VM's agent learns
-	// it (again, after a restore) from spaced-host's activation message.
-	vm := r.Substrate == identity.SubstrateMicroVM
-	if !vm {
+	// An agent reads its configuration at start, or learns it (again,
+	// after a restore) from spaced-host's activation message.
+	caps := m.caps(r)
+	if !caps.Activation {
 		spec.AgentEnv = []string{"SPACE_GUEST_CONFIG=" + string(gcfg)}
 	} else if err := os.MkdirAll(rec.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("start sandbox: %w", err)
@@ -420,7 +428,7 @@ func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (
 	}
 	bp := l.bp
 	t0 = time.Now()
-	act, err := m.startBridge(ctx, bp, inst, rec.Dir, vm)
+	act, err := m.startBridge(ctx, bp, inst, rec.Dir, caps)
 	tm.bridge = time.Since(t0)
 	if err != nil {
 		stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -428,9 +436,9 @@ func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (
 		cancel()
 		return nil, err
 	}
-	if vm {
-		// A VM has no network namespace on the host to reach its ports
-		// from; service ports are not served for it (never the host's).
+	if !caps.Netns {
+		// No network namespace on the host to reach its ports from:
+		// service ports are not served for it (never the host's).
 		return act, nil
 	}
 	t0 = time.Now()
@@ -516,21 +524,20 @@ func (bp *bridgeProc) kill() {
 
 // startBridge hands inst to the spaced-host bp and waits until it has
 // verified the guest and listens.
-func (m *Manager) startBridge(ctx context.Context, bp *bridgeProc, inst substrate.Instance, dir string, vm bool) (*activation, error) {
+func (m *Manager) startBridge(ctx context.Context, bp *bridgeProc, inst substrate.Instance, dir string, caps substrate.Capabilities) (*activation, error) {
 	r := inst.Route()
 	sock := filepath.Join(dir, "host.sock")
 	want, _ := json.Marshal(r)
 	args := []string{"--guest-socket", inst.GuestSocket(), "--guest-pid", strconv.Itoa(inst.InitPID()),
 		"--listen", sock, "--expected", string(want), "--manager-pid", strconv.Itoa(os.Getpid())}
-	if !vm {
+	if !caps.Activation {
 		// The agent's executable was hashed here before (once per binary):
 		// spaced-host records the agent without reading it again, unless
 		// the agent's executable is not exactly that file, unchanged.
 		if stmt, err := procid.ExeHash(m.cfg.AgentPath); err == nil {
 			args = append(args, "--guest-exe-hash", stmt)
 		}
-	}
-	if vm {
+	} else {
 		// One verified connection to QEMU's chardev socket, multiplexed;
 		// the guest is (re)activated with the activation file first.
 		args = append(args, "--channel", "vmchan", "--activation-file", filepath.Join(dir, activationFile),

@@ -72,6 +72,25 @@ type fakeInstance struct {
 
 func (f *fakeSubstrate) Name() string { return identity.SubstrateNS }
 
+// Capabilities are an ns sandbox's: the guest's listener is this process
+// (its network namespace stands for the sandbox's).
+func (f *fakeSubstrate) Capabilities() substrate.Capabilities {
+	return substrate.Capabilities{Netns: true}
+}
+
+// fakeLayer is the writable layer's directory in a fake activation
+// directory (a plain directory: nothing to mount).
+const fakeLayer = "upper"
+
+func (f *fakeSubstrate) PrepareLayer(_ context.Context, dir string, _ substrate.Limits) (string, func() error, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return "", nil, err
+	}
+	return f.LayerDir(dir), func() error { return nil }, nil
+}
+
+func (f *fakeSubstrate) LayerDir(dir string) string { return filepath.Join(dir, fakeLayer) }
+
 func (f *fakeSubstrate) Start(ctx context.Context, spec substrate.Spec) (substrate.Instance, error) {
 	f.mu.Lock()
 	gate, startErr := f.startGate, f.startErr
@@ -148,7 +167,7 @@ func newFixture(t *testing.T) *fixture {
 	ver, _ := capability.NewVerifier(capability.Bundle{Revision: 1, Keys: []capability.Key{{ID: "k1", Public: pub}}})
 	dir := t.TempDir()
 	m, err := New(Config{WorkerID: "w1", StateDir: dir, SpacedHostPath: spacedHost, AgentPath: "/nonexistent", EnvdVersion: "0.5.7"},
-		Deps{Substrate: &fakeSubstrate{}, Verifier: ver})
+		Deps{Substrates: []substrate.Substrate{&fakeSubstrate{}}, Verifier: ver})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -354,7 +373,7 @@ func TestRestartReloadsRecordsFailClosed(t *testing.T) {
 	f.m.Close()
 	pub := f.m.ver
 	m2, err := New(Config{WorkerID: "w1", StateDir: f.dir, SpacedHostPath: spacedHost, AgentPath: "/x"},
-		Deps{Substrate: &fakeSubstrate{}, Verifier: pub})
+		Deps{Substrates: []substrate.Substrate{&fakeSubstrate{}}, Verifier: pub})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -22,6 +22,9 @@ import (
 type nopSubstrate struct{}
 
 func (nopSubstrate) Name() string { return "ns" }
+func (nopSubstrate) Capabilities() substrate.Capabilities {
+	return substrate.Capabilities{}
+}
 func (nopSubstrate) Start(context.Context, substrate.Spec) (substrate.Instance, error) {
 	return nil, errors.New("no sandboxes in this test")
 }

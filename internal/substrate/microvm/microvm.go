@@ -194,10 +194,10 @@ var _ substrate.Substrate = (*Substrate)(nil)
 // busybox) and returns a substrate. The guest image is built lazily by the
 // first Start.
 func New(cfg Config) (*Substrate, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	cfg = cfg.withDefaults()
 	for _, p := range []string{cfg.QEMUPath, cfg.KernelPath, cfg.BusyboxPath} {
 		if fi, err := os.Stat(p); err != nil {
 			return nil, fmt.Errorf("microvm: %w", err)
@@ -365,29 +365,19 @@ func (s *Substrate) Close() error {
 	return nil
 }
 
+// Capabilities: a VM's state (its files included: they live in guest
+// memory) is saved whole, so a move keeps its processes; the agent is
+// reached over QEMU's chardev and configured by spaced-host's activation
+// message; there is no network namespace on the host.
+func (s *Substrate) Capabilities() substrate.Capabilities {
+	return substrate.Capabilities{SavesState: true, Activation: true}
+}
+
 func validateSpec(spec *substrate.Spec) error {
-	if err := spec.Route.Validate(); err != nil {
+	if err := spec.Validate(identity.SubstrateMicroVM, SocketName); err != nil {
 		return err
 	}
-	if spec.Route.Substrate != identity.SubstrateMicroVM {
-		return fmt.Errorf("microvm: route names substrate %q", spec.Route.Substrate)
-	}
-	if spec.Dir == "" || !filepath.IsAbs(spec.Dir) {
-		return fmt.Errorf("microvm: Dir must be an absolute path, got %q", spec.Dir)
-	}
-	if n := len(filepath.Join(spec.Dir, SocketName)); n >= 108 {
-		return fmt.Errorf("microvm: Dir %q too long for a Unix socket path (%d bytes)", spec.Dir, n)
-	}
-	if !filepath.IsAbs(spec.AgentPath) {
-		return fmt.Errorf("microvm: AgentPath must be absolute, got %q", spec.AgentPath)
-	}
-	fi, err := os.Stat(spec.AgentPath)
-	if err != nil {
-		return fmt.Errorf("microvm: agent: %w", err)
-	}
-	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
-		return fmt.Errorf("microvm: agent %s is not an executable file", spec.AgentPath)
-	}
+	// The environment travels as a script the init sources.
 	if _, err := agentEnvScript(spec.AgentEnv); err != nil {
 		return err
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // testConfig finds QEMU and the kernel `make vm-deps` extracts into the
@@ -224,7 +225,7 @@ func testVMLifecycleSaveRestore(t *testing.T, cfg Config) {
 	if int(cred.Pid) != inst.InitPID() {
 		t.Errorf("listener peer pid %d, want QEMU's %d", cred.Pid, inst.InitPID())
 	}
-	if os.Geteuid() == 0 {
+	if testenv.IsRoot() {
 		vi := inst.(*instance)
 		if cred.Uid != vi.uid.uid || cred.Uid < DefaultUIDFirst {
 			t.Errorf("QEMU runs as uid %d, want its leased uid %d", cred.Uid, vi.uid.uid)
@@ -451,7 +452,7 @@ func TestStartFailureCleansUp(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dir, SocketName)); !os.IsNotExist(err) {
 		t.Errorf("socket left behind: %v", err)
 	}
-	if os.Geteuid() == 0 {
+	if testenv.IsRoot() {
 		l, err := leaseUID(cfg.UIDLockDir, cfg.UIDFirst, 1, 0)
 		if err != nil {
 			t.Fatalf("uid not released: %v", err)

@@ -16,15 +16,15 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // needDisk skips unless layer disks can be made here: root, the loop
 // driver and mkfs.ext4.
 func needDisk(t *testing.T) string {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root (loop devices, mounts)")
-	}
+	testenv.RequireRoot(t, "loop devices, mounts")
 	if _, err := os.Stat("/dev/loop-control"); err != nil {
 		t.Skipf("no loop driver: %v", err)
 	}

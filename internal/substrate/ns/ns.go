@@ -179,10 +179,10 @@ var _ substrate.Substrate = (*Substrate)(nil)
 // New checks the host (root, cgroups) and returns a substrate. Templates
 // are built lazily by the first Start that needs them.
 func New(cfg Config) (*Substrate, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	cfg = cfg.withDefaults()
 	if os.Geteuid() != 0 {
 		return nil, errors.New("ns: the ns substrate needs root")
 	}
@@ -224,31 +224,21 @@ func (s *Substrate) Close() error {
 	return nil
 }
 
+// Capabilities: an ns sandbox is a tree of host processes in namespaces
+// of their own (a network namespace for service ports) whose agent reads
+// its configuration from the environment; its files live in a host-side
+// layer (LayerPreparer), so a move restarts its processes.
+func (s *Substrate) Capabilities() substrate.Capabilities {
+	return substrate.Capabilities{Netns: true}
+}
+
 func validateSpec(spec *substrate.Spec) error {
-	if err := spec.Route.Validate(); err != nil {
+	if err := spec.Validate(identity.SubstrateNS, SocketName); err != nil {
 		return err
 	}
-	if spec.Route.Substrate != identity.SubstrateNS {
-		return fmt.Errorf("ns: route names substrate %q", spec.Route.Substrate)
-	}
+	// The activation id names the sandbox's cgroup.
 	if !validComponent(spec.Route.ActivationID) {
 		return fmt.Errorf("ns: activation id %q is not a safe name", spec.Route.ActivationID)
-	}
-	if spec.Dir == "" || !filepath.IsAbs(spec.Dir) {
-		return fmt.Errorf("ns: Dir must be an absolute path, got %q", spec.Dir)
-	}
-	if n := len(filepath.Join(spec.Dir, SocketName)); n >= 108 {
-		return fmt.Errorf("ns: Dir %q too long for a Unix socket path (%d bytes)", spec.Dir, n)
-	}
-	if !filepath.IsAbs(spec.AgentPath) {
-		return fmt.Errorf("ns: AgentPath must be absolute, got %q", spec.AgentPath)
-	}
-	fi, err := os.Stat(spec.AgentPath)
-	if err != nil {
-		return fmt.Errorf("ns: agent: %w", err)
-	}
-	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
-		return fmt.Errorf("ns: agent %s is not an executable file", spec.AgentPath)
 	}
 	return validateLimits(spec.Limits)
 }
@@ -445,7 +435,7 @@ func (i *instance) Done() <-chan struct{} { return i.done }
 
 // LayerDir is the host path of the writable layer, mounted while the
 // instance runs.
-func (i *instance) LayerDir() string { return i.s.layerDir(i.dir) }
+func (i *instance) LayerDir() string { return i.s.LayerDir(i.dir) }
 
 func (i *instance) wait() {
 	defer i.wg.Done()

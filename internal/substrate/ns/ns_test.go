@@ -25,6 +25,7 @@ import (
 
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 var (
@@ -41,7 +42,7 @@ func TestMain(m *testing.M) {
 }
 
 func testMain(m *testing.M) int {
-	if os.Geteuid() == 0 {
+	if testenv.IsRoot() {
 		tmp, err := os.MkdirTemp("", "space-ns-test-")
 		if err != nil {
 			fmt.Fprintln(os.Stderr, err)
@@ -57,7 +58,7 @@ func testMain(m *testing.M) int {
 			return 1
 		}
 	} else {
-		fmt.Println("ns: integration tests skip: they need root")
+		fmt.Println(testenv.SkipPrefix + ": ns integration tests (they need root)")
 	}
 	code := m.Run()
 	if testSub != nil {
@@ -87,9 +88,7 @@ func removeEmptyCgroupParents(s *Substrate) {
 
 func needRoot(tb testing.TB) *Substrate {
 	tb.Helper()
-	if os.Geteuid() != 0 {
-		tb.Skip("needs root (namespaces, cgroups, mounts)")
-	}
+	testenv.RequireRoot(tb, "namespaces, cgroups, mounts")
 	subOnce.Do(func() {
 		testSub, subErr = New(Config{StateDir: testState})
 	})
