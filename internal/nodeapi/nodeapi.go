@@ -141,6 +141,19 @@ func (s *Server) authorizeControl(r *http.Request, route identity.Route) error {
 	return nil
 }
 
+// WriteError writes err as SPACE's JSON error body with the status of its
+// class (errdefs.HTTPStatus). It is the one place on a worker that maps
+// error classes to HTTP statuses: the control calls here answer through
+// it, and sbx-manager gets it (sbxmanager.Deps.WriteError) for the
+// requests it refuses. node-api is internal: the body carries the error's
+// full text.
+func WriteError(w http.ResponseWriter, err error) {
+	status := errdefs.HTTPStatus(err)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(spacev1.Error{Code: status, Message: err.Error(), Reason: errdefs.Reason(err)})
+}
+
 func decode(r *http.Request, v any) error {
 	dec := json.NewDecoder(io.LimitReader(r.Body, MaxControlBody+1))
 	dec.DisallowUnknownFields()
@@ -157,16 +170,16 @@ func control[T any](s *Server, route func(*T) identity.Route, do func(context.Co
 	return func(w http.ResponseWriter, r *http.Request) {
 		var req T
 		if err := decode(r, &req); err != nil {
-			sbxmanager.WriteError(w, err)
+			WriteError(w, err)
 			return
 		}
 		if err := s.authorizeControl(r, route(&req)); err != nil {
-			sbxmanager.WriteError(w, err)
+			WriteError(w, err)
 			return
 		}
 		resp, err := do(r.Context(), &req)
 		if err != nil {
-			sbxmanager.WriteError(w, err)
+			WriteError(w, err)
 			return
 		}
 		if resp == nil {

@@ -40,7 +40,7 @@ func setup(t *testing.T) (*httptest.Server, *capability.Signer, *refusingSubstra
 	ver, _ := capability.NewVerifier(capability.Bundle{Revision: 1, Keys: []capability.Key{{ID: "k1", Public: pub}}})
 	sub := &refusingSubstrate{}
 	mgr, err := sbxmanager.New(sbxmanager.Config{WorkerID: "w1", StateDir: t.TempDir(), SpacedHostPath: "/x", AgentPath: "/x"},
-		sbxmanager.Deps{Substrates: []substrate.Substrate{sub}, Verifier: ver})
+		sbxmanager.Deps{Substrates: []substrate.Substrate{sub}, WriteError: WriteError, Verifier: ver})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -67,7 +67,7 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	purpose, ok := capability.PurposeForEnvdPath(r.URL.Path)
 	if !ok {
-		writeError(w, fmt.Errorf("%w: no such guest API path %q", errdefs.ErrNotFound, r.URL.Path))
+		m.writeError(w, fmt.Errorf("%w: no such guest API path %q", errdefs.ErrNotFound, r.URL.Path))
 		return
 	}
 	var sandbox string
@@ -95,7 +95,7 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	if act == nil {
 		// The record is live but nothing runs it: the worker restarted.
-		writeError(w, fmt.Errorf("%w: execution of %s is installed but not active on this worker", errdefs.ErrUnavailable, sandbox))
+		m.writeError(w, fmt.Errorf("%w: execution of %s is installed but not active on this worker", errdefs.ErrUnavailable, sandbox))
 		return
 	}
 	// Replaced, retired or torn down since admission: the lease has ended.
@@ -177,13 +177,3 @@ func writeOutcome(w http.ResponseWriter, status int, outcome, reason string) {
 	w.WriteHeader(status)
 	json.NewEncoder(w).Encode(spacev1.Error{Code: status, Message: reason, Reason: outcome})
 }
-
-func writeError(w http.ResponseWriter, err error) {
-	status := errdefs.HTTPStatus(err)
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	json.NewEncoder(w).Encode(spacev1.Error{Code: status, Message: err.Error(), Reason: errdefs.Reason(err)})
-}
-
-// WriteError writes err as SPACE's JSON error body with its class's status.
-func WriteError(w http.ResponseWriter, err error) { writeError(w, err) }

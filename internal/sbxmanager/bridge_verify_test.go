@@ -35,7 +35,7 @@ func newFixtureMetrics(t *testing.T) (*fixture, *prometheus.Registry) {
 	dir := t.TempDir()
 	reg := prometheus.NewRegistry()
 	m, err := New(Config{WorkerID: "w1", StateDir: dir, SpacedHostPath: spacedHost, AgentPath: "/nonexistent", Registerer: reg},
-		Deps{Substrates: []substrate.Substrate{&fakeSubstrate{}}, Verifier: ver})
+		Deps{Substrates: []substrate.Substrate{&fakeSubstrate{}}, WriteError: writeTestError, Verifier: ver})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -89,7 +89,7 @@ type gatewayState struct {
 
 // errGatewayRetired: the activation's gateway was retired before it ever
 // started (it would answer RefreshRoute to everything).
-var errGatewayRetired = errors.New("service-port gateway retired")
+var errGatewayRetired = fmt.Errorf("%w: service-port gateway retired", errdefs.ErrConflict)
 
 // recordGateway records the trusted state a later netgtw start of inst
 // gets: the route, and the init's start time and network namespace read
@@ -252,7 +252,7 @@ func (m *Manager) startGateway(ctx context.Context, gs *gatewayState) (*gatewayP
 			if r.Context().Err() != nil {
 				return
 			}
-			writeError(w, fmt.Errorf("%w: service-port gateway: %v", errdefs.ErrUnavailable, err))
+			m.writeError(w, fmt.Errorf("%w: service-port gateway: %v", errdefs.ErrUnavailable, err))
 		},
 	}
 	return g, nil
@@ -379,7 +379,7 @@ func (m *Manager) AdmitServicePort(token string, port int, protocol string) Admi
 func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 	port, err := gateway.ParsePort(r.Header.Get(gateway.HeaderSandboxPort))
 	if err != nil {
-		writeError(w, fmt.Errorf("%w: %v", errdefs.ErrInvalid, err))
+		m.writeError(w, fmt.Errorf("%w: %v", errdefs.ErrInvalid, err))
 		return
 	}
 	proto := gateway.RequestProtocol(r)
@@ -393,7 +393,7 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if act == nil || act.gwState == nil {
-		writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
+		m.writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
 		return
 	}
 	if act.paused.Load() {
@@ -412,10 +412,10 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "service-port gateway retired")
 		return
 	case err != nil:
-		writeError(w, fmt.Errorf("%w: service-port gateway: %v", errdefs.ErrUnavailable, err))
+		m.writeError(w, fmt.Errorf("%w: service-port gateway: %v", errdefs.ErrUnavailable, err))
 		return
 	case gw == nil:
-		writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
+		m.writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
 		return
 	}
 	if proto == gateway.ProtocolHTTP {

@@ -151,7 +151,7 @@ func newLCFixture(t *testing.T) *lcFixture {
 func (f *lcFixture) open(t *testing.T) {
 	t.Helper()
 	m, err := New(Config{WorkerID: "w1", StateDir: f.dir, SpacedHostPath: spacedHost, AgentPath: "/nonexistent", NetgtwPath: "/nonexistent"},
-		Deps{Substrates: []substrate.Substrate{f.sub}, Verifier: f.ver, Snapshots: f.snaps})
+		Deps{Substrates: []substrate.Substrate{f.sub}, WriteError: writeTestError, Verifier: f.ver, Snapshots: f.snaps})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -544,7 +544,7 @@ func TestLeaseWriterUnit(t *testing.T) {
 	lw := newLeaseWriter(rec, req, act)
 	func() {
 		defer lw.finish()
-		writeError(lw, fmt.Errorf("%w: sandbox bridge: context canceled", errdefs.ErrUnavailable))
+		writeTestError(lw, fmt.Errorf("%w: sandbox bridge: context canceled", errdefs.ErrUnavailable))
 	}()
 	var e spacev1.Error
 	if rec.Code != 503 || json.Unmarshal(rec.Body.Bytes(), &e) != nil || e.Reason != spacev1.ReasonExecutionReplaced {

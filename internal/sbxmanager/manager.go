@@ -120,7 +120,15 @@ type Deps struct {
 	// Snapshots stores writable-layer snapshots (nil: Snapshot and
 	// installs with RestoreSnapshot fail as unavailable).
 	Snapshots SnapshotStore
+	// WriteError answers a request the manager refuses with a classed
+	// error (errdefs) before forwarding it. Required: node-api's
+	// (nodeapi.WriteError), the one place on a worker that turns error
+	// classes into HTTP statuses.
+	WriteError ErrorWriter
 }
+
+// ErrorWriter writes err as the answer to a request.
+type ErrorWriter func(w http.ResponseWriter, err error)
 
 // Manager serves the executions installed on one worker.
 type Manager struct {
@@ -132,6 +140,8 @@ type Manager struct {
 	audit   *auditLog
 	metrics *metrics
 	log     *slog.Logger
+	// writeError is Deps.WriteError.
+	writeError ErrorWriter
 
 	mu      sync.RWMutex
 	records map[string]record
@@ -186,8 +196,8 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 			subs[s.Name()] = s
 		}
 	}
-	if len(subs) == 0 || (deps.Verifier == nil && !cfg.UnsafeSkipIdentityChecks) {
-		return nil, fmt.Errorf("sbxmanager: %w: substrate and verifier are required", errdefs.ErrInvalid)
+	if len(subs) == 0 || (deps.Verifier == nil && !cfg.UnsafeSkipIdentityChecks) || deps.WriteError == nil {
+		return nil, fmt.Errorf("sbxmanager: %w: substrate, verifier and error writer are required", errdefs.ErrInvalid)
 	}
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("sbxmanager: %w", err)
@@ -210,6 +220,7 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 		cfg: cfg, subs: subs, ver: deps.Verifier, snaps: deps.Snapshots, store: st, audit: audit,
 		metrics: newMetrics(cfg.Registerer), log: cfg.Logger.With("worker", cfg.WorkerID),
 		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{},
+		writeError: deps.WriteError,
 	}
 	return m, nil
 }
@@ -587,15 +598,27 @@ func (m *Manager) startBridge(ctx context.Context, bp *bridgeProc, inst substrat
 		Transport:     rt,
 		FlushInterval: -1,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			writeError(w, fmt.Errorf("%w: sandbox bridge: %v", errdefs.ErrUnavailable, err))
+			m.writeError(w, fmt.Errorf("%w: sandbox bridge: %v", errdefs.ErrUnavailable, err))
 		},
 	}
 	return a, nil
 }
 
 // ErrBridgeConnLost means a request's connection to spaced-host failed and
-// the request was not retried on another connection.
-var ErrBridgeConnLost = errors.New("bridge connection lost; not retried")
+// the request was not retried on another connection. Its class is
+// errdefs.ErrUnavailable; its text (quoted in the 503 a request gets) is
+// its own.
+var ErrBridgeConnLost error = &classedError{class: errdefs.ErrUnavailable, msg: "bridge connection lost; not retried"}
+
+// classedError is an error of an errdefs class whose text does not repeat
+// the class's name.
+type classedError struct {
+	class error
+	msg   string
+}
+
+func (e *classedError) Error() string { return e.msg }
+func (e *classedError) Unwrap() error { return e.class }
 
 // newBridgeTransport returns the HTTP transport to one spaced-host: every
 // new connection is verified by verify before use, and the RoundTripper to

@@ -51,6 +51,15 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
+// writeTestError answers refused requests as node-api's WriteError does
+// (nodeapi imports this package, so its tests cannot import nodeapi).
+func writeTestError(w http.ResponseWriter, err error) {
+	status := errdefs.HTTPStatus(err)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(spacev1.Error{Code: status, Message: err.Error(), Reason: errdefs.Reason(err)})
+}
+
 // fakeSubstrate runs an in-process guest per activation: the request path
 // above it (admission, spaced-host, peer checks) is the real one.
 type fakeSubstrate struct {
@@ -167,7 +176,7 @@ func newFixture(t *testing.T) *fixture {
 	ver, _ := capability.NewVerifier(capability.Bundle{Revision: 1, Keys: []capability.Key{{ID: "k1", Public: pub}}})
 	dir := t.TempDir()
 	m, err := New(Config{WorkerID: "w1", StateDir: dir, SpacedHostPath: spacedHost, AgentPath: "/nonexistent", EnvdVersion: "0.5.7"},
-		Deps{Substrates: []substrate.Substrate{&fakeSubstrate{}}, Verifier: ver})
+		Deps{Substrates: []substrate.Substrate{&fakeSubstrate{}}, WriteError: writeTestError, Verifier: ver})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -373,7 +382,7 @@ func TestRestartReloadsRecordsFailClosed(t *testing.T) {
 	f.m.Close()
 	pub := f.m.ver
 	m2, err := New(Config{WorkerID: "w1", StateDir: f.dir, SpacedHostPath: spacedHost, AgentPath: "/x"},
-		Deps{Substrates: []substrate.Substrate{&fakeSubstrate{}}, Verifier: pub})
+		Deps{Substrates: []substrate.Substrate{&fakeSubstrate{}}, WriteError: writeTestError, Verifier: pub})
 	if err != nil {
 		t.Fatal(err)
 	}

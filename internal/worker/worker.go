@@ -145,7 +145,7 @@ func New(cfg Config, deps Deps) (*Worker, error) {
 	mc := cfg.Manager
 	mc.WorkerID, mc.StateDir, mc.Logger = cfg.ID, cfg.StateDir, cfg.Logger
 	mc.Registerer = prometheus.WrapRegistererWith(prometheus.Labels{"worker": cfg.ID}, reg)
-	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrates: deps.Substrates, Verifier: ver, Snapshots: deps.Snapshots})
+	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrates: deps.Substrates, Verifier: ver, Snapshots: deps.Snapshots, WriteError: nodeapi.WriteError})
 	if err != nil {
 		return nil, err
 	}

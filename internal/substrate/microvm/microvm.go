@@ -244,7 +244,7 @@ func New(cfg Config) (*Substrate, error) {
 		for _, p := range s.probes {
 			why = append(why, p.String())
 		}
-		s.unavailable = fmt.Sprintf("%v (%s)", errNoAccel, strings.Join(why, "; "))
+		s.unavailable = fmt.Sprintf("%s (%s)", noAccel, strings.Join(why, "; "))
 		cfg.Logger.Warn("microvm: no working accelerator; the substrate is unavailable", attrs...)
 	} else {
 		cfg.Logger.Info("microvm: accelerator chosen by booting a probe guest", attrs...)
