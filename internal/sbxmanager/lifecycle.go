@@ -36,7 +36,6 @@ package sbxmanager
 
 import (
 	"context"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -51,6 +50,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/envelope"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/snapshot"
@@ -520,10 +520,8 @@ type leaseWriter struct {
 	swallowed bool // the answer was written after the lease ended: replaced
 	connect   bool // the response is a Connect stream
 
-	hdr   [5]byte
-	hdrN  int
-	left  uint64
-	ended bool // the guest's end-of-stream message went out
+	// env follows the envelopes of a Connect response that went out.
+	env envelope.Splitter
 }
 
 func newLeaseWriter(w http.ResponseWriter, r *http.Request, act *activation) *leaseWriter {
@@ -564,35 +562,9 @@ func (lw *leaseWriter) Write(p []byte) (int, error) {
 	}
 	n, err := lw.w.Write(p)
 	if lw.connect {
-		lw.track(p[:n])
+		lw.env.Feed(p[:n], nil)
 	}
 	return n, err
-}
-
-// track follows Connect envelopes: 1 flag byte, 4 bytes big-endian length,
-// payload.
-func (lw *leaseWriter) track(p []byte) {
-	for len(p) > 0 {
-		if lw.left > 0 {
-			n := uint64(len(p))
-			if n > lw.left {
-				n = lw.left
-			}
-			lw.left -= n
-			p = p[n:]
-			continue
-		}
-		n := copy(lw.hdr[lw.hdrN:], p)
-		lw.hdrN += n
-		p = p[n:]
-		if lw.hdrN == len(lw.hdr) {
-			lw.hdrN = 0
-			lw.left = uint64(binary.BigEndian.Uint32(lw.hdr[1:]))
-			if lw.hdr[0]&0x02 != 0 {
-				lw.ended = true
-			}
-		}
-	}
 }
 
 func (lw *leaseWriter) Flush() {
@@ -611,12 +583,7 @@ func (lw *leaseWriter) replacedMessage() string {
 }
 
 func (lw *leaseWriter) endStreamFrame() []byte {
-	body, _ := json.Marshal(map[string]any{"error": map[string]string{"code": "unavailable", "message": lw.replacedMessage()}})
-	frame := make([]byte, 5+len(body))
-	frame[0] = 0x02
-	binary.BigEndian.PutUint32(frame[1:5], uint32(len(body)))
-	copy(frame[5:], body)
-	return frame
+	return envelope.EndStreamFrame("unavailable", lw.replacedMessage())
 }
 
 // finish is deferred around the proxy: it recovers the proxy's
@@ -646,12 +613,12 @@ func (lw *leaseWriter) finish() {
 		h.Set("Content-Type", "application/json")
 		lw.w.WriteHeader(http.StatusServiceUnavailable)
 		json.NewEncoder(lw.w).Encode(spacev1.Error{Code: http.StatusServiceUnavailable, Message: lw.replacedMessage(), Reason: spacev1.ReasonExecutionReplaced})
-	case lw.connect && lw.ended:
+	case lw.connect && lw.env.Ended():
 		// The guest ended the stream itself.
-		if p != nil && (lw.left > 0 || lw.hdrN > 0) {
+		if p != nil && !lw.env.AtBoundary() {
 			panic(p)
 		}
-	case lw.connect && lw.left == 0 && lw.hdrN == 0:
+	case lw.connect && lw.env.AtBoundary():
 		if _, err := lw.w.Write(lw.endStreamFrame()); err == nil {
 			http.NewResponseController(lw.w).Flush()
 		}

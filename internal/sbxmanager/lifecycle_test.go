@@ -25,6 +25,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/envelope"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/snapshot"
@@ -54,13 +55,7 @@ func (i *connectInstance) Pause(context.Context) error {
 }
 func (i *connectInstance) Resume(context.Context) error { i.paused.Store(false); return nil }
 
-func envelope(flags byte, msg string) []byte {
-	b := make([]byte, 5+len(msg))
-	b[0] = flags
-	binary.BigEndian.PutUint32(b[1:], uint32(len(msg)))
-	copy(b[5:], msg)
-	return b
-}
+func frame(flags byte, msg string) []byte { return envelope.Frame(flags, []byte(msg)) }
 
 func (f *connectSubstrate) Name() string { return identity.SubstrateNS }
 
@@ -101,7 +96,7 @@ func (f *connectSubstrate) Start(ctx context.Context, spec substrate.Spec) (subs
 	stream := func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/connect+json")
 		w.WriteHeader(200)
-		w.Write(envelope(0, `{"event":{"start":{"pid":7}}}`))
+		w.Write(frame(0, `{"event":{"start":{"pid":7}}}`))
 		w.(http.Flusher).Flush()
 		wait(r)
 	}
@@ -169,7 +164,7 @@ func (f *lcFixture) crash() {
 
 func (f *lcFixture) stream(t *testing.T, path string, r identity.Route, p capability.Purpose) *http.Response {
 	t.Helper()
-	req, _ := http.NewRequest("POST", f.srv.URL+path, bytes.NewReader(envelope(0, `{}`)))
+	req, _ := http.NewRequest("POST", f.srv.URL+path, bytes.NewReader(frame(0, `{}`)))
 	req.Header.Set("Content-Type", "application/connect+json")
 	req.Header.Set(spacev1.HeaderCapability, f.token(t, r, p))
 	resp, err := http.DefaultClient.Do(req)
@@ -561,7 +556,7 @@ func TestLeaseWriterUnit(t *testing.T) {
 		defer lw.finish()
 		lw.Header().Set("Content-Type", "application/connect+json")
 		lw.WriteHeader(200)
-		lw.Write(envelope(0, `{"a":1}`)[:7]) // half a message
+		lw.Write(frame(0, `{"a":1}`)[:7]) // half a message
 		cancel2()
 		panic(http.ErrAbortHandler)
 	}()
