@@ -37,19 +37,26 @@ type Config struct {
 	WorkerID string
 	// Gatherer serves /metrics (nil: prometheus.DefaultGatherer).
 	Gatherer prometheus.Gatherer
-	Logger   *slog.Logger
+	// Logger receives the server's logs (default slog.Default()).
+	Logger *slog.Logger
 }
 
-// Validate checks cfg and fills defaults.
-func (c *Config) Validate() error {
-	if c.Addr == "" || c.WorkerID == "" {
-		return fmt.Errorf("nodeapi: %w: addr and worker id are required", errdefs.ErrInvalid)
-	}
+// withDefaults returns c with its unset fields set to the documented
+// defaults.
+func (c Config) withDefaults() Config {
 	if c.Gatherer == nil {
 		c.Gatherer = prometheus.DefaultGatherer
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// Validate checks c; fields left zero take their defaults in New.
+func (c Config) Validate() error {
+	if c.Addr == "" || c.WorkerID == "" {
+		return fmt.Errorf("nodeapi: %w: addr and worker id are required", errdefs.ErrInvalid)
 	}
 	return nil
 }
@@ -65,6 +72,7 @@ type Server struct {
 
 // New listens on cfg.Addr; Run serves.
 func New(cfg Config, mgr *sbxmanager.Manager, ver *capability.Verifier) (*Server, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}

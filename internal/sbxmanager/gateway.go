@@ -151,20 +151,12 @@ func (act *activation) stopGateway() {
 	}
 }
 
-// netgtwPath is Config.NetgtwPath or netgtw next to spaced-host.
-func (m *Manager) netgtwPath() string {
-	if m.cfg.NetgtwPath != "" {
-		return m.cfg.NetgtwPath
-	}
-	return filepath.Join(filepath.Dir(m.cfg.SpacedHostPath), "netgtw")
-}
-
 // startGateway launches netgtw with the state recorded in gs (gs.mu
 // held). It returns (nil, nil) when no netgtw binary is installed: the
 // sandbox then has no service ports (every service-port request is
 // answered 503).
 func (m *Manager) startGateway(ctx context.Context, gs *gatewayState) (*gatewayProc, error) {
-	bin := m.netgtwPath()
+	bin := m.cfg.NetgtwPath
 	if _, err := os.Stat(bin); err != nil {
 		m.log.Warn("netgtw not installed; service ports unavailable", "path", bin)
 		return nil, nil

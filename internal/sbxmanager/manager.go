@@ -85,16 +85,16 @@ type Config struct {
 	UnsafeSkipIdentityChecks bool
 	// Registerer receives the manager's metrics (nil: not registered).
 	Registerer prometheus.Registerer
-	Logger     *slog.Logger
+	// Logger receives the manager's logs (default slog.Default()).
+	Logger *slog.Logger
 }
 
-// Validate checks cfg and fills defaults.
-func (c *Config) Validate() error {
-	if c.WorkerID == "" || c.StateDir == "" {
-		return fmt.Errorf("sbxmanager: %w: worker id and state dir are required", errdefs.ErrInvalid)
-	}
-	if c.SpacedHostPath == "" || c.AgentPath == "" {
-		return fmt.Errorf("sbxmanager: %w: spaced-host and agent paths are required", errdefs.ErrInvalid)
+// withDefaults returns c with its unset fields set to the documented
+// defaults (a negative StartTimeout or SnapshotLimits.MaxBytes counts as
+// unset).
+func (c Config) withDefaults() Config {
+	if c.NetgtwPath == "" && c.SpacedHostPath != "" {
+		c.NetgtwPath = filepath.Join(filepath.Dir(c.SpacedHostPath), "netgtw")
 	}
 	if c.StartTimeout <= 0 {
 		c.StartTimeout = 30 * time.Second
@@ -107,6 +107,17 @@ func (c *Config) Validate() error {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// Validate checks c; fields left zero take their defaults in New.
+func (c Config) Validate() error {
+	if c.WorkerID == "" || c.StateDir == "" {
+		return fmt.Errorf("sbxmanager: %w: worker id and state dir are required", errdefs.ErrInvalid)
+	}
+	if c.SpacedHostPath == "" || c.AgentPath == "" {
+		return fmt.Errorf("sbxmanager: %w: spaced-host and agent paths are required", errdefs.ErrInvalid)
 	}
 	return nil
 }
@@ -187,6 +198,7 @@ type activation struct {
 // New opens the runtime records and loads them before returning: a
 // manager serves nothing until it knows what it may serve.
 func New(cfg Config, deps Deps) (*Manager, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}

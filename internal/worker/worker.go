@@ -56,7 +56,8 @@ type Config struct {
 	// Manager is passed to sbx-manager (its WorkerID, StateDir and Logger
 	// are set from this Config's).
 	Manager sbxmanager.Config
-	Logger  *slog.Logger
+	// Logger receives the worker's logs (default slog.Default()).
+	Logger *slog.Logger
 }
 
 // withDefaults returns c with its zero (or negative) fields set to the
