@@ -69,7 +69,7 @@ type gatewayProc struct {
 	out   *bufio.Reader
 }
 
-// gatewayState is an ns activation's service-port gateway: the trusted
+// gatewayState is an activation's service-port gateway: the trusted
 // state recorded at activation and, once started, the netgtw process.
 type gatewayState struct {
 	dir string
