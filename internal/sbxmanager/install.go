@@ -118,16 +118,17 @@ func activationDir(stateDir string, r identity.Route) string {
 	return filepath.Join(stateDir, "act", hex.EncodeToString(sum[:8]))
 }
 
-// Files in the activation directory of a substrate with
-// Capabilities.Activation and SavesState: the guest configuration that
-// spaced-host sends as the activation message, and an instance state
-// being restored (removed once loaded).
+// Files sbx-manager puts in an activation directory: the guest
+// configuration spaced-host sends as the activation message
+// (Capabilities.Activation), and an instance state being restored
+// (Capabilities.SavesState; removed once loaded).
 const (
 	activationFile = "activation.json"
 	stateFile      = "restore.state"
 )
 
-// guestConfig is what spaced-guest reads from SPACE_GUEST_CONFIG.
+// guestConfig is what spaced-guest reads from SPACE_GUEST_CONFIG (or
+// receives as its activation message).
 type guestConfig struct {
 	Identity    identity.Route    `json:"identity"`
 	Env         map[string]string `json:"env,omitempty"`
