@@ -122,9 +122,19 @@ type lcFixture struct {
 	sub   *connectSubstrate
 	snaps *snapshot.Local
 	ver   *capability.Verifier
+	// runs is the substrate the manager gets: sub, or one built on it.
+	runs substrate.Substrate
 }
 
 func newLCFixture(t *testing.T) *lcFixture {
+	t.Helper()
+	sub := &connectSubstrate{}
+	return newLCFixtureOn(t, sub, sub)
+}
+
+// newLCFixtureOn is newLCFixture with a manager running runs, a substrate
+// built on sub.
+func newLCFixtureOn(t *testing.T, sub *connectSubstrate, runs substrate.Substrate) *lcFixture {
 	t.Helper()
 	pub, priv, _ := ed25519.GenerateKey(rand.Reader)
 	signer, _ := capability.NewSigner("k1", priv)
@@ -134,8 +144,7 @@ func newLCFixture(t *testing.T) *lcFixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sub := &connectSubstrate{}
-	f := &lcFixture{sub: sub, snaps: snaps, ver: ver}
+	f := &lcFixture{sub: sub, snaps: snaps, ver: ver, runs: runs}
 	f.signer, f.dir = signer, filepath.Join(dir, "w1")
 	f.open(t)
 	return f
@@ -145,7 +154,7 @@ func newLCFixture(t *testing.T) *lcFixture {
 func (f *lcFixture) open(t *testing.T) {
 	t.Helper()
 	m, err := New(Config{WorkerID: "w1", StateDir: f.dir, SpacedHostPath: spacedHost, AgentPath: "/nonexistent", NetgtwPath: "/nonexistent"},
-		Deps{Substrates: []substrate.Substrate{f.sub}, WriteError: writeTestError, Verifier: f.ver, Snapshots: f.snaps})
+		Deps{Substrates: []substrate.Substrate{f.runs}, WriteError: writeTestError, Verifier: f.ver, Snapshots: f.snaps})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,13 +5,17 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/snapshot"
+	"github.com/spacesbx/space/internal/substrate"
 )
 
 func TestSnapshotAndRestoreOnInstall(t *testing.T) {
@@ -83,5 +87,98 @@ func TestSnapshotWithoutStore(t *testing.T) {
 	}
 	if _, err := f.m.Install(context.Background(), spacev1.InstallRequest{Route: route("sbxa", 2), RestoreSnapshot: "s"}); !errors.Is(err, errdefs.ErrUnavailable) {
 		t.Fatalf("restore without store: %v", err)
+	}
+}
+
+// stateSubstrate declares that its instances save their whole state
+// (substrate.Capabilities.SavesState, as microvm does): snapshots and
+// restores go through StateSaver and Spec.RestoreState, not the layer.
+type stateSubstrate struct {
+	connectSubstrate
+	restoredMu sync.Mutex
+	restored   []string // what each start was handed in RestoreState
+}
+
+func (s *stateSubstrate) Capabilities() substrate.Capabilities {
+	return substrate.Capabilities{SavesState: true, Netns: true}
+}
+
+func (s *stateSubstrate) Start(ctx context.Context, spec substrate.Spec) (substrate.Instance, error) {
+	var restored string
+	if spec.RestoreState != "" {
+		b, err := os.ReadFile(spec.RestoreState)
+		if err != nil {
+			return nil, err
+		}
+		restored = string(b)
+	}
+	s.restoredMu.Lock()
+	s.restored = append(s.restored, restored)
+	s.restoredMu.Unlock()
+	inst, err := s.connectSubstrate.Start(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	return &stateInstance{inst.(*connectInstance)}, nil
+}
+
+type stateInstance struct{ *connectInstance }
+
+func (i *stateInstance) SaveState(_ context.Context, w io.Writer) (int64, error) {
+	if !i.paused.Load() {
+		return 0, errors.New("state saved while running")
+	}
+	n, err := fmt.Fprintf(w, "state of %s generation %d", i.route.SandboxID, i.route.Generation)
+	return int64(n), err
+}
+
+// A substrate that saves state is snapshotted as that state (never as a
+// layer, though this one has a layer too) and restored from it, whatever
+// its name.
+func TestSnapshotOfStateSavingSubstrate(t *testing.T) {
+	sub := &stateSubstrate{}
+	f := newLCFixtureOn(t, &sub.connectSubstrate, sub)
+	ctx := context.Background()
+	r1 := route("sbxs", 1)
+	f.install(t, r1)
+	if err := f.m.Pause(ctx, r1); err != nil {
+		t.Fatal(err)
+	}
+	const want = "state of sbxs generation 1"
+	resp, err := f.m.Snapshot(ctx, r1, "st1")
+	if err != nil || resp.SizeBytes != int64(len(want)) {
+		t.Fatalf("snapshot: %+v %v", resp, err)
+	}
+	rc, err := f.snaps.Open(ctx, "st1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(rc)
+	rc.Close()
+	if string(b) != want {
+		t.Fatalf("stored %q, want the instance's state", b)
+	}
+
+	r2 := route("sbxs", 2)
+	if _, err := f.m.Install(ctx, spacev1.InstallRequest{Route: r2, Template: "base", RestoreSnapshot: "st1"}); err != nil {
+		t.Fatal(err)
+	}
+	sub.restoredMu.Lock()
+	got := sub.restored[len(sub.restored)-1]
+	sub.restoredMu.Unlock()
+	if got != want {
+		t.Fatalf("restored from %q, want %q", got, want)
+	}
+	rec2 := f.m.records["sbxs"]
+	if _, err := os.Stat(filepath.Join(rec2.Dir, stateFile)); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("state file kept after the start: %v", err)
+	}
+
+	// Its state exists only while it runs.
+	if err := f.m.Retire(ctx, r2); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.m.Snapshot(ctx, r2, "st2"); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("snapshot of a stopped state-saving instance: %v", err)
 	}
 }
