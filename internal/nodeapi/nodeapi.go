@@ -37,19 +37,26 @@ type Config struct {
 	WorkerID string
 	// Gatherer serves /metrics (nil: prometheus.DefaultGatherer).
 	Gatherer prometheus.Gatherer
-	Logger   *slog.Logger
+	// Logger receives the server's logs (default slog.Default()).
+	Logger *slog.Logger
 }
 
-// Validate checks cfg and fills defaults.
-func (c *Config) Validate() error {
-	if c.Addr == "" || c.WorkerID == "" {
-		return fmt.Errorf("nodeapi: %w: addr and worker id are required", errdefs.ErrInvalid)
-	}
+// withDefaults returns c with its unset fields set to the documented
+// defaults.
+func (c Config) withDefaults() Config {
 	if c.Gatherer == nil {
 		c.Gatherer = prometheus.DefaultGatherer
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// Validate checks c; fields left zero take their defaults in New.
+func (c Config) Validate() error {
+	if c.Addr == "" || c.WorkerID == "" {
+		return fmt.Errorf("nodeapi: %w: addr and worker id are required", errdefs.ErrInvalid)
 	}
 	return nil
 }
@@ -65,6 +72,7 @@ type Server struct {
 
 // New listens on cfg.Addr; Run serves.
 func New(cfg Config, mgr *sbxmanager.Manager, ver *capability.Verifier) (*Server, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -141,6 +149,19 @@ func (s *Server) authorizeControl(r *http.Request, route identity.Route) error {
 	return nil
 }
 
+// WriteError writes err as SPACE's JSON error body with the status of its
+// class (errdefs.HTTPStatus). It is the one place on a worker that maps
+// error classes to HTTP statuses: the control calls here answer through
+// it, and sbx-manager gets it (sbxmanager.Deps.WriteError) for the
+// requests it refuses. node-api is internal: the body carries the error's
+// full text.
+func WriteError(w http.ResponseWriter, err error) {
+	status := errdefs.HTTPStatus(err)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(spacev1.Error{Code: status, Message: err.Error(), Reason: errdefs.Reason(err)})
+}
+
 func decode(r *http.Request, v any) error {
 	dec := json.NewDecoder(io.LimitReader(r.Body, MaxControlBody+1))
 	dec.DisallowUnknownFields()
@@ -157,16 +178,16 @@ func control[T any](s *Server, route func(*T) identity.Route, do func(context.Co
 	return func(w http.ResponseWriter, r *http.Request) {
 		var req T
 		if err := decode(r, &req); err != nil {
-			sbxmanager.WriteError(w, err)
+			WriteError(w, err)
 			return
 		}
 		if err := s.authorizeControl(r, route(&req)); err != nil {
-			sbxmanager.WriteError(w, err)
+			WriteError(w, err)
 			return
 		}
 		resp, err := do(r.Context(), &req)
 		if err != nil {
-			sbxmanager.WriteError(w, err)
+			WriteError(w, err)
 			return
 		}
 		if resp == nil {

@@ -25,6 +25,9 @@ import (
 type refusingSubstrate struct{ calls int }
 
 func (s *refusingSubstrate) Name() string { return identity.SubstrateNS }
+func (s *refusingSubstrate) Capabilities() substrate.Capabilities {
+	return substrate.Capabilities{Netns: true}
+}
 func (s *refusingSubstrate) Start(context.Context, substrate.Spec) (substrate.Instance, error) {
 	s.calls++
 	return nil, errors.New("fake substrate refuses to start")
@@ -37,7 +40,7 @@ func setup(t *testing.T) (*httptest.Server, *capability.Signer, *refusingSubstra
 	ver, _ := capability.NewVerifier(capability.Bundle{Revision: 1, Keys: []capability.Key{{ID: "k1", Public: pub}}})
 	sub := &refusingSubstrate{}
 	mgr, err := sbxmanager.New(sbxmanager.Config{WorkerID: "w1", StateDir: t.TempDir(), SpacedHostPath: "/x", AgentPath: "/x"},
-		sbxmanager.Deps{Substrate: sub, Verifier: ver})
+		sbxmanager.Deps{Substrates: []substrate.Substrate{sub}, WriteError: WriteError, Verifier: ver})
 	if err != nil {
 		t.Fatal(err)
 	}

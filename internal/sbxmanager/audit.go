@@ -5,8 +5,6 @@ import (
 	"log/slog"
 	"os"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/spacesbx/space/internal/capability"
 )
 
@@ -35,27 +33,3 @@ func (a *auditLog) record(ad Admission, purpose capability.Purpose, path string)
 }
 
 func (a *auditLog) close() error { return a.f.Close() }
-
-type metrics struct {
-	decisions     *prometheus.CounterVec
-	bridgeRejects prometheus.Counter
-	activations   prometheus.Gauge
-}
-
-func newMetrics(reg prometheus.Registerer) *metrics {
-	m := &metrics{
-		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "space_node_admission_decisions_total", Help: "Capability admission decisions by outcome.",
-		}, []string{"outcome"}),
-		bridgeRejects: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "space_node_bridge_verification_failures_total", Help: "Bridge connections refused by peer verification.",
-		}),
-		activations: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "space_node_activations", Help: "Running activations.",
-		}),
-	}
-	if reg != nil {
-		reg.MustRegister(m.decisions, m.bridgeRejects, m.activations)
-	}
-	return m
-}

@@ -23,6 +23,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/substrate"
 )
 
 // newFixtureMetrics is newFixture with the manager's metrics registered.
@@ -34,7 +35,7 @@ func newFixtureMetrics(t *testing.T) (*fixture, *prometheus.Registry) {
 	dir := t.TempDir()
 	reg := prometheus.NewRegistry()
 	m, err := New(Config{WorkerID: "w1", StateDir: dir, SpacedHostPath: spacedHost, AgentPath: "/nonexistent", Registerer: reg},
-		Deps{Substrate: &fakeSubstrate{}, Verifier: ver})
+		Deps{Substrates: []substrate.Substrate{&fakeSubstrate{}}, WriteError: writeTestError, Verifier: ver})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -69,7 +69,7 @@ type gatewayProc struct {
 	out   *bufio.Reader
 }
 
-// gatewayState is an ns activation's service-port gateway: the trusted
+// gatewayState is an activation's service-port gateway: the trusted
 // state recorded at activation and, once started, the netgtw process.
 type gatewayState struct {
 	dir string
@@ -89,7 +89,7 @@ type gatewayState struct {
 
 // errGatewayRetired: the activation's gateway was retired before it ever
 // started (it would answer RefreshRoute to everything).
-var errGatewayRetired = errors.New("service-port gateway retired")
+var errGatewayRetired = fmt.Errorf("%w: service-port gateway retired", errdefs.ErrConflict)
 
 // recordGateway records the trusted state a later netgtw start of inst
 // gets: the route, and the init's start time and network namespace read
@@ -151,20 +151,12 @@ func (act *activation) stopGateway() {
 	}
 }
 
-// netgtwPath is Config.NetgtwPath or netgtw next to spaced-host.
-func (m *Manager) netgtwPath() string {
-	if m.cfg.NetgtwPath != "" {
-		return m.cfg.NetgtwPath
-	}
-	return filepath.Join(filepath.Dir(m.cfg.SpacedHostPath), "netgtw")
-}
-
 // startGateway launches netgtw with the state recorded in gs (gs.mu
 // held). It returns (nil, nil) when no netgtw binary is installed: the
 // sandbox then has no service ports (every service-port request is
 // answered 503).
 func (m *Manager) startGateway(ctx context.Context, gs *gatewayState) (*gatewayProc, error) {
-	bin := m.netgtwPath()
+	bin := m.cfg.NetgtwPath
 	if _, err := os.Stat(bin); err != nil {
 		m.log.Warn("netgtw not installed; service ports unavailable", "path", bin)
 		return nil, nil
@@ -252,7 +244,7 @@ func (m *Manager) startGateway(ctx context.Context, gs *gatewayState) (*gatewayP
 			if r.Context().Err() != nil {
 				return
 			}
-			writeError(w, fmt.Errorf("%w: service-port gateway: %v", errdefs.ErrUnavailable, err))
+			m.writeError(w, fmt.Errorf("%w: service-port gateway: %v", errdefs.ErrUnavailable, err))
 		},
 	}
 	return g, nil
@@ -379,7 +371,7 @@ func (m *Manager) AdmitServicePort(token string, port int, protocol string) Admi
 func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 	port, err := gateway.ParsePort(r.Header.Get(gateway.HeaderSandboxPort))
 	if err != nil {
-		writeError(w, fmt.Errorf("%w: %v", errdefs.ErrInvalid, err))
+		m.writeError(w, fmt.Errorf("%w: %v", errdefs.ErrInvalid, err))
 		return
 	}
 	proto := gateway.RequestProtocol(r)
@@ -393,7 +385,7 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if act == nil || act.gwState == nil {
-		writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
+		m.writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
 		return
 	}
 	if act.paused.Load() {
@@ -412,10 +404,10 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "service-port gateway retired")
 		return
 	case err != nil:
-		writeError(w, fmt.Errorf("%w: service-port gateway: %v", errdefs.ErrUnavailable, err))
+		m.writeError(w, fmt.Errorf("%w: service-port gateway: %v", errdefs.ErrUnavailable, err))
 		return
 	case gw == nil:
-		writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
+		m.writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
 		return
 	}
 	if proto == gateway.ProtocolHTTP {

@@ -17,10 +17,13 @@ package sbxmanager
 //     forwarded into a frozen guest where they would hang. The control
 //     plane resumes (or the edge gets a new route) and the client retries.
 //   - Resume thaws it. Both are idempotent.
-//   - Snapshot archives the writable layer (<activation dir>/upper) into
-//     the snapshot store. The execution must be paused (or not running:
-//     after a retire or a worker restart) so the layer is quiescent; the
-//     per-sandbox lock keeps it paused until the archive is stored.
+//   - Snapshot (snapshot.go) archives the writable layer (its root from
+//     the substrate's LayerPreparer) into the snapshot store, or, for a
+//     substrate that saves its instances' whole state, stores that state
+//     (the instance must then be running here). The execution must be
+//     paused (or, for a layer, not running: after a retire or a worker
+//     restart) so the layer is quiescent; the per-sandbox lock keeps it
+//     paused until the archive is stored.
 //   - Retire persists Retired=true in the runtime record first (bbolt,
 //     fsync), then the in-memory record (from then on Admit answers
 //     RefreshRoute for the execution, even for unexpired capabilities),
@@ -30,40 +33,20 @@ package sbxmanager
 //     than the installed one, or one this worker has no record of, is a
 //     no-op success.
 //   - Install with RestoreSnapshot restores the archive into the new
-//     activation's (empty) upper dir before the substrate starts, and
+//     activation's (empty) writable layer, or fetches the saved state
+//     that the substrate then starts from, before the substrate starts, and
 //     before a replaced execution is stopped, so a missing or hostile
 //     snapshot fails the install without touching what runs.
 
 import (
 	"context"
-	"encoding/binary"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
-	"net/http"
-	"os"
-	"path/filepath"
-	"strings"
-	"sync"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
-	"github.com/spacesbx/space/internal/snapshot"
-	"github.com/spacesbx/space/internal/substrate"
 )
-
-// upperDir is the writable layer inside an activation directory of a
-// substrate that is not a substrate.LayerPreparer (test substrates).
-const upperDir = "upper"
-
-// SnapshotStore is where Snapshot archives writable layers and installs
-// restore them from (snapshot.Local, or an object store).
-type SnapshotStore = snapshot.Store
 
 // ReasonPaused is the JSON error reason of a request for a paused execution.
 const ReasonPaused = spacev1.ReasonPaused
@@ -128,7 +111,7 @@ func (m *Manager) Pause(ctx context.Context, route identity.Route) error {
 	// already inside the guest get to finish (bounded) rather than fail.
 	act.paused.Store(true)
 	m.drainUnary(act, pauseDrain)
-	if _, keepsProcesses := act.inst.(substrate.StateSaver); !keepsProcesses {
+	if !m.caps(route).SavesState { // a move would restart the processes
 		m.drainStarts(act, m.cfg.PauseStreamGrace)
 	}
 	if err := act.inst.Pause(ctx); err != nil {
@@ -210,100 +193,6 @@ func (m *Manager) Paused(sandbox string) bool {
 	return act != nil && act.paused.Load()
 }
 
-// Snapshot archives the writable layer of the execution named by route
-// into the snapshot store under id. The execution must be paused (or not
-// running). A retried snapshot with the same id replaces the object.
-func (m *Manager) Snapshot(ctx context.Context, route identity.Route, id string) (spacev1.SnapshotResponse, error) {
-	if err := validRoute("snapshot", route); err != nil {
-		return spacev1.SnapshotResponse{}, err
-	}
-	if err := snapshot.ValidateID(id); err != nil {
-		return spacev1.SnapshotResponse{}, err
-	}
-	if m.snaps == nil {
-		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot: %w: no snapshot store configured on worker %s", errdefs.ErrUnavailable, m.cfg.WorkerID)
-	}
-	unlock := m.lockSandbox(route.SandboxID)
-	defer unlock()
-	rec, act, err := m.lookup("snapshot", route)
-	if err != nil {
-		return spacev1.SnapshotResponse{}, err
-	}
-	if act != nil && !act.paused.Load() {
-		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: execution must be paused first", route.SandboxID, errdefs.ErrConflict)
-	}
-	if route.Substrate == identity.SubstrateMicroVM {
-		return m.snapshotState(ctx, route, act, id)
-	}
-	if _, err := os.Stat(rec.Dir); err != nil {
-		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: activation dir %s missing", route.SandboxID, errdefs.ErrNotFound, rec.Dir)
-	}
-	upper, release, err := m.writableLayer(ctx, route.Substrate, rec.Dir, rec.Limits)
-	if err != nil {
-		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w", route.SandboxID, err)
-	}
-	defer release()
-	if fi, err := os.Lstat(upper); err != nil || !fi.IsDir() {
-		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: writable layer %s missing", route.SandboxID, errdefs.ErrNotFound, upper)
-	}
-	opts := snapshot.ArchiveOptions{Limits: m.cfg.SnapshotLimits}
-	// A store on a local file system (snapshot.Local) names its directory:
-	// the archive's free-space checks watch that file system.
-	if d, ok := m.snaps.(interface{ Dir() string }); ok {
-		opts.SpaceDir = d.Dir()
-	}
-	var st snapshot.Stats
-	n, err := m.putStream(ctx, id, func(w io.Writer) (err error) {
-		st, err = snapshot.Archive(ctx, upper, w, opts)
-		return err
-	})
-	if err != nil {
-		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w", route.SandboxID, lifecycleErr(ctx, err))
-	}
-	m.log.Info("snapshot stored", "sandbox", route.SandboxID, "generation", route.Generation, "snapshot", id,
-		"bytes", n, "entries", st.Entries, "content", st.Bytes, "logical", st.Logical, "skipped", st.Skipped)
-	return spacev1.SnapshotResponse{SnapshotID: id, SizeBytes: n}, nil
-}
-
-// snapshotState stores a paused VM's whole state (memory, devices; its
-// files live in memory) under id. Runs under the sandbox lock.
-func (m *Manager) snapshotState(ctx context.Context, route identity.Route, act *activation, id string) (spacev1.SnapshotResponse, error) {
-	var saver substrate.StateSaver
-	if act != nil {
-		saver, _ = act.inst.(substrate.StateSaver)
-	}
-	if saver == nil {
-		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: the VM is not running on this worker, its state cannot be saved", route.SandboxID, errdefs.ErrConflict)
-	}
-	var saved int64
-	n, err := m.putStream(ctx, id, func(w io.Writer) (err error) {
-		saved, err = saver.SaveState(ctx, w)
-		return err
-	})
-	if err != nil {
-		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w", route.SandboxID, lifecycleErr(ctx, err))
-	}
-	m.log.Info("VM state stored", "sandbox", route.SandboxID, "generation", route.Generation, "snapshot", id, "bytes", n, "saved", saved)
-	return spacev1.SnapshotResponse{SnapshotID: id, SizeBytes: n}, nil
-}
-
-// putStream stores under id what produce writes, streamed through a pipe
-// (produce runs in its own goroutine, waited for here). A producer error
-// fails the store's read; a store that stops reading fails the producer.
-func (m *Manager) putStream(ctx context.Context, id string, produce func(io.Writer) error) (int64, error) {
-	pr, pw := io.Pipe()
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		pw.CloseWithError(produce(pw))
-	}()
-	n, err := m.snaps.Put(ctx, id, pr)
-	pr.CloseWithError(errors.New("snapshot store stopped reading"))
-	wg.Wait()
-	return n, err
-}
-
 // Retire marks the execution named by route retired (durably, first),
 // ends its streams and stops it. See the file comment.
 func (m *Manager) Retire(ctx context.Context, route identity.Route) error {
@@ -361,330 +250,4 @@ func (m *Manager) Installed(sandbox string) (identity.Record, bool) {
 	defer m.mu.RUnlock()
 	rec, ok := m.records[sandbox]
 	return rec.Record, ok
-}
-
-// WritableLayer returns the host path of the sandbox's writable layer
-// (measurements and tests): valid while its execution runs here (a layer
-// kept on a disk of its own is mounted only then).
-func (m *Manager) WritableLayer(sandbox string) (string, bool) {
-	m.mu.RLock()
-	defer m.mu.RUnlock()
-	rec, ok := m.records[sandbox]
-	if act := m.active[sandbox]; act != nil {
-		if l, ok2 := act.inst.(interface{ LayerDir() string }); ok2 {
-			return l.LayerDir(), ok
-		}
-	}
-	return filepath.Join(rec.Dir, upperDir), ok
-}
-
-// writableLayer makes the writable layer of activation directory dir
-// available on the host (a substrate that keeps it on a disk of its own
-// mounts it, with the sandbox's quota when it makes it) and returns its
-// path and the release to call when done.
-func (m *Manager) writableLayer(ctx context.Context, sub, dir string, lim spacev1.Limits) (string, func() error, error) {
-	if p, ok := m.subs[sub].(substrate.LayerPreparer); ok {
-		return p.PrepareLayer(ctx, dir, substrateLimits(m.withDefaultLimits(lim)))
-	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return "", nil, err
-	}
-	return filepath.Join(dir, upperDir), func() error { return nil }, nil
-}
-
-// prepareInstall runs under the sandbox lock before Install touches the
-// running activation: it refuses to revive a retired execution and
-// restores req.RestoreSnapshot into the new activation's upper dir.
-func (m *Manager) prepareInstall(ctx context.Context, req spacev1.InstallRequest, old record, hasOld bool) error {
-	r := req.Route
-	if hasOld && old.Retired && r.Generation <= old.Route.Generation {
-		return fmt.Errorf("install %s: %w: generation %d is retired on this worker", r.SandboxID, errdefs.ErrConflict, old.Route.Generation)
-	}
-	if req.RestoreSnapshot == "" {
-		return nil
-	}
-	if err := snapshot.ValidateID(req.RestoreSnapshot); err != nil {
-		return fmt.Errorf("install %s: %w", r.SandboxID, err)
-	}
-	if m.snaps == nil {
-		return fmt.Errorf("install %s: %w: no snapshot store configured on worker %s", r.SandboxID, errdefs.ErrUnavailable, m.cfg.WorkerID)
-	}
-	dir := activationDir(m.cfg.StateDir, r)
-	if r.Substrate == identity.SubstrateMicroVM {
-		return m.fetchState(ctx, r, req.RestoreSnapshot, dir)
-	}
-	upper, release, err := m.writableLayer(ctx, r.Substrate, dir, req.Limits)
-	if err != nil {
-		return fmt.Errorf("install %s: writable layer: %w", r.SandboxID, err)
-	}
-	defer release()
-	if err := os.RemoveAll(upper); err != nil {
-		return fmt.Errorf("install %s: clear writable layer: %w", r.SandboxID, err)
-	}
-	if err := os.Mkdir(upper, 0o755); err != nil {
-		return fmt.Errorf("install %s: %w", r.SandboxID, err)
-	}
-	rc, err := m.snaps.Open(ctx, req.RestoreSnapshot)
-	if err != nil {
-		os.RemoveAll(upper)
-		return fmt.Errorf("install %s: restore: %w", r.SandboxID, err)
-	}
-	defer rc.Close()
-	ropts := snapshot.RestoreOptions{Limits: m.cfg.SnapshotLimits}
-	// A layer on a disk of its own is bounded by that disk: the host's
-	// free-space reserve does not apply to it.
-	ropts.Space.Off = ownFileSystem(upper, dir)
-	st, err := snapshot.Restore(ctx, rc, upper, ropts)
-	if err != nil {
-		os.RemoveAll(upper)
-		return fmt.Errorf("install %s: restore snapshot %s: %w", r.SandboxID, req.RestoreSnapshot, lifecycleErr(ctx, err))
-	}
-	m.log.Info("snapshot restored", "sandbox", r.SandboxID, "generation", r.Generation, "snapshot", req.RestoreSnapshot,
-		"entries", st.Entries, "bytes", st.Bytes, "logical", st.Logical)
-	return nil
-}
-
-// ownFileSystem reports whether path is on another file system than dir
-// (a layer disk mounted in the activation directory).
-func ownFileSystem(path, dir string) bool {
-	var a, b unix.Stat_t
-	return unix.Stat(path, &a) == nil && unix.Stat(dir, &b) == nil && a.Dev != b.Dev
-}
-
-// fetchState copies a VM state snapshot into the new activation's
-// directory, where activate hands it to the substrate (which checks its
-// header before loading it).
-func (m *Manager) fetchState(ctx context.Context, r identity.Route, id, dir string) error {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("install %s: %w", r.SandboxID, err)
-	}
-	rc, err := m.snaps.Open(ctx, id)
-	if err != nil {
-		return fmt.Errorf("install %s: restore: %w", r.SandboxID, err)
-	}
-	defer rc.Close()
-	path := filepath.Join(dir, stateFile)
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
-	if err != nil {
-		return fmt.Errorf("install %s: %w", r.SandboxID, err)
-	}
-	n, err := io.Copy(f, snapshot.ContextReader(ctx, rc))
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		os.Remove(path)
-		return fmt.Errorf("install %s: fetch VM state %s: %w", r.SandboxID, id, lifecycleErr(ctx, err))
-	}
-	m.log.Info("VM state fetched", "sandbox", r.SandboxID, "generation", r.Generation, "snapshot", id, "bytes", n)
-	return nil
-}
-
-// pausedError answers a request for a paused execution.
-func pausedError(w http.ResponseWriter, sandbox string) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(http.StatusConflict)
-	json.NewEncoder(w).Encode(spacev1.Error{Code: http.StatusConflict,
-		Message: fmt.Sprintf("sandbox %s is paused: resume it (or connect) and retry", sandbox), Reason: ReasonPaused})
-}
-
-// leaseWriter wraps the ResponseWriter of a forwarded request so that a
-// lease that ends mid-response (the execution was replaced, retired or torn
-// down) ends the response with a clear "execution replaced" status instead
-// of a silently cut connection:
-//
-//   - Connect streams (application/connect+json or +proto) end with a
-//     Connect end-of-stream message (flag 0x02) carrying
-//     {"error":{"code":"unavailable","message":"execution replaced: ..."}},
-//     written at a message boundary (the wrapper tracks the envelopes that
-//     pass through). If the guest's own end-of-stream already went out the
-//     stream is left as it is; if the cut falls inside a message the
-//     connection is aborted (a partial message cannot be completed).
-//   - A response whose headers had not gone out yet is replaced: Connect
-//     streaming requests get HTTP 200 with just that end-of-stream message
-//     (how a Connect server reports a stream error), others 503 with the
-//     JSON error reason "execution replaced" (no Space-Route-Outcome: the
-//     request may have reached the old guest, so it is not a pre-forward
-//     rejection and the edge must not replay it blindly).
-//   - Any other response that was already streaming is aborted (the
-//     client sees the body end early, never a truncated body that looks
-//     complete).
-type leaseWriter struct {
-	w          http.ResponseWriter
-	lease      context.Context
-	route      identity.Route
-	reqConnect string // Content-Type of a Connect streaming request, else ""
-
-	status    int
-	swallowed bool // the answer was written after the lease ended: replaced
-	connect   bool // the response is a Connect stream
-
-	hdr   [5]byte
-	hdrN  int
-	left  uint64
-	ended bool // the guest's end-of-stream message went out
-}
-
-func newLeaseWriter(w http.ResponseWriter, r *http.Request, act *activation) *leaseWriter {
-	lw := &leaseWriter{w: w, lease: act.ctx, route: act.route}
-	if ct := r.Header.Get("Content-Type"); strings.HasPrefix(ct, "application/connect+") {
-		lw.reqConnect = ct
-	}
-	return lw
-}
-
-func (lw *leaseWriter) Header() http.Header { return lw.w.Header() }
-
-func (lw *leaseWriter) WriteHeader(code int) {
-	if lw.status != 0 {
-		return
-	}
-	if code >= 100 && code < 200 {
-		if lw.lease.Err() == nil {
-			lw.w.WriteHeader(code)
-		}
-		return
-	}
-	lw.status = code
-	if lw.lease.Err() != nil {
-		lw.swallowed = true
-		return
-	}
-	lw.connect = strings.HasPrefix(lw.w.Header().Get("Content-Type"), "application/connect+")
-	lw.w.WriteHeader(code)
-}
-
-func (lw *leaseWriter) Write(p []byte) (int, error) {
-	if lw.status == 0 {
-		lw.WriteHeader(http.StatusOK)
-	}
-	if lw.swallowed {
-		return len(p), nil
-	}
-	n, err := lw.w.Write(p)
-	if lw.connect {
-		lw.track(p[:n])
-	}
-	return n, err
-}
-
-// track follows Connect envelopes: 1 flag byte, 4 bytes big-endian length,
-// payload.
-func (lw *leaseWriter) track(p []byte) {
-	for len(p) > 0 {
-		if lw.left > 0 {
-			n := uint64(len(p))
-			if n > lw.left {
-				n = lw.left
-			}
-			lw.left -= n
-			p = p[n:]
-			continue
-		}
-		n := copy(lw.hdr[lw.hdrN:], p)
-		lw.hdrN += n
-		p = p[n:]
-		if lw.hdrN == len(lw.hdr) {
-			lw.hdrN = 0
-			lw.left = uint64(binary.BigEndian.Uint32(lw.hdr[1:]))
-			if lw.hdr[0]&0x02 != 0 {
-				lw.ended = true
-			}
-		}
-	}
-}
-
-func (lw *leaseWriter) Flush() {
-	if !lw.swallowed && lw.status != 0 {
-		http.NewResponseController(lw.w).Flush()
-	}
-}
-
-// Unwrap lets http.ResponseController reach the server's writer (full
-// duplex, hijack for upgrades, deadlines).
-func (lw *leaseWriter) Unwrap() http.ResponseWriter { return lw.w }
-
-func (lw *leaseWriter) replacedMessage() string {
-	return fmt.Sprintf("%s: sandbox %s execution %s (generation %d) is no longer served by worker %s; reconnect to the current execution",
-		spacev1.ReasonExecutionReplaced, lw.route.SandboxID, lw.route.ExecutionID, lw.route.Generation, lw.route.WorkerID)
-}
-
-func (lw *leaseWriter) endStreamFrame() []byte {
-	body, _ := json.Marshal(map[string]any{"error": map[string]string{"code": "unavailable", "message": lw.replacedMessage()}})
-	frame := make([]byte, 5+len(body))
-	frame[0] = 0x02
-	binary.BigEndian.PutUint32(frame[1:5], uint32(len(body)))
-	copy(frame[5:], body)
-	return frame
-}
-
-// finish is deferred around the proxy: it recovers the proxy's
-// http.ErrAbortHandler (a body copy cut by the lease) and ends the
-// response as described on leaseWriter. Other panics propagate.
-func (lw *leaseWriter) finish() {
-	p := recover()
-	if p != nil && p != http.ErrAbortHandler {
-		panic(p)
-	}
-	if lw.lease.Err() == nil {
-		if p != nil {
-			panic(p)
-		}
-		return
-	}
-	switch {
-	case lw.status == 0 || lw.swallowed:
-		h := lw.w.Header()
-		clear(h)
-		if lw.reqConnect != "" {
-			h.Set("Content-Type", lw.reqConnect)
-			lw.w.WriteHeader(http.StatusOK)
-			lw.w.Write(lw.endStreamFrame())
-			return
-		}
-		h.Set("Content-Type", "application/json")
-		lw.w.WriteHeader(http.StatusServiceUnavailable)
-		json.NewEncoder(lw.w).Encode(spacev1.Error{Code: http.StatusServiceUnavailable, Message: lw.replacedMessage(), Reason: spacev1.ReasonExecutionReplaced})
-	case lw.connect && lw.ended:
-		// The guest ended the stream itself.
-		if p != nil && (lw.left > 0 || lw.hdrN > 0) {
-			panic(p)
-		}
-	case lw.connect && lw.left == 0 && lw.hdrN == 0:
-		if _, err := lw.w.Write(lw.endStreamFrame()); err == nil {
-			http.NewResponseController(lw.w).Flush()
-		}
-	case lw.connect:
-		panic(http.ErrAbortHandler) // cut inside a message: abort
-	default:
-		if p != nil {
-			panic(p)
-		}
-	}
-}
-
-// Metrics samples the resource usage of the execution named by route
-// (running or paused). Substrates whose instances do not implement
-// substrate.StatsReporter answer ErrUnavailable.
-func (m *Manager) Metrics(ctx context.Context, route identity.Route) (spacev1.MetricsResponse, error) {
-	if err := validRoute("metrics", route); err != nil {
-		return spacev1.MetricsResponse{}, err
-	}
-	act, err := m.liveActivation("metrics", route)
-	if err != nil {
-		return spacev1.MetricsResponse{}, err
-	}
-	sr, ok := act.inst.(substrate.StatsReporter)
-	if !ok {
-		return spacev1.MetricsResponse{}, fmt.Errorf("metrics %s: %w: substrate %s reports no metrics", route.SandboxID, errdefs.ErrUnavailable, route.Substrate)
-	}
-	st, err := sr.Stats(ctx)
-	if err != nil {
-		return spacev1.MetricsResponse{}, fmt.Errorf("metrics %s: %w: %v", route.SandboxID, errdefs.ErrUnavailable, err)
-	}
-	return spacev1.MetricsResponse{
-		Timestamp: st.Timestamp.UTC(), CPUCount: st.CPUCount, CPUUsedPct: st.CPUUsedPct,
-		MemUsed: st.MemUsed, MemTotal: st.MemTotal, MemCache: st.MemCache,
-		DiskUsed: st.DiskUsed, DiskTotal: st.DiskTotal,
-	}, nil
 }

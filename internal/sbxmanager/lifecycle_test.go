@@ -1,7 +1,6 @@
 package sbxmanager
 
 import (
-	"archive/tar"
 	"bufio"
 	"bytes"
 	"context"
@@ -25,6 +24,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/envelope"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/snapshot"
@@ -35,9 +35,10 @@ import (
 // Connect streaming protocol (envelopes) for the stream-lease tests, and
 // records pauses and forwarded requests.
 type connectSubstrate struct {
-	forwarded atomic.Int64 // requests that reached any guest
-	mu        sync.Mutex
-	insts     []*connectInstance
+	fakeSubstrate              // capabilities and writable layer
+	forwarded     atomic.Int64 // requests that reached any guest
+	mu            sync.Mutex
+	insts         []*connectInstance
 }
 
 type connectInstance struct {
@@ -53,18 +54,12 @@ func (i *connectInstance) Pause(context.Context) error {
 }
 func (i *connectInstance) Resume(context.Context) error { i.paused.Store(false); return nil }
 
-func envelope(flags byte, msg string) []byte {
-	b := make([]byte, 5+len(msg))
-	b[0] = flags
-	binary.BigEndian.PutUint32(b[1:], uint32(len(msg)))
-	copy(b[5:], msg)
-	return b
-}
+func frame(flags byte, msg string) []byte { return envelope.Frame(flags, []byte(msg)) }
 
 func (f *connectSubstrate) Name() string { return identity.SubstrateNS }
 
 func (f *connectSubstrate) Start(ctx context.Context, spec substrate.Spec) (substrate.Instance, error) {
-	if err := os.MkdirAll(filepath.Join(spec.Dir, upperDir), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Join(spec.Dir, fakeLayer), 0o755); err != nil {
 		return nil, err
 	}
 	sock := filepath.Join(spec.Dir, "guest.sock")
@@ -100,7 +95,7 @@ func (f *connectSubstrate) Start(ctx context.Context, spec substrate.Spec) (subs
 	stream := func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/connect+json")
 		w.WriteHeader(200)
-		w.Write(envelope(0, `{"event":{"start":{"pid":7}}}`))
+		w.Write(frame(0, `{"event":{"start":{"pid":7}}}`))
 		w.(http.Flusher).Flush()
 		wait(r)
 	}
@@ -127,9 +122,19 @@ type lcFixture struct {
 	sub   *connectSubstrate
 	snaps *snapshot.Local
 	ver   *capability.Verifier
+	// runs is the substrate the manager gets: sub, or one built on it.
+	runs substrate.Substrate
 }
 
 func newLCFixture(t *testing.T) *lcFixture {
+	t.Helper()
+	sub := &connectSubstrate{}
+	return newLCFixtureOn(t, sub, sub)
+}
+
+// newLCFixtureOn is newLCFixture with a manager running runs, a substrate
+// built on sub.
+func newLCFixtureOn(t *testing.T, sub *connectSubstrate, runs substrate.Substrate) *lcFixture {
 	t.Helper()
 	pub, priv, _ := ed25519.GenerateKey(rand.Reader)
 	signer, _ := capability.NewSigner("k1", priv)
@@ -139,8 +144,7 @@ func newLCFixture(t *testing.T) *lcFixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sub := &connectSubstrate{}
-	f := &lcFixture{sub: sub, snaps: snaps, ver: ver}
+	f := &lcFixture{sub: sub, snaps: snaps, ver: ver, runs: runs}
 	f.signer, f.dir = signer, filepath.Join(dir, "w1")
 	f.open(t)
 	return f
@@ -150,7 +154,7 @@ func newLCFixture(t *testing.T) *lcFixture {
 func (f *lcFixture) open(t *testing.T) {
 	t.Helper()
 	m, err := New(Config{WorkerID: "w1", StateDir: f.dir, SpacedHostPath: spacedHost, AgentPath: "/nonexistent", NetgtwPath: "/nonexistent"},
-		Deps{Substrate: f.sub, Verifier: f.ver, Snapshots: f.snaps})
+		Deps{Substrates: []substrate.Substrate{f.runs}, WriteError: writeTestError, Verifier: f.ver, Snapshots: f.snaps})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -168,7 +172,7 @@ func (f *lcFixture) crash() {
 
 func (f *lcFixture) stream(t *testing.T, path string, r identity.Route, p capability.Purpose) *http.Response {
 	t.Helper()
-	req, _ := http.NewRequest("POST", f.srv.URL+path, bytes.NewReader(envelope(0, `{}`)))
+	req, _ := http.NewRequest("POST", f.srv.URL+path, bytes.NewReader(frame(0, `{}`)))
 	req.Header.Set("Content-Type", "application/connect+json")
 	req.Header.Set(spacev1.HeaderCapability, f.token(t, r, p))
 	resp, err := http.DefaultClient.Do(req)
@@ -405,179 +409,6 @@ func TestPauseResume(t *testing.T) {
 	}
 	// The stream opened before the pause survived it (same execution).
 	proc.Body.Close()
-}
-
-func TestSnapshotAndRestoreOnInstall(t *testing.T) {
-	f := newLCFixture(t)
-	ctx := context.Background()
-	r1 := route("sbxn", 1)
-	f.install(t, r1)
-	rec1, _ := f.m.records["sbxn"], 0
-	upper1 := filepath.Join(rec1.Dir, upperDir)
-	os.MkdirAll(filepath.Join(upper1, "root"), 0o700)
-	os.WriteFile(filepath.Join(upper1, "root", "note"), []byte("kept across workers"), 0o600)
-
-	if _, err := f.m.Snapshot(ctx, r1, "s1"); !errors.Is(err, errdefs.ErrConflict) {
-		t.Fatalf("snapshot while running: %v", err)
-	}
-	if _, err := f.m.Snapshot(ctx, r1, "../evil"); !errors.Is(err, errdefs.ErrInvalid) {
-		t.Fatalf("bad snapshot id: %v", err)
-	}
-	if err := f.m.Pause(ctx, r1); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.m.Snapshot(ctx, route("sbxn", 2), "s1"); !errors.Is(err, errdefs.ErrConflict) {
-		t.Fatalf("snapshot of another execution: %v", err)
-	}
-	resp, err := f.m.Snapshot(ctx, r1, "s1")
-	if err != nil || resp.SnapshotID != "s1" || resp.SizeBytes < 1024 {
-		t.Fatalf("snapshot: %+v %v", resp, err)
-	}
-
-	// Failed restores leave the running execution alone.
-	if _, err := f.m.Install(ctx, spacev1.InstallRequest{Route: route("sbxn", 2), Template: "base", RestoreSnapshot: "missing"}); !errors.Is(err, errdefs.ErrNotFound) {
-		t.Fatalf("restore of a missing snapshot: %v", err)
-	}
-	var evil bytes.Buffer
-	tw := tar.NewWriter(&evil)
-	tw.WriteHeader(&tar.Header{Name: "../../escape", Typeflag: tar.TypeReg, Mode: 0o644, Size: 1})
-	tw.Write([]byte("x"))
-	tw.Close()
-	f.snaps.Put(ctx, "evil", &evil)
-	if _, err := f.m.Install(ctx, spacev1.InstallRequest{Route: route("sbxn", 2), Template: "base", RestoreSnapshot: "evil"}); !errors.Is(err, snapshot.ErrHostileArchive) {
-		t.Fatalf("restore of a hostile snapshot: %v", err)
-	}
-	if rec, _ := f.m.Installed("sbxn"); rec.Route != r1 || !f.m.Paused("sbxn") {
-		t.Fatalf("failed restore touched the running execution: %+v", rec)
-	}
-
-	// Resume as execution 2 from the snapshot (same worker here; another
-	// worker shares the snapshot store the same way).
-	if _, err := f.m.Install(ctx, spacev1.InstallRequest{Route: route("sbxn", 2), Template: "base", RestoreSnapshot: "s1"}); err != nil {
-		t.Fatal(err)
-	}
-	rec2 := f.m.records["sbxn"]
-	if b, err := os.ReadFile(filepath.Join(rec2.Dir, upperDir, "root", "note")); err != nil || string(b) != "kept across workers" {
-		t.Fatalf("restored file: %q %v", b, err)
-	}
-	if _, err := os.Stat(rec1.Dir); !errors.Is(err, os.ErrNotExist) {
-		t.Fatalf("superseded activation dir kept: %v", err)
-	}
-	if f.m.Paused("sbxn") {
-		t.Fatal("new execution starts paused")
-	}
-}
-
-func TestSnapshotWithoutStore(t *testing.T) {
-	f := newFixture(t)
-	f.install(t, route("sbxa", 1))
-	if _, err := f.m.Snapshot(context.Background(), route("sbxa", 1), "s"); !errors.Is(err, errdefs.ErrUnavailable) {
-		t.Fatalf("snapshot without store: %v", err)
-	}
-	if _, err := f.m.Install(context.Background(), spacev1.InstallRequest{Route: route("sbxa", 2), RestoreSnapshot: "s"}); !errors.Is(err, errdefs.ErrUnavailable) {
-		t.Fatalf("restore without store: %v", err)
-	}
-}
-
-// Replacing the execution by an install ends its Connect streams with
-// "execution replaced" too; plain streaming bodies are cut (never a body
-// that looks complete), and a stream whose guest had not answered yet gets
-// the end-of-stream message alone.
-func TestLeaseEndsStreams(t *testing.T) {
-	f := newLCFixture(t)
-	r1 := route("sbxl", 1)
-	f.install(t, r1)
-	proc := f.stream(t, "/process.Process/Start", r1, capability.PurposeProcess)
-	procDone, procStarted := expectReplacedEnd(t, "process stream", proc, 2)
-	waitDone(t, "first message of the stream", procStarted)
-
-	pending := make(chan *http.Response, 1)
-	go func() {
-		pending <- f.stream(t, "/process.Process/Connect", r1, capability.PurposeProcess)
-	}()
-	plainReq, _ := http.NewRequest("GET", f.srv.URL+"/files?stream=1", nil)
-	plainReq.Header.Set(spacev1.HeaderCapability, f.token(t, r1, capability.PurposeFiles))
-	plain, err := http.DefaultClient.Do(plainReq)
-	if err != nil || plain.StatusCode != 200 {
-		t.Fatalf("plain stream: %v", err)
-	}
-	plainDone := make(chan error, 1)
-	go func() { _, err := io.ReadAll(plain.Body); plain.Body.Close(); plainDone <- err }()
-	// Let the pending request reach the guest.
-	for deadline := time.Now().Add(5 * time.Second); f.sub.forwarded.Load() < 3 && time.Now().Before(deadline); {
-		time.Sleep(10 * time.Millisecond)
-	}
-
-	f.install(t, route("sbxl", 2))
-	waitDone(t, "process stream", procDone)
-	select {
-	case err := <-plainDone:
-		if err == nil {
-			t.Fatal("a cut plain stream looked complete")
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("plain stream still open")
-	}
-	var resp *http.Response
-	select {
-	case resp = <-pending:
-	case <-time.After(10 * time.Second):
-		t.Fatal("pending stream still open")
-	}
-	if resp.StatusCode != 200 || resp.Header.Get("Content-Type") != "application/connect+json" {
-		t.Fatalf("pending stream: %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
-	}
-	pendingDone, _ := expectReplacedEnd(t, "pending stream", resp, 1)
-	waitDone(t, "pending stream", pendingDone)
-}
-
-// The lease writer on its own: a non-Connect request whose lease ended
-// before the guest answered gets a 503 "execution replaced" JSON error,
-// and a Connect cut inside a message aborts.
-func TestLeaseWriterUnit(t *testing.T) {
-	ctx, cancel := context.WithCancel(context.Background())
-	act := &activation{route: route("sbxu", 3), ctx: ctx}
-	cancel()
-	rec := httptest.NewRecorder()
-	req := httptest.NewRequest("GET", "/files", nil)
-	lw := newLeaseWriter(rec, req, act)
-	func() {
-		defer lw.finish()
-		writeError(lw, fmt.Errorf("%w: sandbox bridge: context canceled", errdefs.ErrUnavailable))
-	}()
-	var e spacev1.Error
-	if rec.Code != 503 || json.Unmarshal(rec.Body.Bytes(), &e) != nil || e.Reason != spacev1.ReasonExecutionReplaced {
-		t.Fatalf("%d %s", rec.Code, rec.Body)
-	}
-
-	act2 := &activation{route: route("sbxu", 3)}
-	var cancel2 context.CancelFunc
-	act2.ctx, cancel2 = context.WithCancel(context.Background())
-	rec = httptest.NewRecorder()
-	lw = newLeaseWriter(rec, req, act2)
-	panicked := func() (p any) {
-		defer func() { p = recover() }()
-		defer lw.finish()
-		lw.Header().Set("Content-Type", "application/connect+json")
-		lw.WriteHeader(200)
-		lw.Write(envelope(0, `{"a":1}`)[:7]) // half a message
-		cancel2()
-		panic(http.ErrAbortHandler)
-	}()
-	if panicked != http.ErrAbortHandler {
-		t.Fatalf("cut inside a message: %v", panicked)
-	}
-	// Other panics propagate untouched.
-	rec = httptest.NewRecorder()
-	lw = newLeaseWriter(rec, req, act2)
-	p := func() (p any) {
-		defer func() { p = recover() }()
-		defer lw.finish()
-		panic("boom")
-	}()
-	if p != "boom" {
-		t.Fatalf("foreign panic: %v", p)
-	}
 }
 
 // Crash safety: install gen 1, retire, crash (no cleanup), reopen: the

@@ -60,7 +60,7 @@ func TestMetrics(t *testing.T) {
 	pub, _, _ := ed25519.GenerateKey(rand.Reader)
 	ver, _ := capability.NewVerifier(capability.Bundle{Revision: 1, Keys: []capability.Key{{ID: "k1", Public: pub}}})
 	m, err := New(Config{WorkerID: "w1", StateDir: t.TempDir(), SpacedHostPath: spacedHost, AgentPath: "/nonexistent", EnvdVersion: "0.5.7"},
-		Deps{Substrate: &statsSubstrate{}, Verifier: ver})
+		Deps{Substrates: []substrate.Substrate{&statsSubstrate{}}, WriteError: writeTestError, Verifier: ver})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -25,8 +25,8 @@ type record struct {
 	Limits    spacev1.Limits    `json:"limits"`
 	Dir       string            `json:"dir"`
 	Installed time.Time         `json:"installed"`
-	// restoreState is the VM state file an install restores (microvm);
-	// not persisted.
+	// restoreState is the instance state file an install restores (a
+	// substrate that saves state); not persisted.
 	restoreState string
 }
 

@@ -8,7 +8,10 @@ package substrate
 
 import (
 	"context"
+	"fmt"
 	"io"
+	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/spacesbx/space/internal/identity"
@@ -43,6 +46,42 @@ type Spec struct {
 	RestoreState string
 }
 
+// MaxSocketPath is the longest Unix socket path the kernel accepts
+// (sun_path holds 108 bytes, the terminating NUL included).
+const MaxSocketPath = 107
+
+// Validate makes the checks every substrate runs on a spec before it
+// starts anything: the route names substrate name, Dir is absolute and
+// short enough for the socket socketName in it, and AgentPath is an
+// absolute path to an executable file. Errors start with name (its
+// substrate's prefix). Limits are not checked here: their bounds are the
+// substrate's own.
+func (s Spec) Validate(name, socketName string) error {
+	if err := s.Route.Validate(); err != nil {
+		return err
+	}
+	if s.Route.Substrate != name {
+		return fmt.Errorf("%s: route names substrate %q", name, s.Route.Substrate)
+	}
+	if s.Dir == "" || !filepath.IsAbs(s.Dir) {
+		return fmt.Errorf("%s: Dir must be an absolute path, got %q", name, s.Dir)
+	}
+	if n := len(filepath.Join(s.Dir, socketName)); n > MaxSocketPath {
+		return fmt.Errorf("%s: Dir %q too long for a Unix socket path (%d bytes)", name, s.Dir, n)
+	}
+	if !filepath.IsAbs(s.AgentPath) {
+		return fmt.Errorf("%s: AgentPath must be absolute, got %q", name, s.AgentPath)
+	}
+	fi, err := os.Stat(s.AgentPath)
+	if err != nil {
+		return fmt.Errorf("%s: agent: %w", name, err)
+	}
+	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
+		return fmt.Errorf("%s: agent %s is not an executable file", name, s.AgentPath)
+	}
+	return nil
+}
+
 // Limits bounds a sandbox's resources. A zero field means "substrate
 // default"; substrates document their defaults (ns: 512 MiB memory without
 // swap, 512 pids, 1000 millicores).
@@ -59,13 +98,21 @@ type Limits struct {
 }
 
 // LayerPreparer is implemented by substrates whose writable layer is a
-// file tree on the host that must be made available (a disk mounted)
-// before it is read or written outside a running instance: snapshots of
-// a paused instance, restores before a start. upper is the layer's root
-// (an overlay upper dir: whiteouts and opaque markers as overlayfs keeps
-// them); release undoes the preparation and is safe to call twice.
+// file tree on the host (a substrate without one keeps a sandbox's files
+// elsewhere, e.g. in guest memory, and snapshots them with StateSaver).
+// The layer may have to be made available (a disk mounted) before it is
+// read or written outside a running instance: snapshots of a paused
+// instance, restores before a start.
 type LayerPreparer interface {
+	// PrepareLayer makes the layer of activation directory dir available
+	// and returns its root, upper (an overlay upper dir: whiteouts and
+	// opaque markers as overlayfs keeps them); release undoes the
+	// preparation and is safe to call twice.
 	PrepareLayer(ctx context.Context, dir string, lim Limits) (upper string, release func() error, err error)
+	// LayerDir is the root of the layer of activation directory dir as
+	// this process reaches it while the layer is available (its instance
+	// runs, or PrepareLayer holds it).
+	LayerDir(dir string) string
 }
 
 // Instance is one running activation.
@@ -96,9 +143,40 @@ type Substrate interface {
 	// Name is the substrate name carried in route identities
 	// (identity.SubstrateNS, identity.SubstrateMicroVM, ...).
 	Name() string
+	// Capabilities says what this substrate's instances do where
+	// substrates differ; callers act on it, never on Name.
+	Capabilities() Capabilities
 	// Start activates spec and returns once the guest agent's socket is
 	// listening, or with an error after cleaning up what it created.
 	Start(ctx context.Context, spec Spec) (Instance, error)
+}
+
+// Capabilities are what substrates differ in beyond the Instance
+// interface. A new substrate declares them; sbx-manager reads them (and
+// the optional interfaces LayerPreparer, StateSaver, StatsReporter) and
+// never asks which substrate a route names.
+type Capabilities struct {
+	// SavesState: instances implement StateSaver and Start honours
+	// Spec.RestoreState, so a snapshot is the instance's whole state
+	// (memory, devices, files) and a move keeps its processes running;
+	// such a snapshot exists only while the instance does. Without it a
+	// snapshot archives the writable layer (LayerPreparer) and a move
+	// restarts the processes, so a pause lets running commands finish
+	// first.
+	SavesState bool
+	// Netns: the instance's init (InitPID) runs in a network namespace of
+	// its own on the host, which the service-port gateway (netgtw) enters
+	// to reach the sandbox's ports. Without it the sandbox has no service
+	// ports.
+	Netns bool
+	// Activation: GuestSocket is a VMM's chardev serving one connection
+	// that spaced-host multiplexes (bridge.ChannelVM), and the agent takes
+	// its guest configuration from spaced-host's activation message sent
+	// over it (again after a restore). Without it GuestSocket is the
+	// agent's own listener, InitPID is the agent (running Spec.AgentPath)
+	// and the agent reads its configuration from Spec.AgentEnv
+	// (SPACE_GUEST_CONFIG) at start.
+	Activation bool
 }
 
 // Availability is implemented by substrates whose usability depends on

@@ -64,6 +64,7 @@ import (
 	"github.com/spacesbx/space/internal/sbxmanager"
 	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
+	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/worker"
 	"github.com/spacesbx/space/sdk"
 )
@@ -393,7 +394,7 @@ func (lp *lcPlat) newExtraWorker(t *testing.T, np *nodeProxy, stateDir string) *
 			SpacedHostPath: filepath.Join(lp.cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(lp.cfg.BinDir, "spaced-guest"),
 			EnvdVersion: guest.EnvdVersion, DefaultLimits: lp.cfg.DefaultLimits,
 		},
-	}, worker.Deps{Substrate: lp.sub, Registrar: proxyRegistrar{lp.st, np.srv.URL}, Bundles: lp.st, Sandboxes: gate, Snapshots: snaps})
+	}, worker.Deps{Substrates: []substrate.Substrate{lp.sub}, Registrar: proxyRegistrar{lp.st, np.srv.URL}, Bundles: lp.st, Sandboxes: gate, Snapshots: snaps})
 	if err != nil {
 		t.Fatalf("worker %s: %v", extraID, err)
 	}

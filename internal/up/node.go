@@ -90,7 +90,7 @@ func RunNode(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			SpacedHostPath: filepath.Join(*binDir, "spaced-host"), AgentPath: filepath.Join(*binDir, "spaced-guest"),
 			EnvdVersion: guest.EnvdVersion,
 		},
-	}, worker.Deps{Substrate: sub, Substrates: extra, Registrar: registrar{st}, Bundles: st, Sandboxes: sandboxWatch{st}, Snapshots: snaps})
+	}, worker.Deps{Substrates: append([]substrate.Substrate{sub}, extra...), Registrar: registrar{st}, Bundles: st, Sandboxes: sandboxWatch{st}, Snapshots: snaps})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
 		return 1

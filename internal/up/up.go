@@ -295,7 +295,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 				SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),
 				EnvdVersion: guest.EnvdVersion, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
 			},
-		}, worker.Deps{Substrate: p.sub, Substrates: extra, Registrar: registrar{p.st}, Bundles: p.st, Sandboxes: sandboxWatch{p.st}, Snapshots: snaps})
+		}, worker.Deps{Substrates: append([]substrate.Substrate{p.sub}, extra...), Registrar: registrar{p.st}, Bundles: p.st, Sandboxes: sandboxWatch{p.st}, Snapshots: snaps})
 		if err != nil {
 			return nil, fmt.Errorf("up: worker %s: %w", id, err)
 		}

@@ -34,7 +34,9 @@ import (
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/sbxmanager"
 	"github.com/spacesbx/space/internal/snapshot"
+	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 var nsBin string // spaced-host and spaced-guest, built by TestMain when root
@@ -45,7 +47,7 @@ func TestMain(m *testing.M) {
 }
 
 func testMain(m *testing.M) int {
-	if os.Geteuid() == 0 {
+	if testenv.IsRoot() {
 		dir, err := os.MkdirTemp("", "worker-test-bin")
 		if err != nil {
 			fmt.Fprintln(os.Stderr, err)
@@ -102,9 +104,7 @@ type nsEnv struct {
 
 func newNSEnv(t *testing.T) *nsEnv {
 	t.Helper()
-	if nsBin == "" {
-		t.Skip("needs root: real namespace sandboxes")
-	}
+	testenv.RequireRoot(t, "real namespace sandboxes")
 	dir := t.TempDir()
 	sub, err := ns.New(ns.Config{StateDir: filepath.Join(dir, "ns"), CgroupParent: "space-worker-test"})
 	if err != nil {
@@ -133,7 +133,7 @@ func (e *nsEnv) worker(id string) *runningWorker {
 	w, err := New(Config{ID: id, StateDir: filepath.Join(e.dir, id), Logger: slog.New(slog.DiscardHandler),
 		Manager: sbxmanager.Config{SpacedHostPath: filepath.Join(nsBin, "spaced-host"), AgentPath: filepath.Join(nsBin, "spaced-guest"),
 			NetgtwPath: "/nonexistent", StartTimeout: 60 * time.Second}},
-		Deps{Substrate: e.sub, Registrar: &fakeRegistrar{}, Bundles: staticBundle{capability.Bundle{Revision: 1, Keys: []capability.Key{{ID: "k1", Public: e.pub}}}},
+		Deps{Substrates: []substrate.Substrate{e.sub}, Registrar: &fakeRegistrar{}, Bundles: staticBundle{capability.Bundle{Revision: 1, Keys: []capability.Key{{ID: "k1", Public: e.pub}}}},
 			Sandboxes: chanWatcher{events}, Snapshots: e.snaps})
 	if err != nil {
 		t.Fatal(err)

@@ -5,6 +5,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
+
 	"github.com/spacesbx/space/internal/identity"
 )
 
@@ -108,9 +110,10 @@ func (r *retirer) handle(ctx context.Context, ev SandboxEvent) {
 }
 
 // watchSandboxes runs the sandbox watch until ctx ends, restarting it
-// after an error.
+// after an error: 100 ms after the first, doubling up to 5 s, without
+// jitter (one watcher per worker: nothing to spread).
 func (w *Worker) watchSandboxes(ctx context.Context, r *retirer) {
-	backoff := 100 * time.Millisecond
+	bo := &backoff.ExponentialBackOff{InitialInterval: 100 * time.Millisecond, Multiplier: 2, MaxInterval: 5 * time.Second}
 	for ctx.Err() == nil {
 		err := w.deps.Sandboxes.WatchSandboxes(ctx, func(ev SandboxEvent) { r.handle(ctx, ev) })
 		if ctx.Err() != nil {
@@ -120,8 +123,7 @@ func (w *Worker) watchSandboxes(ctx context.Context, r *retirer) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(backoff):
+		case <-time.After(bo.NextBackOff()):
 		}
-		backoff = min(backoff*2, 5*time.Second)
 	}
 }

@@ -53,16 +53,16 @@ type Config struct {
 	LeaseTTL time.Duration
 	// BundleWait bounds waiting for the first key bundle. Default 15s.
 	BundleWait time.Duration
-	// Manager is passed to sbx-manager (WorkerID and StateDir are set here).
+	// Manager is passed to sbx-manager (its WorkerID, StateDir and Logger
+	// are set from this Config's).
 	Manager sbxmanager.Config
-	Logger  *slog.Logger
+	// Logger receives the worker's logs (default slog.Default()).
+	Logger *slog.Logger
 }
 
-// Validate checks cfg and fills defaults.
-func (c *Config) Validate() error {
-	if c.ID == "" || c.StateDir == "" {
-		return fmt.Errorf("worker: %w: id and state dir are required", errdefs.ErrInvalid)
-	}
+// withDefaults returns c with its zero (or negative) fields set to the
+// documented defaults.
+func (c Config) withDefaults() Config {
 	if c.Addr == "" {
 		c.Addr = "127.0.0.1:0"
 	}
@@ -78,15 +78,22 @@ func (c *Config) Validate() error {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
-	c.Manager.WorkerID, c.Manager.StateDir, c.Manager.Logger = c.ID, c.StateDir, c.Logger
+	return c
+}
+
+// Validate checks c; fields left zero take their defaults in New.
+func (c Config) Validate() error {
+	if c.ID == "" || c.StateDir == "" {
+		return fmt.Errorf("worker: %w: id and state dir are required", errdefs.ErrInvalid)
+	}
 	return nil
 }
 
 // Deps are the worker's collaborators.
 type Deps struct {
-	Substrate substrate.Substrate
-	// Substrates are more substrates this worker runs (e.g. microvm
-	// beside ns); all of them are advertised at registration.
+	// Substrates are the substrates this worker runs (e.g. ns and
+	// microvm); routes pick one by name, and all of them are advertised
+	// at registration. At least one is required.
 	Substrates []substrate.Substrate
 	Registrar  Registrar
 	Bundles    BundleSource
@@ -114,10 +121,11 @@ type Worker struct {
 // New builds the worker: it loads the cached bundle (if any), opens the
 // runtime records and binds node-api. Run starts serving.
 func New(cfg Config, deps Deps) (*Worker, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if deps.Substrate == nil || deps.Registrar == nil || deps.Bundles == nil {
+	if len(deps.Substrates) == 0 || deps.Registrar == nil || deps.Bundles == nil {
 		return nil, fmt.Errorf("worker: %w: substrate, registrar and bundle source are required", errdefs.ErrInvalid)
 	}
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
@@ -136,8 +144,9 @@ func New(cfg Config, deps Deps) (*Worker, error) {
 		}
 	}
 	mc := cfg.Manager
+	mc.WorkerID, mc.StateDir, mc.Logger = cfg.ID, cfg.StateDir, cfg.Logger
 	mc.Registerer = prometheus.WrapRegistererWith(prometheus.Labels{"worker": cfg.ID}, reg)
-	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrate: deps.Substrate, Substrates: deps.Substrates, Verifier: ver, Snapshots: deps.Snapshots})
+	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrates: deps.Substrates, Verifier: ver, Snapshots: deps.Snapshots, WriteError: nodeapi.WriteError})
 	if err != nil {
 		return nil, err
 	}

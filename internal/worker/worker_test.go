@@ -22,6 +22,9 @@ import (
 type nopSubstrate struct{}
 
 func (nopSubstrate) Name() string { return "ns" }
+func (nopSubstrate) Capabilities() substrate.Capabilities {
+	return substrate.Capabilities{}
+}
 func (nopSubstrate) Start(context.Context, substrate.Spec) (substrate.Instance, error) {
 	return nil, errors.New("no sandboxes in this test")
 }
@@ -62,7 +65,7 @@ func newWorker(t *testing.T, dir string, feed bundleFeed, reg *fakeRegistrar) *W
 	t.Helper()
 	w, err := New(Config{ID: "w1", StateDir: dir, BundleWait: 5 * time.Second,
 		Manager: sbxmanager.Config{SpacedHostPath: "/x", AgentPath: "/x"}},
-		Deps{Substrate: nopSubstrate{}, Registrar: reg, Bundles: feed})
+		Deps{Substrates: []substrate.Substrate{nopSubstrate{}}, Registrar: reg, Bundles: feed})
 	if err != nil {
 		t.Fatal(err)
 	}

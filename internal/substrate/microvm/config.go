@@ -1,6 +1,7 @@
 package microvm
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -120,6 +121,7 @@ type Config struct {
 	testMode string
 }
 
+// withDefaults returns c with its zero fields set to the defaults above.
 func (c Config) withDefaults() Config {
 	if c.QEMUPath == "" {
 		c.QEMUPath = DefaultQEMUPath
@@ -163,15 +165,18 @@ func (c Config) withDefaults() Config {
 	return c
 }
 
-// Validate reports whether c (after defaults) is usable. It does not touch
-// the file system; New checks that the files exist.
+// Validate reports whether c is usable. It only checks (a field left zero
+// takes its default and is valid) and does not touch the file system; New
+// checks that the files exist.
 func (c Config) Validate() error {
-	c = c.withDefaults()
-	for _, p := range []struct{ name, v string }{
-		{"StateDir", c.StateDir}, {"QEMUPath", c.QEMUPath}, {"KernelPath", c.KernelPath},
-		{"ModulesDir", c.ModulesDir}, {"BusyboxPath", c.BusyboxPath}, {"UIDLockDir", c.UIDLockDir},
+	for _, p := range []struct {
+		name, v  string
+		required bool
+	}{
+		{"StateDir", c.StateDir, true}, {"QEMUPath", c.QEMUPath, false}, {"KernelPath", c.KernelPath, true},
+		{"ModulesDir", c.ModulesDir, true}, {"BusyboxPath", c.BusyboxPath, false}, {"UIDLockDir", c.UIDLockDir, false},
 	} {
-		if p.v == "" || !filepath.IsAbs(p.v) {
+		if (p.required || p.v != "") && !filepath.IsAbs(p.v) {
 			return fmt.Errorf("microvm: %s must be an absolute path, got %q", p.name, p.v)
 		}
 	}
@@ -180,11 +185,14 @@ func (c Config) Validate() error {
 	default:
 		return fmt.Errorf("microvm: Accel must be \"kvm\", \"tcg\" or empty, got %q", c.Accel)
 	}
-	if uint64(c.UIDFirst)+uint64(c.UIDCount) > 1<<31 || c.UIDFirst < 1000 {
-		return fmt.Errorf("microvm: uid range %d+%d must lie within [1000, 2^31)", c.UIDFirst, c.UIDCount)
+	// The ranges in effect: each bound may be left to its default.
+	first, count := cmp.Or(c.UIDFirst, DefaultUIDFirst), cmp.Or(c.UIDCount, DefaultUIDCount)
+	kvmGroup := cmp.Or(c.KVMGroup, first-1)
+	if uint64(first)+uint64(count) > 1<<31 || first < 1000 {
+		return fmt.Errorf("microvm: uid range %d+%d must lie within [1000, 2^31)", first, count)
 	}
-	if c.KVMGroup < 1000 || (c.KVMGroup >= c.UIDFirst && uint64(c.KVMGroup) < uint64(c.UIDFirst)+uint64(c.UIDCount)) {
-		return fmt.Errorf("microvm: KVMGroup %d must be at least 1000 and outside the uid range %d+%d", c.KVMGroup, c.UIDFirst, c.UIDCount)
+	if kvmGroup < 1000 || (kvmGroup >= first && uint64(kvmGroup) < uint64(first)+uint64(count)) {
+		return fmt.Errorf("microvm: KVMGroup %d must be at least 1000 and outside the uid range %d+%d", kvmGroup, first, count)
 	}
 	if c.StartTimeout < 0 || c.StopTimeout < 0 || c.ProbeTimeout < 0 || c.ProbeTimeoutTCG < 0 {
 		return errors.New("microvm: timeouts must not be negative")

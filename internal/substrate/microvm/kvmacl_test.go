@@ -12,6 +12,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 func TestWithGroupRW(t *testing.T) {
@@ -97,9 +99,7 @@ func kvmOpenHelper() int {
 // of the same range without the group, and the group's neighbour, cannot.
 // The device's mode and owner are unchanged.
 func TestKVMAccessOnlyForQEMUCredentials(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("skipping: needs root (uids and /dev/kvm's ACL)")
-	}
+	testenv.RequireRoot(t, "uids and /dev/kvm's ACL")
 	if _, err := os.Stat(kvmDevice); err != nil {
 		t.Skipf("skipping: no %s on this host", kvmDevice)
 	}

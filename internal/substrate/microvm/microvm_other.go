@@ -17,6 +17,7 @@ type Substrate struct{}
 
 // New fails outside Linux.
 func New(cfg Config) (*Substrate, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -25,6 +26,11 @@ func New(cfg Config) (*Substrate, error) {
 
 // Name returns identity.SubstrateMicroVM.
 func (*Substrate) Name() string { return identity.SubstrateMicroVM }
+
+// Capabilities are those of the Linux substrate.
+func (*Substrate) Capabilities() substrate.Capabilities {
+	return substrate.Capabilities{SavesState: true, Activation: true}
+}
 
 // Start fails outside Linux.
 func (*Substrate) Start(context.Context, substrate.Spec) (substrate.Instance, error) {

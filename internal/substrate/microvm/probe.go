@@ -6,7 +6,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -271,4 +270,5 @@ func (s *Substrate) probeKey(accel string) string {
 	return key
 }
 
-var errNoAccel = errors.New("no working accelerator")
+// noAccel starts Unavailable's reason when no probe guest booted.
+const noAccel = "no working accelerator"

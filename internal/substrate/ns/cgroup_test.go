@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 func TestUnescapeMount(t *testing.T) {
@@ -24,9 +26,7 @@ func TestUnescapeMount(t *testing.T) {
 // cgroup.freeze and cgroup.kill). Limits are covered by the sandbox tests
 // on pure v2 hosts only.
 func TestCgroupV2FreezeKill(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root")
-	}
+	testenv.RequireRoot(t, "cgroups")
 	root := cgroupRoot
 	if _, err := os.Stat(filepath.Join(root, "cgroup.controllers")); err != nil {
 		root = filepath.Join(cgroupRoot, "unified")

@@ -1,6 +1,7 @@
 package ns
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -102,6 +103,7 @@ type Config struct {
 	Logger *slog.Logger
 }
 
+// withDefaults returns c with its zero fields set to the defaults above.
 func (c Config) withDefaults() Config {
 	if c.CgroupParent == "" {
 		c.CgroupParent = DefaultCgroupParent
@@ -142,16 +144,16 @@ func (c Config) withDefaults() Config {
 	return c
 }
 
-// Validate reports whether c (after defaults) is usable.
+// Validate reports whether c is usable. It only checks: a field left zero
+// takes its default (withDefaults) and is valid.
 func (c Config) Validate() error {
-	c = c.withDefaults()
 	if c.StateDir == "" || !filepath.IsAbs(c.StateDir) {
 		return fmt.Errorf("ns: StateDir must be an absolute path, got %q", c.StateDir)
 	}
-	if !validComponent(c.CgroupParent) {
+	if c.CgroupParent != "" && !validComponent(c.CgroupParent) {
 		return fmt.Errorf("ns: CgroupParent %q must be one path component of [A-Za-z0-9._-]", c.CgroupParent)
 	}
-	if !filepath.IsAbs(c.UsrDir) {
+	if c.UsrDir != "" && !filepath.IsAbs(c.UsrDir) {
 		return fmt.Errorf("ns: UsrDir must be absolute, got %q", c.UsrDir)
 	}
 	if c.StartTimeout < 0 {
@@ -160,13 +162,15 @@ func (c Config) Validate() error {
 	if c.InitPath != "" && !filepath.IsAbs(c.InitPath) {
 		return fmt.Errorf("ns: InitPath must be absolute, got %q", c.InitPath)
 	}
-	if c.UIDRangeFirst < 65536 || uint64(c.UIDRangeFirst)+uint64(c.UIDRangeCount)*usernsSize > 1<<31 {
-		return fmt.Errorf("ns: uid ranges %d+%d*65536 must lie within [65536, 2^31)", c.UIDRangeFirst, c.UIDRangeCount)
+	// The range in effect: either bound may be left to its default.
+	first, count := cmp.Or(c.UIDRangeFirst, DefaultUIDRangeFirst), cmp.Or(c.UIDRangeCount, DefaultUIDRangeCount)
+	if first < 65536 || uint64(first)+uint64(count)*usernsSize > 1<<31 {
+		return fmt.Errorf("ns: uid ranges %d+%d*65536 must lie within [65536, 2^31)", first, count)
 	}
-	if !filepath.IsAbs(c.UIDLockDir) {
+	if c.UIDLockDir != "" && !filepath.IsAbs(c.UIDLockDir) {
 		return fmt.Errorf("ns: UIDLockDir must be absolute, got %q", c.UIDLockDir)
 	}
-	if c.MaxPTYs < 1 || c.MaxPTYs > 1<<20 {
+	if c.MaxPTYs < 0 || c.MaxPTYs > 1<<20 {
 		return fmt.Errorf("ns: MaxPTYs %d must be in [1, 2^20]", c.MaxPTYs)
 	}
 	return validateLimits(c.Limits)

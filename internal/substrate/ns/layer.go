@@ -236,12 +236,12 @@ func (s *Substrate) PrepareLayer(ctx context.Context, dir string, lim substrate.
 	if err != nil {
 		return "", nil, err
 	}
-	return s.layerDir(dir), release, nil
+	return s.LayerDir(dir), release, nil
 }
 
 // layerDir is the writable layer (overlay upper dir) of activation
 // directory dir as this process reaches it while the layer is held.
-func (s *Substrate) layerDir(dir string) string {
+func (s *Substrate) LayerDir(dir string) string {
 	s.layerMu.Lock()
 	defer s.layerMu.Unlock()
 	if ref := s.layers[dir]; ref != nil {

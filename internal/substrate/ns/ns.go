@@ -112,7 +112,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"sync"
 	"syscall"
@@ -121,10 +120,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/internal/identity"
-	"github.com/spacesbx/space/internal/procwait"
 	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/substrate/spawner"
-	"github.com/spacesbx/space/internal/substrate/uidlease"
 )
 
 // Names of the entries of an activation directory (DiskMountName and
@@ -179,10 +176,10 @@ var _ substrate.Substrate = (*Substrate)(nil)
 // New checks the host (root, cgroups) and returns a substrate. Templates
 // are built lazily by the first Start that needs them.
 func New(cfg Config) (*Substrate, error) {
+	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	cfg = cfg.withDefaults()
 	if os.Geteuid() != 0 {
 		return nil, errors.New("ns: the ns substrate needs root")
 	}
@@ -224,31 +221,21 @@ func (s *Substrate) Close() error {
 	return nil
 }
 
+// Capabilities: an ns sandbox is a tree of host processes in namespaces
+// of their own (a network namespace for service ports) whose agent reads
+// its configuration from the environment; its files live in a host-side
+// layer (LayerPreparer), so a move restarts its processes.
+func (s *Substrate) Capabilities() substrate.Capabilities {
+	return substrate.Capabilities{Netns: true}
+}
+
 func validateSpec(spec *substrate.Spec) error {
-	if err := spec.Route.Validate(); err != nil {
+	if err := spec.Validate(identity.SubstrateNS, SocketName); err != nil {
 		return err
 	}
-	if spec.Route.Substrate != identity.SubstrateNS {
-		return fmt.Errorf("ns: route names substrate %q", spec.Route.Substrate)
-	}
+	// The activation id names the sandbox's cgroup.
 	if !validComponent(spec.Route.ActivationID) {
 		return fmt.Errorf("ns: activation id %q is not a safe name", spec.Route.ActivationID)
-	}
-	if spec.Dir == "" || !filepath.IsAbs(spec.Dir) {
-		return fmt.Errorf("ns: Dir must be an absolute path, got %q", spec.Dir)
-	}
-	if n := len(filepath.Join(spec.Dir, SocketName)); n >= 108 {
-		return fmt.Errorf("ns: Dir %q too long for a Unix socket path (%d bytes)", spec.Dir, n)
-	}
-	if !filepath.IsAbs(spec.AgentPath) {
-		return fmt.Errorf("ns: AgentPath must be absolute, got %q", spec.AgentPath)
-	}
-	fi, err := os.Stat(spec.AgentPath)
-	if err != nil {
-		return fmt.Errorf("ns: agent: %w", err)
-	}
-	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
-		return fmt.Errorf("ns: agent %s is not an executable file", spec.AgentPath)
 	}
 	return validateLimits(spec.Limits)
 }
@@ -405,220 +392,4 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		s.prewarmDisk(diskSize(lim.DiskBytes))
 	}
 	return inst, nil
-}
-
-// instance is one running ns sandbox.
-type instance struct {
-	s      *Substrate
-	route  identity.Route
-	dir    string
-	socket string
-	cg     *cgroup
-	cmd    *exec.Cmd
-	pid    int
-	log    *cappedWriter
-
-	wg   sync.WaitGroup
-	done chan struct{}
-
-	mu      sync.Mutex // serializes Pause, Resume and Stop
-	stopped bool
-
-	// lim are the effective limits; statsMu guards lastCPU (stats.go).
-	lim substrate.Limits
-	// uids is the host uid range of the sandbox's user namespace (nil
-	// without one); released once the init is gone.
-	uids *uidlease.Lease
-	// releaseLayer lets go of the writable layer (layer.go) once the
-	// init is gone.
-	releaseLayer func() error
-	statsMu      sync.Mutex
-	lastCPU      cpuReading
-}
-
-var _ substrate.Instance = (*instance)(nil)
-
-func (i *instance) Route() identity.Route { return i.route }
-func (i *instance) GuestSocket() string   { return i.socket }
-func (i *instance) InitPID() int          { return i.pid }
-func (i *instance) Done() <-chan struct{} { return i.done }
-
-// LayerDir is the host path of the writable layer, mounted while the
-// instance runs.
-func (i *instance) LayerDir() string { return i.s.layerDir(i.dir) }
-
-func (i *instance) wait() {
-	defer i.wg.Done()
-	_ = procwait.Wait(i.cmd) // no thread held per sandbox
-	close(i.done)
-}
-
-// Pause freezes every process of the sandbox.
-//
-// A v1 freezer can stay FREEZING for good when a task waits
-// uninterruptibly on one already frozen (a lock held by a frozen sibling,
-// say). Such a stall depends on where each task happened to be, so Pause
-// makes up to freezeAttempts attempts of FreezeAttemptTimeout each, thawing
-// in between so the waiter gets its lock and moves on. A sandbox is never
-// left half frozen: after the last failed attempt it is thawed and the
-// pause reported as failed, naming the tasks that would not freeze.
-func (i *instance) Pause(ctx context.Context) error {
-	i.mu.Lock()
-	defer i.mu.Unlock()
-	if i.stopped {
-		return errors.New("ns: sandbox stopped")
-	}
-	var err error
-	for attempt := 1; attempt <= freezeAttempts; attempt++ {
-		fctx, cancel := context.WithTimeout(ctx, FreezeAttemptTimeout)
-		err = i.cg.freeze(fctx, true)
-		cancel()
-		if err == nil {
-			return nil
-		}
-		stuck := i.cg.unfrozenTasks()
-		tctx, tcancel := context.WithTimeout(context.Background(), FreezeAttemptTimeout)
-		terr := i.cg.freeze(tctx, false)
-		tcancel()
-		if terr != nil {
-			return fmt.Errorf("ns: pause: %w (and thawing failed: %v)", err, terr)
-		}
-		err = fmt.Errorf("did not freeze within %s (tasks not frozen: %s): %w", FreezeAttemptTimeout, stuck, err)
-		if ctx.Err() != nil {
-			break
-		}
-		// Let the tasks that were waiting on a frozen one run a little.
-		select {
-		case <-ctx.Done():
-		case <-time.After(time.Duration(attempt) * 20 * time.Millisecond):
-		}
-	}
-	return fmt.Errorf("ns: pause: thawed again after %d attempts: %w", freezeAttempts, err)
-}
-
-// FreezeAttemptTimeout bounds one attempt of Pause to freeze every task;
-// Pause makes at most freezeAttempts of them.
-const FreezeAttemptTimeout = 1500 * time.Millisecond
-
-const freezeAttempts = 4
-
-// Resume thaws the sandbox.
-func (i *instance) Resume(ctx context.Context) error {
-	i.mu.Lock()
-	defer i.mu.Unlock()
-	if i.stopped {
-		return errors.New("ns: sandbox stopped")
-	}
-	if err := i.cg.freeze(ctx, false); err != nil {
-		return fmt.Errorf("ns: resume: %w", err)
-	}
-	return nil
-}
-
-// Stop kills the sandbox (SIGKILL to its init tears the pid namespace
-// down; the mount namespace and with it every mount goes away with the last
-// process), waits for the init, removes the cgroups, the socket, the work
-// dir and the rootfs mount point. Spec.Dir/upper and agent.log are kept.
-// Idempotent; after an error it can be called again.
-func (i *instance) Stop(ctx context.Context) error {
-	i.mu.Lock()
-	defer i.mu.Unlock()
-	if i.stopped {
-		return nil
-	}
-	if i.cmd != nil {
-		select {
-		case <-i.done:
-		default:
-			_ = syscall.Kill(i.pid, syscall.SIGKILL)
-		}
-	}
-	var errs []error
-	if i.cg != nil {
-		// Kills stragglers and thaws a paused sandbox so the kill lands.
-		if err := i.cg.remove(ctx); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if i.cmd != nil {
-		select {
-		case <-i.done:
-		case <-ctx.Done():
-			return errors.Join(append(errs, fmt.Errorf("ns: stop: init %d did not exit: %w", i.pid, ctx.Err()))...)
-		}
-		i.wg.Wait()
-	}
-	if len(errs) > 0 {
-		return errors.Join(errs...)
-	}
-	i.cleanupFiles()
-	i.uids.Release() // the init and every process of the range are gone
-	if i.releaseLayer != nil {
-		if err := i.releaseLayer(); err != nil {
-			return fmt.Errorf("ns: stop: %w", err)
-		}
-		i.releaseLayer = nil
-	}
-	if i.log != nil {
-		_ = i.log.Close()
-	}
-	i.stopped = true
-	return nil
-}
-
-// cleanupFiles removes the runtime bits of the activation directory.
-func (i *instance) cleanupFiles() {
-	if i.dir == "" {
-		return // a warm init never claimed: no activation directory
-	}
-	_ = os.Remove(i.socket)
-	_ = os.Remove(filepath.Join(i.dir, rootfsDir))
-}
-
-// cappedWriter writes at most left bytes to f and drops the rest. Until
-// f is set (a warm init not yet claimed) it keeps up to left bytes.
-type cappedWriter struct {
-	mu      sync.Mutex
-	f       *os.File
-	left    int64
-	pending []byte
-}
-
-func (w *cappedWriter) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.left > 0 {
-		b := p
-		if int64(len(b)) > w.left {
-			b = b[:w.left]
-		}
-		if w.f == nil {
-			w.pending = append(w.pending, b...)
-			w.left -= int64(len(b))
-			return len(p), nil
-		}
-		n, _ := w.f.Write(b)
-		w.left -= int64(n)
-	}
-	return len(p), nil
-}
-
-// setFile directs the output to f, first what was kept.
-func (w *cappedWriter) setFile(f *os.File) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	w.f = f
-	if len(w.pending) > 0 {
-		_, _ = f.Write(w.pending)
-		w.pending = nil
-	}
-}
-
-func (w *cappedWriter) Close() error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.f == nil {
-		return nil
-	}
-	return w.f.Close()
 }

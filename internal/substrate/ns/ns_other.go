@@ -24,6 +24,11 @@ func New(Config) (*Substrate, error) { return nil, errors.New("ns: substrate nee
 // Name returns identity.SubstrateNS.
 func (*Substrate) Name() string { return identity.SubstrateNS }
 
+// Capabilities are those of the Linux substrate.
+func (*Substrate) Capabilities() substrate.Capabilities {
+	return substrate.Capabilities{Netns: true}
+}
+
 // Start fails outside Linux.
 func (*Substrate) Start(context.Context, substrate.Spec) (substrate.Instance, error) {
 	return nil, errors.New("ns: substrate needs Linux")

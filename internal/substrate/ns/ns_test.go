@@ -13,7 +13,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -25,6 +24,7 @@ import (
 
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 var (
@@ -41,7 +41,7 @@ func TestMain(m *testing.M) {
 }
 
 func testMain(m *testing.M) int {
-	if os.Geteuid() == 0 {
+	if testenv.IsRoot() {
 		tmp, err := os.MkdirTemp("", "space-ns-test-")
 		if err != nil {
 			fmt.Fprintln(os.Stderr, err)
@@ -57,7 +57,7 @@ func testMain(m *testing.M) int {
 			return 1
 		}
 	} else {
-		fmt.Println("ns: integration tests skip: they need root")
+		fmt.Println(testenv.SkipPrefix + ": ns integration tests (they need root)")
 	}
 	code := m.Run()
 	if testSub != nil {
@@ -87,9 +87,7 @@ func removeEmptyCgroupParents(s *Substrate) {
 
 func needRoot(tb testing.TB) *Substrate {
 	tb.Helper()
-	if os.Geteuid() != 0 {
-		tb.Skip("needs root (namespaces, cgroups, mounts)")
-	}
+	testenv.RequireRoot(tb, "namespaces, cgroups, mounts")
 	subOnce.Do(func() {
 		testSub, subErr = New(Config{StateDir: testState})
 	})
@@ -423,81 +421,6 @@ func TestTwoSandboxesDoNotShareFiles(t *testing.T) {
 	}
 }
 
-func TestMemoryLimit(t *testing.T) {
-	inst, _ := start(t, substrate.Limits{MemoryBytes: 64 << 20})
-	r := sh(t, inst, 0, "head -c 1000m /dev/zero | tail")
-	if r.Code != 128+int(syscall.SIGKILL) {
-		t.Fatalf("memory hog: exit %d: %s", r.Code, r.Out)
-	}
-	mustOK(t, inst, 0, "echo still alive")
-	if !inst.cg.v2 {
-		b, err := os.ReadFile(filepath.Join(inst.cg.dirs[0], "memory.oom_control"))
-		if err != nil || !strings.Contains(string(b), "oom_kill ") || strings.Contains(string(b), "oom_kill 0") {
-			t.Errorf("memory.oom_control %q %v", b, err)
-		}
-	} else {
-		b, err := os.ReadFile(filepath.Join(inst.cg.dirs[0], "memory.events"))
-		if err != nil || strings.Contains(string(b), "oom_kill 0") {
-			t.Errorf("memory.events %q %v", b, err)
-		}
-	}
-}
-
-// pidsDir is the user group in the pids hierarchy.
-func pidsDir(inst *instance) string { return inst.cg.userDir }
-
-func TestPidsLimit(t *testing.T) {
-	inst, _ := start(t, substrate.Limits{Pids: 64})
-	dir := pidsDir(inst)
-	stop := make(chan struct{})
-	var maxSeen int
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			select {
-			case <-stop:
-				return
-			case <-time.After(20 * time.Millisecond):
-			}
-			b, err := os.ReadFile(filepath.Join(dir, "pids.current"))
-			if err != nil {
-				continue
-			}
-			if n, _ := strconv.Atoi(strings.TrimSpace(string(b))); n > maxSeen {
-				maxSeen = n
-			}
-		}
-	}()
-	_, err := shTimeout(inst, 1000, "f() { f | f & }; f; sleep 3", 3*time.Second)
-	close(stop)
-	wg.Wait()
-	if err != nil {
-		t.Fatalf("fork bomb: %v", err)
-	}
-	if maxSeen > 64 {
-		t.Fatalf("pids.current reached %d > 64", maxSeen)
-	}
-	ev, _ := os.ReadFile(filepath.Join(dir, "pids.events"))
-	t.Logf("max pids seen %d; pids.events %q", maxSeen, strings.TrimSpace(string(ev)))
-	if !strings.Contains(string(ev), "max") || strings.Contains(string(ev), "max 0") {
-		t.Errorf("pids limit never hit: %q", ev)
-	}
-	// The bomb's group was killed by the agent; the sandbox recovers.
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		r, err := shTimeout(inst, 0, "echo ok", 5*time.Second)
-		if err == nil && r.Code == 0 && r.Out == "ok\n" {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("sandbox did not recover: %v %+v", err, r)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-}
-
 func readCounter(t *testing.T, path string) int {
 	t.Helper()
 	for i := 0; i < 100; i++ {
@@ -545,318 +468,5 @@ func TestPauseResume(t *testing.T) {
 	// Stop works on a paused sandbox (stopAndCheck runs in cleanup).
 	if err := inst.Pause(ctx); err != nil {
 		t.Fatal(err)
-	}
-}
-
-func TestStartErrors(t *testing.T) {
-	s := needRoot(t)
-	ctx := context.Background()
-
-	spec := newSpec(t, substrate.Limits{})
-	spec.Route.Generation = 0
-	if _, err := s.Start(ctx, spec); err == nil {
-		t.Error("invalid route accepted")
-	}
-	spec = newSpec(t, substrate.Limits{})
-	spec.Route.Substrate = identity.SubstrateMicroVM
-	if _, err := s.Start(ctx, spec); err == nil {
-		t.Error("microvm route accepted")
-	}
-	spec = newSpec(t, substrate.Limits{})
-	spec.Route.ActivationID = "../x"
-	if _, err := s.Start(ctx, spec); err == nil {
-		t.Error("unsafe activation id accepted")
-	}
-	spec = newSpec(t, substrate.Limits{})
-	spec.AgentPath = "/nonexistent/agent"
-	if _, err := s.Start(ctx, spec); err == nil {
-		t.Error("missing agent accepted")
-	}
-	spec = newSpec(t, substrate.Limits{})
-	spec.Template = "nope"
-	if _, err := s.Start(ctx, spec); err == nil {
-		t.Error("unknown template accepted")
-	}
-
-	// A failure inside the init comes back as a clear error, and Start
-	// cleans up after itself.
-	spec = newSpec(t, substrate.Limits{})
-	// (the sandbox's own layer holds a directory where the init writes
-	// /etc/hosts).
-	upper, release, err := s.PrepareLayer(ctx, spec.Dir, spec.Limits)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.MkdirAll(filepath.Join(upper, "etc", "hosts"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := release(); err != nil {
-		t.Fatal(err)
-	}
-	_, err = s.Start(ctx, spec)
-	if err == nil || !strings.Contains(err.Error(), "/etc/hosts") {
-		t.Fatalf("want the init's /etc/hosts error, got %v", err)
-	}
-	t.Logf("init error: %v", err)
-	cgName := spec.Route.SandboxID + "-" + spec.Route.ActivationID
-	if s.cgroups.v2 {
-		if _, err := os.Stat(filepath.Join(s.cgroups.unified, s.cfg.CgroupParent, cgName)); !os.IsNotExist(err) {
-			t.Errorf("cgroup left after failed start: %v", err)
-		}
-	} else {
-		for _, mnt := range s.cgroups.v1 {
-			if _, err := os.Stat(filepath.Join(mnt, s.cfg.CgroupParent, cgName)); !os.IsNotExist(err) {
-				t.Errorf("cgroup left after failed start: %v", err)
-			}
-		}
-	}
-	if _, err := os.Lstat(filepath.Join(spec.Dir, SocketName)); !os.IsNotExist(err) {
-		t.Errorf("socket left after failed start: %v", err)
-	}
-
-	// An agent that exits at once: Done closes, Stop still cleans up.
-	spec = newSpec(t, substrate.Limits{})
-	spec.AgentPath = "/usr/bin/true"
-	in, err := s.Start(ctx, spec)
-	if err == nil {
-		select {
-		case <-in.Done():
-		case <-time.After(10 * time.Second):
-			t.Error("Done not closed after the agent exited")
-		}
-		stopAndCheck(t, in.(*instance))
-	}
-}
-
-func TestRestartOnSameDirKeepsUpper(t *testing.T) {
-	s := needRoot(t)
-	spec := newSpec(t, substrate.Limits{})
-	ctx := context.Background()
-	in, err := s.Start(ctx, spec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mustOK(t, in, 1000, "echo persisted > /home/user/p")
-	stopAndCheck(t, in.(*instance))
-	spec.Route.ActivationID = randID(4)
-	in2, err := s.Start(ctx, spec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer stopAndCheck(t, in2.(*instance))
-	if out := mustOK(t, in2, 0, "cat /home/user/p"); out != "persisted\n" {
-		t.Fatalf("got %q", out)
-	}
-}
-
-func BenchmarkStart(b *testing.B) {
-	s := needRoot(b)
-	ctx := context.Background()
-	var startTotal, stopTotal time.Duration
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		spec := newSpec(b, substrate.Limits{})
-		t0 := time.Now()
-		in, err := s.Start(ctx, spec)
-		if err != nil {
-			b.Fatal(err)
-		}
-		t1 := time.Now()
-		if err := in.Stop(ctx); err != nil {
-			b.Fatal(err)
-		}
-		startTotal += t1.Sub(t0)
-		stopTotal += time.Since(t1)
-	}
-	b.ReportMetric(float64(startTotal.Microseconds())/1000/float64(b.N), "start-ms/op")
-	b.ReportMetric(float64(stopTotal.Microseconds())/1000/float64(b.N), "stop-ms/op")
-}
-
-func TestConcurrentStarts(t *testing.T) {
-	needRoot(t)
-	const n = 4
-	var wg sync.WaitGroup
-	insts := make([]*instance, n)
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			s := testSub
-			spec := newSpec(t, substrate.Limits{})
-			in, err := s.Start(context.Background(), spec)
-			if err != nil {
-				t.Errorf("Start %d: %v", i, err)
-				return
-			}
-			insts[i] = in.(*instance)
-		}()
-	}
-	wg.Wait()
-	for _, in := range insts {
-		if in == nil {
-			continue
-		}
-		if out := mustOK(t, in, 0, "cat /proc/sys/kernel/hostname"); strings.TrimSpace(out) != in.Route().SandboxID {
-			t.Errorf("hostname %q for %s", out, in.Route().SandboxID)
-		}
-	}
-	for _, in := range insts {
-		if in != nil {
-			stopAndCheck(t, in)
-		}
-	}
-}
-
-// TestAgentCgroupLayout checks the split: the user group carries the
-// sandbox's pids limit and holds the user's processes, the agent (the init)
-// lives in agent.<name> with its own reserve; Stop removes both (the
-// cleanup check in start).
-func TestAgentCgroupLayout(t *testing.T) {
-	inst, spec := start(t, substrate.Limits{Pids: 64})
-	name := spec.Route.SandboxID + "-" + spec.Route.ActivationID
-	user := inst.cg.userDir
-	agent := filepath.Join(filepath.Dir(user), agentGroupPrefix+name)
-	if filepath.Base(user) != name {
-		t.Fatalf("user group %s, want .../%s", user, name)
-	}
-	if got := strings.TrimSpace(readFile(t, filepath.Join(user, "pids.max"))); got != "64" {
-		t.Fatalf("user pids.max %q, want 64", got)
-	}
-	if got := strings.TrimSpace(readFile(t, filepath.Join(agent, "pids.max"))); got != strconv.Itoa(agentPids) {
-		t.Fatalf("agent pids.max %q, want %d", got, agentPids)
-	}
-	if !slices.Contains(inst.cg.dirs, agent) {
-		t.Fatalf("agent group %s not among %v", agent, inst.cg.dirs)
-	}
-	initPid := strconv.Itoa(inst.InitPID())
-	if procs := strings.Fields(readFile(t, filepath.Join(agent, "cgroup.procs"))); !slices.Equal(procs, []string{initPid}) {
-		t.Fatalf("agent group procs %v, want [%s]", procs, initPid)
-	}
-	// A user command runs in the user group (seen from the sandbox's cgroup
-	// namespace, rooted at the agent's groups, it is a sibling), the init
-	// never leaves the agent's.
-	out := mustOK(t, inst, 1000, "cat /proc/self/cgroup")
-	want := "/../" + name
-	ok := false
-	for _, line := range strings.Split(out, "\n") {
-		f := strings.SplitN(line, ":", 3)
-		if len(f) == 3 && (f[1] == "pids" || (inst.cg.v2 && f[0] == "0")) {
-			ok = f[2] == want
-		}
-	}
-	if !ok {
-		t.Fatalf("user command's cgroups:\n%s\nwant pids at %s", out, want)
-	}
-	if procs := strings.Fields(readFile(t, filepath.Join(agent, "cgroup.procs"))); !slices.Equal(procs, []string{initPid}) {
-		t.Fatalf("agent group procs after a command %v, want [%s]", procs, initPid)
-	}
-}
-
-// TestForkBombKeepsAgentReserve: while a user fork bomb holds the user
-// group at its pids.max, the agent still creates threads and processes and
-// starts new commands (moved into the full group: migration is not limited),
-// several at once.
-func TestForkBombKeepsAgentReserve(t *testing.T) {
-	inst, _ := start(t, substrate.Limits{Pids: 64})
-	user := inst.cg.userDir
-	bomb := make(chan error, 1)
-	var bombOut result
-	go func() {
-		// Forks until the group is full and holds it there: a classic bomb's
-		// population swings as its processes exit (on a loaded machine it
-		// may never sit at the limit while it is sampled), and a shell that
-		// cannot fork exits, taking its group with it.
-		const hold = `python3 -c "
-import os, time
-while True:
-    try:
-        if os.fork() == 0:
-            time.sleep(8)
-            os._exit(0)
-    except OSError:
-        break
-time.sleep(6)
-"`
-		r, err := shTimeout(inst, 1000, hold, 7*time.Second)
-		bombOut = r
-		bomb <- err
-	}()
-	// Generous: on a loaded 2-core machine the bomb grows slowly.
-	deadline := time.Now().Add(8 * time.Second)
-	for readCounter(t, filepath.Join(user, "pids.current")) < 64 {
-		select {
-		case err := <-bomb:
-			t.Fatalf("the bomb ended before filling the user group (pids.current %d, err %v, exit %d, output %.300q)", readCounter(t, filepath.Join(user, "pids.current")), err, bombOut.Code, bombOut.Out)
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the bomb did not fill the user group: pids.current %d", readCounter(t, filepath.Join(user, "pids.current")))
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	var wg sync.WaitGroup
-	errs := make(chan error, 8)
-	for i := range cap(errs) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			r, err := shTimeout(inst, i%2*1000, "echo alive", 5*time.Second)
-			if err == nil && (r.Code != 0 || r.Out != "alive\n") {
-				err = fmt.Errorf("echo alive: %+v", r)
-			}
-			errs <- err
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		if err != nil {
-			t.Errorf("agent while the user group is full: %v", err)
-		}
-	}
-	if err := <-bomb; err != nil {
-		t.Fatalf("bomb: %v", err)
-	}
-	if ev := readFile(t, filepath.Join(user, "pids.events")); !strings.Contains(ev, "max") || strings.Contains(ev, "max 0") {
-		t.Errorf("pids limit never hit: %q", ev)
-	}
-	mustOK(t, inst, 0, "echo ok")
-}
-
-func readFile(t *testing.T, path string) string {
-	t.Helper()
-	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return string(b)
-}
-
-// With Config.InitPath the init is that binary (cmd/space-nsinit), not a
-// re-execution of the hosting one; the sandbox is the same.
-func TestInitPath(t *testing.T) {
-	needRoot(t)
-	if err := (Config{StateDir: testState, InitPath: "space-nsinit"}).Validate(); err == nil {
-		t.Fatal("relative InitPath accepted")
-	}
-	initBin := filepath.Join(t.TempDir(), "space-nsinit")
-	if out, err := exec.Command("go", "build", "-o", initBin, "github.com/spacesbx/space/cmd/space-nsinit").CombinedOutput(); err != nil {
-		t.Fatalf("build space-nsinit: %v\n%s", err, out)
-	}
-	_, inst, spec := startWith(t, Config{StateDir: testState, InitPath: initBin})
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	if out := mustOK(t, inst, 0, "cat /proc/sys/kernel/hostname"); strings.TrimSpace(out) != spec.Route.SandboxID {
-		t.Errorf("hostname %q", out)
-	}
-	// The init is InitPath's binary: without one there, no start.
-	gone, err := New(Config{StateDir: testState, InitPath: initBin + ".missing"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer gone.Close()
-	if in, err := gone.Start(ctx, newSpec(t, substrate.Limits{})); err == nil {
-		stopAndCheck(t, in.(*instance))
-		t.Fatal("started without its init binary")
 	}
 }

@@ -39,7 +39,7 @@ func TestSpareDisk(t *testing.T) {
 	if _, err := os.Stat(spareImg); !os.IsNotExist(err) {
 		t.Fatalf("the spare's image is still at %s (not taken): %v", spareImg, err)
 	}
-	upper := s.layerDir(spec.Dir)
+	upper := s.LayerDir(spec.Dir)
 	if _, err := os.Stat(filepath.Join(upper, "root/f")); !os.IsNotExist(err) {
 		t.Fatalf("the taken disk holds another sandbox's file: %v", err)
 	}

@@ -7,12 +7,12 @@ import (
 	"path/filepath"
 	"syscall"
 	"testing"
+
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 func TestTemplateBase(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root (chown)")
-	}
+	testenv.RequireRoot(t, "chown")
 	s := &Substrate{cfg: Config{StateDir: t.TempDir()}.withDefaults(), tmplReady: map[string]bool{}}
 	dir, err := s.ensureTemplate(TemplateBase)
 	if err != nil {

@@ -7,13 +7,25 @@
 package spawner
 
 import (
-	"errors"
 	"runtime"
 	"sync"
+
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
-// ErrClosed is returned by Do after Close.
-var ErrClosed = errors.New("substrate closed")
+// ErrClosed is returned by Do after Close. Its class is
+// errdefs.ErrUnavailable; its text is its own.
+var ErrClosed error = &classedError{class: errdefs.ErrUnavailable, msg: "substrate closed"}
+
+// classedError is an error of an errdefs class whose text does not repeat
+// the class's name.
+type classedError struct {
+	class error
+	msg   string
+}
+
+func (e *classedError) Error() string { return e.msg }
+func (e *classedError) Unwrap() error { return e.class }
 
 // Spawner owns the thread. The zero value is ready; the thread starts with
 // the first Do.

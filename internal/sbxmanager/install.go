@@ -1,0 +1,303 @@
+package sbxmanager
+
+// Install and teardown of an execution: activating it (substrate, bridge,
+// gateway state), persisting its record, stopping the activation it
+// replaces.
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// Install persists and activates an execution. It returns once the record
+// is durable and the bridge has verified the guest. Installing execution
+// N+1 of a sandbox makes the manager reject execution N at once and ends
+// N's streams.
+func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spacev1.InstallResponse, error) {
+	tStart := time.Now()
+	r := req.Route
+	if err := r.Validate(); err != nil {
+		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: %v", errdefs.ErrInvalid, err)
+	}
+	if r.WorkerID != m.cfg.WorkerID {
+		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: route names worker %q, this is %q", errdefs.ErrInvalid, r.WorkerID, m.cfg.WorkerID)
+	}
+	if m.subs[r.Substrate] == nil {
+		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: substrate %q not served on worker %s", errdefs.ErrInvalid, r.Substrate, m.cfg.WorkerID)
+	}
+	unlock := m.lockSandbox(r.SandboxID)
+	defer unlock()
+	log := m.log.With("sandbox", r.SandboxID, "generation", r.Generation)
+
+	m.mu.RLock()
+	old, hasOld := m.records[r.SandboxID]
+	act := m.active[r.SandboxID]
+	closed := m.closed
+	m.mu.RUnlock()
+	if closed {
+		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: manager closed", errdefs.ErrUnavailable)
+	}
+	if hasOld && old.Route == r && !old.Retired && act != nil {
+		return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion}, nil // idempotent retry
+	}
+	if hasOld && old.Route.Generation > r.Generation {
+		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: generation %d is older than installed %d", errdefs.ErrConflict, r.Generation, old.Route.Generation)
+	}
+	// Refuse to revive a retired execution; restore the snapshot (if any)
+	// before the running execution is touched (snapshot.go).
+	if err := m.prepareInstall(ctx, req, old, hasOld); err != nil {
+		return spacev1.InstallResponse{}, err
+	}
+	// A replacement: the old execution stops being served before anything
+	// else. Until the new one is installed its capabilities get
+	// RefreshRoute (the edge repairs them once the control plane publishes
+	// the new route), not "installed but not active".
+	if act != nil {
+		m.mu.Lock()
+		delete(m.active, r.SandboxID)
+		if cur, ok := m.records[r.SandboxID]; ok && cur.Route == old.Route {
+			cur.Retired = true // in memory only: the new record is persisted below
+			m.records[r.SandboxID] = cur
+		}
+		m.mu.Unlock()
+		m.stopActivation(act, "replaced")
+	}
+
+	limits := m.withDefaultLimits(req.Limits)
+	dir := activationDir(m.cfg.StateDir, r)
+	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC()}
+	if req.RestoreSnapshot != "" && m.caps(r).SavesState {
+		rec.restoreState = filepath.Join(dir, stateFile) // prepareInstall fetched it
+		defer os.Remove(rec.restoreState)                // loaded by now, or useless
+	}
+
+	sctx, cancel := context.WithTimeout(ctx, m.cfg.StartTimeout)
+	defer cancel()
+	var tm installTiming
+	newAct, err := m.activate(sctx, rec, &tm)
+	if err != nil {
+		log.Error("activation failed", "err", err)
+		return spacev1.InstallResponse{}, fmt.Errorf("install %s: %w", r.SandboxID, err)
+	}
+	t0 := time.Now()
+	if err := m.store.put(rec); err != nil {
+		m.stopActivation(newAct, "persist failed")
+		return spacev1.InstallResponse{}, fmt.Errorf("install %s: persist record: %w", r.SandboxID, err)
+	}
+	tm.persist = time.Since(t0)
+	log.Debug(InstallTimingMsg, "substrate", tm.substrate, "bridge", tm.bridge, "gateway", tm.gateway, "persist", tm.persist,
+		"total", time.Since(tStart))
+	m.mu.Lock()
+	m.records[r.SandboxID] = rec
+	m.active[r.SandboxID] = newAct
+	m.mu.Unlock()
+	if hasOld && old.Dir != rec.Dir {
+		os.RemoveAll(old.Dir) // the superseded execution's writable layer
+	}
+	m.metrics.activations.Inc()
+	log.Info("execution installed", "execution", r.ExecutionID, "activation", r.ActivationID)
+	return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion}, nil
+}
+
+// activationDir is short on purpose: the bridge and guest sockets live in
+// it and a Unix socket path must fit in 108 bytes.
+func activationDir(stateDir string, r identity.Route) string {
+	sum := sha256.Sum256([]byte(fmt.Sprintf("%s/%d/%s/%s", r.SandboxID, r.Generation, r.ExecutionID, r.ActivationID)))
+	return filepath.Join(stateDir, "act", hex.EncodeToString(sum[:8]))
+}
+
+// Files sbx-manager puts in an activation directory: the guest
+// configuration spaced-host sends as the activation message
+// (Capabilities.Activation), and an instance state being restored
+// (Capabilities.SavesState; removed once loaded).
+const (
+	activationFile = "activation.json"
+	stateFile      = "restore.state"
+)
+
+// guestConfig is what spaced-guest reads from SPACE_GUEST_CONFIG (or
+// receives as its activation message).
+type guestConfig struct {
+	Identity    identity.Route    `json:"identity"`
+	Env         map[string]string `json:"env,omitempty"`
+	DefaultUser string            `json:"default_user"`
+}
+
+// InstallTimingMsg is the message of the debug record an install logs
+// with its phases (substrate start, bridge start and verification, gateway
+// start, record persisted) as durations; make bench aggregates them.
+const InstallTimingMsg = "install timing"
+
+// installTiming is how long each phase of an install took.
+type installTiming struct {
+	substrate, bridge, gateway, persist time.Duration
+}
+
+// withDefaultLimits fills l's zero fields from the worker's defaults.
+func (m *Manager) withDefaultLimits(l spacev1.Limits) spacev1.Limits {
+	d := m.cfg.DefaultLimits
+	if l.MemoryBytes == 0 {
+		l.MemoryBytes = d.MemoryBytes
+	}
+	if l.Pids == 0 {
+		l.Pids = d.Pids
+	}
+	if l.CPUMillis == 0 {
+		l.CPUMillis = d.CPUMillis
+	}
+	if l.DiskBytes == 0 {
+		l.DiskBytes = d.DiskBytes
+	}
+	return l
+}
+
+func substrateLimits(l spacev1.Limits) substrate.Limits {
+	return substrate.Limits{MemoryBytes: l.MemoryBytes, Pids: l.Pids, CPUMillis: l.CPUMillis, DiskBytes: l.DiskBytes}
+}
+
+func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (*activation, error) {
+	r := rec.Route
+	gcfg, _ := json.Marshal(guestConfig{Identity: r, Env: rec.EnvVars, DefaultUser: "user"})
+	spec := substrate.Spec{
+		Route: r, Template: rec.Template, Dir: rec.Dir, AgentPath: m.cfg.AgentPath,
+		Limits:       substrateLimits(rec.Limits),
+		RestoreState: rec.restoreState,
+	}
+	// An agent reads its configuration at start, or learns it (again,
+	// after a restore) from spaced-host's activation message.
+	caps := m.caps(r)
+	if !caps.Activation {
+		spec.AgentEnv = []string{"SPACE_GUEST_CONFIG=" + string(gcfg)}
+	} else if err := os.MkdirAll(rec.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("start sandbox: %w", err)
+	} else if err := os.WriteFile(filepath.Join(rec.Dir, activationFile), gcfg, 0o600); err != nil {
+		return nil, fmt.Errorf("start sandbox: activation: %w", err)
+	}
+	// spaced-host is launched (and recorded) while the sandbox starts: its
+	// exec and runtime start overlap the sandbox's; it waits for its
+	// arguments.
+	type launched struct {
+		bp  *bridgeProc
+		err error
+	}
+	bpc := make(chan launched, 1)
+	go func() {
+		bp, err := m.launchBridge(rec.Dir)
+		bpc <- launched{bp, err}
+	}()
+	t0 := time.Now()
+	inst, err := m.subs[r.Substrate].Start(ctx, spec)
+	tm.substrate = time.Since(t0)
+	l := <-bpc
+	if err != nil {
+		if l.bp != nil {
+			l.bp.kill()
+		}
+		return nil, fmt.Errorf("start sandbox: %w", err)
+	}
+	if l.err != nil {
+		stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		inst.Stop(stopCtx)
+		cancel()
+		return nil, l.err
+	}
+	bp := l.bp
+	t0 = time.Now()
+	act, err := m.startBridge(ctx, bp, inst, rec.Dir, caps)
+	tm.bridge = time.Since(t0)
+	if err != nil {
+		stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		inst.Stop(stopCtx)
+		cancel()
+		return nil, err
+	}
+	if !caps.Netns {
+		// No network namespace on the host to reach its ports from:
+		// service ports are not served for it (never the host's).
+		return act, nil
+	}
+	t0 = time.Now()
+	// netgtw itself starts on the first service-port request (gateway.go).
+	if act.gwState, err = recordGateway(inst, rec.Dir); err != nil {
+		m.stopActivation(act, "gateway failed")
+		return nil, err
+	}
+	tm.gateway = time.Since(t0)
+	return act, nil
+}
+
+// stopActivation ends the activation's streams, stops its bridge and the
+// sandbox. The caller has already removed it from the active map.
+func (m *Manager) stopActivation(a *activation, why string) {
+	a.cancel()
+	a.stopGateway()
+	a.tr.CloseIdleConnections()
+	a.host.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-a.hostDone:
+	case <-time.After(3 * time.Second):
+		a.host.Process.Kill()
+		<-a.hostDone
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	if err := a.inst.Stop(ctx); err != nil {
+		m.log.Warn("sandbox stop", "sandbox", a.route.SandboxID, "err", err)
+	}
+	m.metrics.activations.Dec()
+	m.log.Info("activation stopped", "sandbox", a.route.SandboxID, "generation", a.route.Generation, "why", why)
+}
+
+// Teardown stops the execution named by route and deletes its record.
+// A route for another execution than the installed one is refused with
+// a conflict, so a late teardown cannot kill a newer execution.
+func (m *Manager) Teardown(ctx context.Context, route identity.Route) error {
+	unlock := m.lockSandbox(route.SandboxID)
+	defer unlock()
+	m.mu.Lock()
+	rec, ok := m.records[route.SandboxID]
+	if !ok {
+		m.mu.Unlock()
+		return fmt.Errorf("teardown %s: %w", route.SandboxID, errdefs.ErrNotFound)
+	}
+	if rec.Route.Epoch() != route.Epoch() {
+		m.mu.Unlock()
+		return fmt.Errorf("teardown %s: %w: installed execution is %s", route.SandboxID, errdefs.ErrConflict, rec.Route)
+	}
+	act := m.active[route.SandboxID]
+	delete(m.active, route.SandboxID)
+	// Together with the activation: until the record is deleted below its
+	// capabilities get RefreshRoute, not "installed but not active".
+	gone := rec
+	gone.Retired = true // in memory only; the record is deleted below
+	m.records[route.SandboxID] = gone
+	m.mu.Unlock()
+	if act != nil {
+		m.stopActivation(act, "teardown")
+	}
+	if err := m.store.delete(route.SandboxID); err != nil {
+		m.mu.Lock()
+		m.records[route.SandboxID] = rec // as persisted
+		m.mu.Unlock()
+		return fmt.Errorf("teardown %s: delete record: %w", route.SandboxID, err)
+	}
+	m.mu.Lock()
+	delete(m.records, route.SandboxID)
+	m.mu.Unlock()
+	if err := os.RemoveAll(rec.Dir); err != nil {
+		m.log.Warn("remove sandbox dir", "sandbox", route.SandboxID, "err", err)
+	}
+	return nil
+}

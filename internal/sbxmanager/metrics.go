@@ -1,0 +1,68 @@
+package sbxmanager
+
+// The manager's Prometheus metrics, and resource samples of one
+// execution (the control plane's metrics call).
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/substrate"
+)
+
+// metrics are the manager's own series (registered with
+// Config.Registerer).
+type metrics struct {
+	decisions     *prometheus.CounterVec
+	bridgeRejects prometheus.Counter
+	activations   prometheus.Gauge
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_node_admission_decisions_total", Help: "Capability admission decisions by outcome.",
+		}, []string{"outcome"}),
+		bridgeRejects: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_node_bridge_verification_failures_total", Help: "Bridge connections refused by peer verification.",
+		}),
+		activations: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "space_node_activations", Help: "Running activations.",
+		}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.decisions, m.bridgeRejects, m.activations)
+	}
+	return m
+}
+
+// Metrics samples the resource usage of the execution named by route
+// (running or paused). Substrates whose instances do not implement
+// substrate.StatsReporter answer ErrUnavailable.
+func (m *Manager) Metrics(ctx context.Context, route identity.Route) (spacev1.MetricsResponse, error) {
+	if err := validRoute("metrics", route); err != nil {
+		return spacev1.MetricsResponse{}, err
+	}
+	act, err := m.liveActivation("metrics", route)
+	if err != nil {
+		return spacev1.MetricsResponse{}, err
+	}
+	sr, ok := act.inst.(substrate.StatsReporter)
+	if !ok {
+		return spacev1.MetricsResponse{}, fmt.Errorf("metrics %s: %w: substrate %s reports no metrics", route.SandboxID, errdefs.ErrUnavailable, route.Substrate)
+	}
+	st, err := sr.Stats(ctx)
+	if err != nil {
+		return spacev1.MetricsResponse{}, fmt.Errorf("metrics %s: %w: %v", route.SandboxID, errdefs.ErrUnavailable, err)
+	}
+	return spacev1.MetricsResponse{
+		Timestamp: st.Timestamp.UTC(), CPUCount: st.CPUCount, CPUUsedPct: st.CPUUsedPct,
+		MemUsed: st.MemUsed, MemTotal: st.MemTotal, MemCache: st.MemCache,
+		DiskUsed: st.DiskUsed, DiskTotal: st.DiskTotal,
+	}, nil
+}

@@ -1,0 +1,290 @@
+//go:build linux
+
+package microvm
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// QEMU's command line and the files it is handed as descriptors (see the
+// package doc, "The machine" and "Least privilege").
+
+// kvmDevice is the KVM device QEMU opens.
+const kvmDevice = "/dev/kvm"
+
+// qemuSandbox is QEMU's -sandbox option: its own seccomp filter (no exec,
+// no set*id, no scheduler or resource changes).
+const qemuSandbox = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+// machineConfig is what differs between accelerators on QEMU's command
+// line.
+type machineConfig struct {
+	machine, cpu string
+	appendExtra  string // kernel command line additions, each with a leading space
+}
+
+// machineFor returns the machine for accel. Under TCG the PIT, PIC and RTC
+// let the kernel calibrate its clocks (without the PIT a loaded TCG host
+// can stall the boot in delay-loop calibration), and the kernel is told
+// the host's TSC frequency and that the TSC is reliable: otherwise it
+// falls back to the jiffies clocksource (4 ms resolution, and the tick
+// can then never stop, so an idle guest costs QEMU more CPU).
+func machineFor(accel string, tscKHz uint64) machineConfig {
+	mc := machineConfig{machine: "microvm,rtc=on", cpu: "max"}
+	switch accel {
+	case "kvm":
+		mc.cpu = "host"
+	case "tcg":
+		mc.machine += ",pit=on,pic=on"
+		if tscKHz > 0 {
+			mc.appendExtra = " tsc_early_khz=" + strconv.FormatUint(tscKHz, 10) + " tsc=reliable"
+		}
+	}
+	return mc
+}
+
+// accelArg is QEMU's -accel option for instances.
+func (s *Substrate) accelArg() string {
+	if s.accel == "tcg" && s.cfg.TCGCacheMiB > 0 {
+		return "tcg,tb-size=" + strconv.Itoa(s.cfg.TCGCacheMiB)
+	}
+	return s.accel
+}
+
+// qemuCredential is what a QEMU runs as: when the substrate runs as root,
+// a leased uid of its own (uid = gid) whose only supplementary group,
+// under KVM, is Config.KVMGroup (the one /dev/kvm's ACL admits); else the
+// caller (nil credential and lease).
+func (s *Substrate) qemuCredential(accel string) (*syscall.Credential, *uidLease, error) {
+	if !s.asRoot {
+		return nil, nil, nil
+	}
+	lease, err := leaseUID(s.cfg.UIDLockDir, s.cfg.UIDFirst, s.cfg.UIDCount, uint32(time.Now().UnixNano()))
+	if err != nil {
+		return nil, nil, err
+	}
+	cred := &syscall.Credential{Uid: lease.uid, Gid: lease.uid, Groups: []uint32{}}
+	if accel == "kvm" {
+		cred.Groups = []uint32{s.cfg.KVMGroup}
+	}
+	return cred, lease, nil
+}
+
+// agentEnvScript renders env as "export NAME='value'" lines for the init
+// to source (single quotes, so nothing in a value is interpreted).
+func agentEnvScript(env []string) ([]byte, error) {
+	var b strings.Builder
+	for _, kv := range env {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || !validEnvName(k) {
+			return nil, fmt.Errorf("microvm: agent environment entry %q is not NAME=value", kv)
+		}
+		if strings.ContainsRune(v, 0) {
+			return nil, fmt.Errorf("microvm: agent environment %s contains NUL", k)
+		}
+		fmt.Fprintf(&b, "export %s='%s'\n", k, strings.ReplaceAll(v, "'", `'\''`))
+	}
+	return []byte(b.String()), nil
+}
+
+func validEnvName(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i, c := range s {
+		switch {
+		case c == '_', c >= 'A' && c <= 'Z', c >= 'a' && c <= 'z':
+		case c >= '0' && c <= '9' && i > 0:
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// launch is what qemuArgs needs for one instance.
+type launch struct {
+	shape    machineShape
+	hostname string
+	incoming bool
+	// ram, when set, backs guest RAM with this file (QEMU's fd ramFD) as a
+	// memory-backend-file with the machine's default RAM id, so states
+	// migrate between file-backed and anonymous instances: shared (a
+	// template boot writes its RAM into the file) or private (a clone maps
+	// the template's RAM copy-on-write).
+	ram       *os.File
+	ramShared bool
+	// ignoreShared sets migration's x-ignore-shared before an incoming
+	// stream is read: the state carries no pages of the file-backed RAM (a
+	// clone's load).
+	ignoreShared      bool
+	ramFD, incomingFD int
+}
+
+// qemuArgs is QEMU's command line (argv[1:]) for one instance. Descriptors
+// are those of the ExtraFiles Start passes.
+func (s *Substrate) qemuArgs(l launch) []string {
+	mc := machineFor(s.accel, s.tscKHz)
+	appendLine := "console=ttyS0 quiet panic=-1 reboot=t pci=off space.hostname=" + l.hostname + mc.appendExtra
+	if s.cfg.ZeroFreedMemory {
+		appendLine += " init_on_free=1"
+	}
+	if s.cfg.testMode != "" {
+		appendLine += " space.test=" + s.cfg.testMode
+	}
+	machine := mc.machine
+	if l.ram != nil {
+		machine += ",memory-backend=" + ramID
+	}
+	args := []string{
+		"-name", "space-" + l.hostname,
+		"-machine", machine,
+		"-accel", s.accelArg(),
+		"-cpu", mc.cpu,
+		"-smp", strconv.Itoa(l.shape.VCPUs),
+		"-m", strconv.FormatInt(l.shape.MemoryMiB, 10) + "M",
+		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+		"-chardev", "stdio,id=con,signal=off",
+		"-serial", "chardev:con",
+		"-fw_cfg", "name=" + envFwCfg + ",file=" + procFD(fdEnv),
+		"-device", "virtio-serial-device,max_ports=2",
+		"-chardev", "socket,id=agent,fd=" + strconv.Itoa(fdAgent) + ",server=on,wait=off",
+		"-device", "virtserialport,chardev=agent,name=" + PortName,
+		"-chardev", "socket,id=qmp,fd=" + strconv.Itoa(fdQMP),
+		"-mon", "chardev=qmp,mode=control",
+		"-sandbox", qemuSandbox,
+		"-msg", "timestamp=on",
+	}
+	if l.ram != nil {
+		share := "off"
+		if l.ramShared {
+			share = "on"
+		}
+		args = append(args, "-object", fmt.Sprintf("memory-backend-file,id=%s,size=%dM,mem-path=%s,share=%s",
+			ramID, l.shape.MemoryMiB, procFD(l.ramFD), share))
+	}
+	if !l.incoming {
+		// An incoming VM continues a booted kernel: QEMU would only hold
+		// the bzImage (13.5 MiB for Debian's cloud kernel) in its memory
+		// for the firmware, per VM, for nothing.
+		args = append(args, "-kernel", procFD(fdKernel), "-initrd", procFD(fdInitrd), "-append", appendLine)
+	}
+	switch {
+	case l.incoming && l.ignoreShared:
+		// x-ignore-shared must be set before the stream is read: the
+		// migration starts over QMP (startIncoming).
+		args = append(args, "-incoming", "defer")
+	case l.incoming:
+		args = append(args, "-incoming", "fd:"+strconv.Itoa(l.incomingFD))
+	}
+	return args
+}
+
+func procFD(n int) string { return "/proc/self/fd/" + strconv.Itoa(n) }
+
+// launchFiles are what QEMU inherits (listener, qmpChild, kernel, initrd,
+// env: its fds 3 to 7) and the substrate's end of the QMP socketpair.
+type launchFiles struct {
+	listener, qmpChild, kernel, initrd, env *os.File
+	qmp                                     *net.UnixConn
+	once                                    sync.Once
+}
+
+// close closes the inherited files (QEMU keeps its own copies) and, unless
+// taken, the QMP connection. Idempotent.
+func (lf *launchFiles) close() {
+	lf.once.Do(func() {
+		for _, f := range []*os.File{lf.listener, lf.qmpChild, lf.kernel, lf.initrd, lf.env} {
+			if f != nil {
+				f.Close()
+			}
+		}
+	})
+}
+
+func (lf *launchFiles) closeAll() {
+	lf.close()
+	if lf.qmp != nil {
+		lf.qmp.Close()
+	}
+}
+
+// openLaunchFiles binds the agent channel's listener at inst.socket and
+// opens everything else QEMU inherits.
+func (s *Substrate) openLaunchFiles(inst *instance, imgPath string, env []byte) (_ *launchFiles, err error) {
+	lf := &launchFiles{}
+	defer func() {
+		if err != nil {
+			lf.closeAll()
+		}
+	}()
+	if err := os.Remove(inst.socket); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("stale socket: %w", err)
+	}
+	lfd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	lf.listener = os.NewFile(uintptr(lfd), "guest-listener")
+	if err := unix.Bind(lfd, &unix.SockaddrUnix{Name: inst.socket}); err != nil {
+		return nil, fmt.Errorf("bind %s: %w", inst.socket, err)
+	}
+	if err := unix.Listen(lfd, 16); err != nil {
+		return nil, err
+	}
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	lf.qmpChild = os.NewFile(uintptr(pair[1]), "qmp-qemu")
+	if lf.qmp, err = fileConn(os.NewFile(uintptr(pair[0]), "qmp")); err != nil {
+		return nil, err
+	}
+	if lf.kernel, err = os.Open(s.cfg.KernelPath); err != nil {
+		return nil, err
+	}
+	if lf.initrd, err = os.Open(imgPath); err != nil {
+		return nil, err
+	}
+	mfd, err := unix.MemfdCreate("space-agent-env", unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, err
+	}
+	lf.env = os.NewFile(uintptr(mfd), "agent-env")
+	if len(env) == 0 {
+		env = []byte("\n") // fw_cfg refuses an empty file
+	}
+	if _, err := lf.env.Write(env); err != nil {
+		return nil, err
+	}
+	if _, err := lf.env.Seek(0, 0); err != nil {
+		return nil, err
+	}
+	return lf, nil
+}
+
+// fileConn turns f (a connected Unix socket) into a *net.UnixConn; f is
+// closed (the conn has its own descriptor).
+func fileConn(f *os.File) (*net.UnixConn, error) {
+	c, err := net.FileConn(f)
+	f.Close()
+	if err != nil {
+		return nil, err
+	}
+	uc, ok := c.(*net.UnixConn)
+	if !ok {
+		c.Close()
+		return nil, errors.New("microvm: qmp: not a unix socket")
+	}
+	return uc, nil
+}
