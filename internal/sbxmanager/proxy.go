@@ -136,18 +136,7 @@ func pausedError(w http.ResponseWriter, sandbox string) {
 // the request was not retried on another connection. Its class is
 // errdefs.ErrUnavailable; its text (quoted in the 503 a request gets) is
 // its own.
-var ErrBridgeConnLost error = &classedError{class: errdefs.ErrUnavailable, msg: "bridge connection lost; not retried"}
-
-// classedError is an error of an errdefs class whose text does not repeat
-// the class's name.
-type classedError struct {
-	class error
-	msg   string
-}
-
-func (e *classedError) Error() string { return e.msg }
-
-func (e *classedError) Unwrap() error { return e.class }
+var ErrBridgeConnLost = errdefs.Message(errdefs.ErrUnavailable, "bridge connection lost; not retried")
 
 // newBridgeTransport returns the HTTP transport to one spaced-host: every
 // new connection is verified by verify before use, and the RoundTripper to

@@ -24,13 +24,7 @@ const DefaultK = 2
 
 // ErrNoCapacity is returned when no live worker has free capacity. It is an
 // errdefs.ErrUnavailable: a later try may find room.
-var ErrNoCapacity error = noCapacityError{}
-
-// noCapacityError keeps ErrNoCapacity's text while classing it.
-type noCapacityError struct{}
-
-func (noCapacityError) Error() string { return "no worker with free capacity" }
-func (noCapacityError) Unwrap() error { return errdefs.ErrUnavailable }
+var ErrNoCapacity = errdefs.Message(errdefs.ErrUnavailable, "no worker with free capacity")
 
 // Scheduler picks workers. It is safe for concurrent use.
 type Scheduler struct {

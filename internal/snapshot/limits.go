@@ -75,26 +75,16 @@ func (f *FreeSpace) defaults() {
 	}
 }
 
-// sentinel is an error class of this package that also belongs to an
-// errdefs class.
-type sentinel struct {
-	msg   string
-	class error
-}
-
-func (s *sentinel) Error() string { return s.msg }
-func (s *sentinel) Unwrap() error { return s.class }
-
 var (
 	// ErrOverLimit is matched (errors.Is) by an archive or restore that
 	// would exceed its Limits. It is an errdefs.ErrInvalid: retrying the
 	// same snapshot cannot succeed.
-	ErrOverLimit error = &sentinel{"snapshot too large", errdefs.ErrInvalid}
+	ErrOverLimit = errdefs.Message(errdefs.ErrInvalid, "snapshot too large")
 	// ErrNoSpace is matched by an archive or restore refused because its
 	// destination file system would drop below its free-space reserve. It
 	// is an errdefs.ErrUnavailable: another worker or a later try may
 	// have room.
-	ErrNoSpace error = &sentinel{"not enough free space", errdefs.ErrUnavailable}
+	ErrNoSpace = errdefs.Message(errdefs.ErrUnavailable, "not enough free space")
 )
 
 // spaceGuard checks one file system's free space for a stream of writes.

@@ -36,13 +36,7 @@ import (
 // write, and ErrClosed once the store is closed.
 
 // ErrClosed: the store was closed. It is an errdefs.ErrUnavailable.
-var ErrClosed error = closedError{}
-
-// closedError keeps ErrClosed's text while classing it.
-type closedError struct{}
-
-func (closedError) Error() string { return "store closed" }
-func (closedError) Unwrap() error { return errdefs.ErrUnavailable }
+var ErrClosed = errdefs.Message(errdefs.ErrUnavailable, "store closed")
 
 // Key layout.
 const (

@@ -15,17 +15,7 @@ import (
 
 // ErrClosed is returned by Do after Close. Its class is
 // errdefs.ErrUnavailable; its text is its own.
-var ErrClosed error = &classedError{class: errdefs.ErrUnavailable, msg: "substrate closed"}
-
-// classedError is an error of an errdefs class whose text does not repeat
-// the class's name.
-type classedError struct {
-	class error
-	msg   string
-}
-
-func (e *classedError) Error() string { return e.msg }
-func (e *classedError) Unwrap() error { return e.class }
+var ErrClosed = errdefs.Message(errdefs.ErrUnavailable, "substrate closed")
 
 // Spawner owns the thread. The zero value is ready; the thread starts with
 // the first Do.
