@@ -33,15 +33,15 @@ func vmPlatform(t *testing.T) *lcPlat {
 		t.Skip("microvm: qemu-system-x86_64 not installed (make vm-deps installs it)")
 	}
 	lp := startPlatform(t, 2)
-	if lp.vm == nil {
+	if lp.host.VM() == nil {
 		t.Skip("microvm: no substrate (no guest kernel in .cache/vm/kernel: run make vm-deps)")
 	}
-	if why := lp.vm.Unavailable(); why != "" {
+	if why := lp.host.VM().Unavailable(); why != "" {
 		// TCG works wherever QEMU does: a probe that boots nothing is a
 		// failure, not a reason to skip.
 		t.Fatalf("microvm: %s", why)
 	}
-	t.Logf("microvm accelerator: %s (probe: %v)", lp.VMAccel(), lp.vm.Probes())
+	t.Logf("microvm accelerator: %s (probe: %v)", lp.VMAccel(), lp.host.VM().Probes())
 	// Operators see each worker's accelerator.
 	var ws []spacev1.Worker
 	if r := lp.api(t, http.MethodGet, "/space/v1/workers", nil); r.status != http.StatusOK || json.Unmarshal(r.body, &ws) != nil {
