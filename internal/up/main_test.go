@@ -17,6 +17,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // Limits every sandbox of the test platform gets: small enough that the
@@ -41,8 +42,7 @@ func TestMain(m *testing.M) {
 }
 
 func testMain(m *testing.M) int {
-	if os.Geteuid() != 0 {
-		fmt.Println("skipping: internal/up integration tests need root (namespaces, cgroups, mounts, embedded etcd)")
+	if !testenv.RequireMainRoot("internal/up", "the platform suite: namespaces, cgroups, mounts, embedded etcd") {
 		return 0
 	}
 	tmp, err := os.MkdirTemp("", "space-up-test-")
