@@ -108,7 +108,13 @@ func StartPlatform(t testing.TB, o PlatformOptions) *Platform {
 // the unit tier (-short).
 func RequirePlatform(t testing.TB) {
 	t.Helper()
-	RequireRoot(t, "space up runs namespaces, cgroups, mounts and embedded etcd")
+	const why = "space up runs namespaces, cgroups, mounts and embedded etcd"
+	if Short() {
+		Skipf(t, "platform tier, skipped by -short: %s", why)
+	}
+	if !IsRoot() {
+		Skipf(t, "platform tier, needs root: %s", why)
+	}
 }
 
 // LaunchPlatform starts `space up` from BinDir's binaries and waits for
