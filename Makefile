@@ -66,7 +66,7 @@ test: build e2e-deps
 	set -o pipefail; SPACE_BIN_DIR=$(BIN) $(GO) test $(GOTESTFLAGS) -json ./... | $(NOTRUN)
 
 ## test-unit: the inner loop: the unit tier only (go test -short; no root,
-## no built binaries, no platform), as any user, in a minute or two. Ends
+## no built binaries, no platform), as any user. Ends
 ## with the list of what did not run.
 test-unit:
 	set -o pipefail; $(GO) test -short $(GOTESTUNITFLAGS) -json ./... | $(NOTRUN)

@@ -110,10 +110,10 @@ func RequirePlatform(t testing.TB) {
 	t.Helper()
 	const why = "space up runs namespaces, cgroups, mounts and embedded etcd"
 	if Short() {
-		Skipf(t, "platform tier, skipped by -short: %s", why)
+		Skipf(t, "platform tier, skipped by -short; needs root and the binaries: %s", why)
 	}
 	if !IsRoot() {
-		Skipf(t, "platform tier, needs root: %s", why)
+		Skipf(t, "platform tier; needs root: %s", why)
 	}
 }
 

@@ -51,7 +51,7 @@ func Skipf(t testing.TB, format string, args ...any) {
 func RequireRoot(t testing.TB, why string) {
 	t.Helper()
 	if Short() {
-		Skipf(t, "root tier, skipped by -short: %s", why)
+		Skipf(t, "root tier, skipped by -short; needs root: %s", why)
 	}
 	if !IsRoot() {
 		Skipf(t, "needs root: %s", why)
@@ -83,7 +83,7 @@ func KVM() (ok bool, reason string) {
 func RequireKVM(t testing.TB) {
 	t.Helper()
 	if Short() {
-		Skipf(t, "kvm tier, skipped by -short")
+		Skipf(t, "kvm tier, skipped by -short; needs KVM")
 	}
 	if ok, why := KVM(); !ok {
 		Skipf(t, "needs KVM: %s", why)
@@ -96,7 +96,7 @@ func RequireKVM(t testing.TB) {
 func RequireMainRoot(pkg, why string) bool {
 	switch {
 	case Short():
-		fmt.Printf("%s: %s (the whole package is root tier, skipped by -short: %s)\n", SkipPrefix, pkg, why)
+		fmt.Printf("%s: %s (the whole package is root tier, skipped by -short; needs root: %s)\n", SkipPrefix, pkg, why)
 		return false
 	case !IsRoot():
 		fmt.Printf("%s: %s (the whole package needs root: %s)\n", SkipPrefix, pkg, why)
