@@ -42,7 +42,7 @@ func TestMain(m *testing.M) {
 }
 
 func testMain(m *testing.M) int {
-	if !testenv.RequireMainRoot("internal/up", "the platform tier: namespaces, cgroups, mounts, embedded etcd") {
+	if !testenv.RequireMainRoot("internal/up", "the platform suite: namespaces, cgroups, mounts, embedded etcd") {
 		return 0
 	}
 	tmp, err := os.MkdirTemp("", "space-up-test-")

@@ -1,6 +1,6 @@
 // Package up runs a whole single-machine SPACE in one process: embedded etcd,
-// the control plane, N workers (node-api + sbx-manager over the ns
-// substrate, each launching spaced-host bridges) and the edge. It is what
+// the control plane, N workers (built by package node, sharing one set of
+// substrates, each launching spaced-host bridges) and the edge. It is what
 // `space up` and the integration and end-to-end tests start.
 package up
 
@@ -78,7 +78,9 @@ type Config struct {
 	DefaultLimits spacev1.Limits
 	// UnsafeSkipIdentityChecks is the baseline of the on/off benchmark only.
 	UnsafeSkipIdentityChecks bool
-	Logger                   *slog.Logger
+	// Logger defaults to slog.Default(); `space up` builds it with
+	// package logsetup.
+	Logger *slog.Logger
 }
 
 // Defaults of Config's fields.
@@ -87,8 +89,10 @@ const (
 	DefaultEdgeAddr = "127.0.0.1:3001"
 	DefaultDataDir  = ".data"
 	DefaultDomain   = "localhost"
-	maxWorkers      = 64
 )
+
+// maxWorkers bounds Config.Workers.
+const maxWorkers = 64
 
 // withDefaults returns c with the documented defaults in its zero fields.
 // DataDir is made absolute (the workers' and substrates' paths derive
