@@ -7,6 +7,8 @@ BIN        := $(CURDIR)/bin
 export GOFLAGS := -buildvcs=false
 GOTESTFLAGS ?= -race -count=1 -timeout 25m
 GOTESTUNITFLAGS ?= -count=1 -timeout 10m
+# PKGS narrows make test / make test-unit, e.g. PKGS=./internal/edge/...
+PKGS ?= ./...
 # Every go test run is read through the reporter: it prints what plain go
 # test prints, then the list of tests and packages that did not run (see
 # docs/TESTING.md), and keeps go test's verdict.
@@ -63,13 +65,13 @@ $(VM_KERNEL_DIR)/.done:
 ## Ends with the list of what did not run (docs/TESTING.md).
 test: build e2e-deps
 	@[ "$$(id -u)" = 0 ] || echo 'make test: not root: the root and platform tiers will not run (see the NOT RUN list at the end)'
-	set -o pipefail; SPACE_BIN_DIR=$(BIN) $(GO) test $(GOTESTFLAGS) -json ./... | $(NOTRUN)
+	set -o pipefail; SPACE_BIN_DIR=$(BIN) $(GO) test $(GOTESTFLAGS) -json $(PKGS) | $(NOTRUN)
 
 ## test-unit: the inner loop: the unit tier only (go test -short; no root,
 ## no built binaries, no platform), as any user. Ends
 ## with the list of what did not run.
 test-unit:
-	set -o pipefail; $(GO) test -short $(GOTESTUNITFLAGS) -json ./... | $(NOTRUN)
+	set -o pipefail; $(GO) test -short $(GOTESTUNITFLAGS) -json $(PKGS) | $(NOTRUN)
 
 ## bench: benchmarks, each figure beside its baseline from the same run
 bench: build
