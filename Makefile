@@ -6,11 +6,18 @@ GO         ?= go
 BIN        := $(CURDIR)/bin
 export GOFLAGS := -buildvcs=false
 GOTESTFLAGS ?= -race -count=1 -timeout 25m
+GOTESTUNITFLAGS ?= -count=1 -timeout 10m
+# PKGS narrows make test / make test-unit, e.g. PKGS=./internal/edge/...
+PKGS ?= ./...
+# Every go test run is read through the reporter: it prints what plain go
+# test prints, then the list of tests and packages that did not run (see
+# docs/TESTING.md), and keeps go test's verdict.
+NOTRUN := $(GO) run ./internal/testenv/notrun
 STATICCHECK_VERSION ?= v0.8.2
 
 CMDS := space space-api space-edge space-node spaced-host netgtw space-nsinit
 
-.PHONY: all build run test bench density check fuzz e2e-deps deps vm-deps sandbox-deps clean churn
+.PHONY: all build run test test-unit bench density check fuzz e2e-deps deps vm-deps sandbox-deps clean churn
 
 all: build
 
@@ -53,9 +60,18 @@ vm-deps: $(VM_KERNEL_DIR)/.done
 $(VM_KERNEL_DIR)/.done:
 	@scripts/vm-kernel.sh "$(VM_KERNEL_DIR)" "$(VM_KERNEL_META)"
 
-## test: the whole suite: unit, integration (root, namespaces, etcd) and end to end (e2b SDK)
+## test: the whole suite, every tier: unit, root, platform (space up, the
+## hostile suite, end to end with the e2b SDK) and kvm; run it as root.
+## Ends with the list of what did not run (docs/TESTING.md).
 test: build e2e-deps
-	SPACE_BIN_DIR=$(BIN) $(GO) test $(GOTESTFLAGS) ./...
+	@[ "$$(id -u)" = 0 ] || echo 'make test: not root: the root and platform tiers will not run (see the NOT RUN list at the end)'
+	set -o pipefail; SPACE_BIN_DIR=$(BIN) $(GO) test $(GOTESTFLAGS) -json $(PKGS) | $(NOTRUN)
+
+## test-unit: the inner loop: the unit tier only (go test -short; no root,
+## no built binaries, no platform), as any user. Ends
+## with the list of what did not run.
+test-unit:
+	set -o pipefail; $(GO) test -short $(GOTESTUNITFLAGS) -json $(PKGS) | $(NOTRUN)
 
 ## bench: benchmarks, each figure beside its baseline from the same run
 bench: build

@@ -13,6 +13,7 @@ import (
 	"syscall"
 
 	"github.com/spacesbx/space/internal/controlplane"
+	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -23,17 +24,22 @@ func main() {
 	apiKey := flag.String("api-key", os.Getenv("SPACE_API_KEY"), "bootstrap API key e2b_<40 hex> (env SPACE_API_KEY; generated if empty)")
 	edgeKey := flag.String("edge-key", os.Getenv("SPACE_EDGE_KEY"), "space-edge service key (env SPACE_EDGE_KEY)")
 	domain := flag.String("domain", controlplane.DefaultDomain, "domain reported to E2B clients")
+	logOpts := logsetup.Flags(flag.CommandLine, logsetup.Options{Format: os.Getenv(logsetup.EnvFormat), Level: os.Getenv(logsetup.EnvLevel)})
 	flag.Parse()
-	if err := run(*addr, *dataDir, *etcd, *apiKey, *edgeKey, *domain); err != nil {
+	log, err := logsetup.New(os.Stderr, *logOpts)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "space-api:", err)
+		os.Exit(2)
+	}
+	if err := run(log, *addr, *dataDir, *etcd, *apiKey, *edgeKey, *domain); err != nil {
 		fmt.Fprintln(os.Stderr, "space-api:", err)
 		os.Exit(1)
 	}
 }
 
-func run(addr, dataDir, etcd, apiKey, edgeKey, domain string) error {
+func run(log *slog.Logger, addr, dataDir, etcd, apiKey, edgeKey, domain string) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	scfg := store.Config{DataDir: filepath.Join(dataDir, "store"), Logger: log}
 	if etcd != "" {
 		scfg.Endpoints = strings.Split(etcd, ",")

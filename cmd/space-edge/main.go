@@ -5,12 +5,12 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
 
 	"github.com/spacesbx/space/internal/edge"
+	"github.com/spacesbx/space/internal/logsetup"
 )
 
 func main() {
@@ -19,9 +19,14 @@ func main() {
 	cp := fs.String("control-plane", os.Getenv("SPACE_API_URL"), "control plane base URL (env SPACE_API_URL)")
 	domain := fs.String("domain", envOr("SPACE_DOMAIN", edge.DefaultDomain), "public sandbox domain for <port>-<sandbox>.<domain> hosts")
 	maxBody := fs.Int64("max-buffered-body", edge.DefaultMaxBufferedBody, "largest request body held for a rebuilt attempt (bytes)")
+	logOpts := logsetup.Flags(fs, logsetup.Options{Format: os.Getenv(logsetup.EnvFormat), Level: os.Getenv(logsetup.EnvLevel)})
 	_ = fs.Parse(os.Args[1:])
 
-	log := slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	log, err := logsetup.New(os.Stderr, *logOpts)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "space-edge:", err)
+		os.Exit(2)
+	}
 	// The edge key is read from the environment only, never from flags
 	// (visible in process listings).
 	e, err := edge.New(edge.Config{

@@ -1,22 +1,95 @@
 // Command space-node runs one SPACE worker: node-api and sbx-manager over the
-// namespace substrate, registered with the control plane through etcd.
+// namespace substrate (and microvm with --vm-kernel-dir), registered with
+// the control plane through etcd. Package node builds the worker, the same
+// way `space up` builds each of its own.
 package main
 
 import (
 	"context"
+	"flag"
+	"fmt"
+	"io"
 	"os"
 	"os/signal"
+	"path/filepath"
+	"strings"
 	"syscall"
 
+	"github.com/spacesbx/space/internal/logsetup"
+	"github.com/spacesbx/space/internal/node"
+	"github.com/spacesbx/space/internal/store"
 	"github.com/spacesbx/space/internal/substrate/ns"
-	"github.com/spacesbx/space/internal/up"
+	"github.com/spacesbx/space/internal/worker"
 )
 
 func main() {
 	ns.MaybeInit() // the sandbox init re-exec; never returns in that role
-	up.SealInheritedFDs()
+	node.SealInheritedFDs()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := up.RunNode(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	code := run(ctx, os.Args[1:], os.Getenv, os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
+}
+
+func run(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("space-node", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	id := fs.String("id", "", "worker id (required)")
+	addr := fs.String("addr", "127.0.0.1:0", "node-api listen address")
+	dataDir := fs.String("data-dir", "", "worker state directory (required)")
+	etcd := fs.String("etcd-endpoints", "", "comma-separated etcd endpoints of the control plane (required)")
+	binDir := fs.String("bin-dir", "", "directory of spaced-host and spaced-guest (default: next to this binary)")
+	snapDir := fs.String("snapshot-dir", "", "snapshot store shared by all workers (required for resume on another worker)")
+	vmKernel := fs.String("vm-kernel-dir", "", "microvm guest kernel dir with vmlinuz and modules/ (make vm-deps); empty: ns only")
+	capacity := fs.Int("capacity", node.DefaultCapacity, "sandboxes the scheduler may place on this worker (each idle ns sandbox holds about 13 host tasks against kernel.pid_max; a warning says when the host cannot hold them)")
+	noUserNS := fs.Bool("no-user-namespaces", false, "run ns sandboxes without user namespaces (root in a sandbox is then host root for uid checks)")
+	noQuota := fs.Bool("no-disk-quota", false, "keep ns sandboxes' writable layers in plain directories (no per-sandbox disk quota)")
+	vmAccel := fs.String("vm-accel", "", "force the microvm accelerator, kvm or tcg (default: probe kvm, then tcg)")
+	logOpts := logsetup.Flags(fs, logsetup.Options{Format: getenv(logsetup.EnvFormat), Level: getenv(logsetup.EnvLevel)})
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *id == "" || *dataDir == "" || *etcd == "" || *snapDir == "" {
+		fmt.Fprintln(stderr, "space-node: --id, --data-dir, --etcd-endpoints and --snapshot-dir are required")
+		return 2
+	}
+	if *capacity <= 0 {
+		fmt.Fprintln(stderr, "space-node: --capacity must be positive")
+		return 2
+	}
+	log, err := logsetup.New(stderr, *logOpts)
+	if err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 2
+	}
+	if short := worker.PidBudget(*capacity); short != "" {
+		log.Warn("host task limits below capacity: sandboxes past them fail to start", "capacity", *capacity, "limits", short)
+	}
+	st, err := store.Open(ctx, store.Config{Endpoints: strings.Split(*etcd, ","), Logger: log})
+	if err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 1
+	}
+	defer st.Close()
+	host, err := node.Open(node.Config{
+		DataDir: *dataDir, SnapshotDir: *snapDir, BinDir: *binDir, Capacity: *capacity,
+		VMKernelDir: *vmKernel, VMRequired: true, VMAccel: *vmAccel,
+		NSNoUserNamespaces: *noUserNS, NSNoDiskQuota: *noQuota, Logger: log,
+	})
+	if err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 1
+	}
+	defer host.Close()
+	w, err := host.NewWorker(node.WorkerConfig{ID: *id, Addr: *addr, StateDir: filepath.Join(*dataDir, "worker")}, node.WorkerDeps{Store: st})
+	if err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "space-node %s: node-api %s\n", *id, w.URL())
+	if err := w.Run(ctx); err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 1
+	}
+	return 0
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 func TestMain(m *testing.M) {
@@ -149,10 +150,8 @@ func BenchmarkCapabilityVerifyCached(b *testing.B) {
 // It needs root and the built binaries: SPACE_BIN_DIR=$PWD/bin go test
 // -run '^$' -bench FileRead ./internal/bench
 func BenchmarkFileRead4KiB(b *testing.B) {
-	binDir := os.Getenv("SPACE_BIN_DIR")
-	if os.Geteuid() != 0 || binDir == "" {
-		b.Skip("needs root and SPACE_BIN_DIR (make build)")
-	}
+	testenv.RequirePlatform(b)
+	binDir := testenv.RequireBinDir(b)
 	for _, side := range []struct {
 		name string
 		skip bool

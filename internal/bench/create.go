@@ -15,9 +15,9 @@ import (
 
 	"github.com/spacesbx/space/internal/guest"
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/substrate/ns"
-	"github.com/spacesbx/space/internal/up"
 	"github.com/spacesbx/space/sdk"
 )
 
@@ -77,8 +77,8 @@ type RawSubstrate struct {
 // NewRawSubstrate returns a substrate with its state under dir. Its
 // cgroups live under "space-bench" so they never mix with a platform's.
 func NewRawSubstrate(dir, binDir string, log *slog.Logger) (*RawSubstrate, error) {
-	// The same init binary as the platforms' workers (up.NSInitPath).
-	sub, err := ns.New(ns.Config{StateDir: filepath.Join(dir, "state"), CgroupParent: "space-bench", InitPath: up.NSInitPath(binDir), Logger: log})
+	// The same init binary as the platforms' workers (node.NSInitPath).
+	sub, err := ns.New(ns.Config{StateDir: filepath.Join(dir, "state"), CgroupParent: "space-bench", InitPath: node.NSInitPath(binDir), Logger: log})
 	if err != nil {
 		return nil, err
 	}

@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/substrate/ns"
 	"github.com/spacesbx/space/internal/up"
@@ -103,7 +104,7 @@ func MeasureIsolation(ctx context.Context, root, binDir string, log *slog.Logger
 	}()
 	for m := range isoModes {
 		cfg := ns.Config{StateDir: filepath.Join(root, fmt.Sprintf("iso%d", m), "state"), CgroupParent: "space-bench",
-			InitPath: up.NSInitPath(binDir), Logger: log,
+			InitPath: node.NSInitPath(binDir), Logger: log,
 			NoUserNamespaces: m != IsoAll, NoDiskQuota: m == IsoNone}
 		sub, err := ns.New(cfg)
 		if err != nil {

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/up"
 	"github.com/spacesbx/space/sdk"
 )
@@ -161,7 +162,8 @@ func MeasureRead(ctx context.Context, on, off *Platform, warmup, rounds, perRoun
 
 // discardLogger drops everything below Error.
 func discardLogger(w io.Writer) *slog.Logger {
-	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: slog.LevelError}))
+	log, _ := logsetup.New(w, logsetup.Options{Level: "error"}) // valid options: no error
+	return log
 }
 
 func platformDir(root, name string) string { return filepath.Join(root, name) }

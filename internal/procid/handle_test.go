@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spacesbx/space/internal/testenv"
 	"golang.org/x/sys/unix"
 )
 
@@ -165,9 +166,7 @@ func pidnsReuse() int {
 // and started within the same clock tick; the pid + start time fallback
 // rejects it whenever the start times differ.
 func TestReusedPIDIsRejected(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for a pid namespace")
-	}
+	testenv.RequireRoot(t, "a pid namespace")
 	cmd := exec.Command("/proc/self/exe", "-test.run=^$")
 	cmd.Env = append(os.Environ(), "PROCID_PIDNS=1")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS}

@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/spacesbx/space/internal/testenv"
 	"golang.org/x/sys/unix"
 )
 
@@ -222,9 +223,7 @@ func TestEncodeRequest(t *testing.T) {
 // A listener in another network namespace (as a sandbox's) is invisible to
 // a sock_diag socket of ours and found by one opened in its namespace.
 func TestSockDiagOtherNetns(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root")
-	}
+	testenv.RequireRoot(t, "a network namespace")
 	sock := filepath.Join(t.TempDir(), "s")
 	cmd := exec.Command("/proc/self/exe", "-test.run=^$")
 	cmd.Env = append(os.Environ(), "PROCID_LISTEN="+sock)

@@ -22,13 +22,12 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 func needRoot(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root (owners, whiteouts, trusted xattrs)")
-	}
+	testenv.RequireRoot(t, "owners, whiteouts, trusted xattrs")
 }
 
 func must(t *testing.T, err error) {
@@ -199,7 +198,7 @@ func TestOverlayRoundTrip(t *testing.T) {
 		t.Helper()
 		opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", d("lower"), d(upper), d(work))
 		if err := unix.Mount("overlay", d(merged), "overlay", 0, opts); err != nil {
-			t.Skipf("overlay mount: %v", err)
+			testenv.Skipf(t, "overlay mount: %v", err)
 		}
 	}
 	mount("upper", "work", "merged")
@@ -349,9 +348,7 @@ func TestRestoreRejectsHostileArchives(t *testing.T) {
 
 // FuzzRestore: no input makes Restore write outside its target or panic.
 func FuzzRestore(f *testing.F) {
-	if os.Geteuid() != 0 {
-		f.Skip("needs root")
-	}
+	testenv.RequireRoot(f, "owners, whiteouts, trusted xattrs")
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
 	tw.WriteHeader(&tar.Header{Name: "d/", Typeflag: tar.TypeDir, Mode: 0o755})

@@ -60,9 +60,8 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/controlplane"
-	"github.com/spacesbx/space/internal/guest"
+	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/sbxmanager"
-	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
 	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/worker"
@@ -383,18 +382,10 @@ const extraID = "w4"
 // anything is served) without running it.
 func (lp *lcPlat) newExtraWorker(t *testing.T, np *nodeProxy, stateDir string) *extraWorker {
 	t.Helper()
-	snaps, err := snapshot.NewLocal(lp.cfg.SnapshotDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	gate := &gatedWatch{inner: sandboxWatch{lp.st}, open: make(chan struct{})}
-	w, err := worker.New(worker.Config{
-		ID: extraID, StateDir: stateDir, Logger: lp.cfg.Logger,
-		Manager: sbxmanager.Config{
-			SpacedHostPath: filepath.Join(lp.cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(lp.cfg.BinDir, "spaced-guest"),
-			EnvdVersion: guest.EnvdVersion, DefaultLimits: lp.cfg.DefaultLimits,
-		},
-	}, worker.Deps{Substrates: []substrate.Substrate{lp.sub}, Registrar: proxyRegistrar{lp.st, np.srv.URL}, Bundles: lp.st, Sandboxes: gate, Snapshots: snaps})
+	gate := &gatedWatch{inner: node.SandboxWatch(lp.st), open: make(chan struct{})}
+	// ns only, as w4 always ran: the host's microvm substrate stays with the platform's workers.
+	w, err := lp.host.NewWorker(node.WorkerConfig{ID: extraID, StateDir: stateDir},
+		node.WorkerDeps{Store: lp.st, Registrar: proxyRegistrar{lp.st, np.srv.URL}, Sandboxes: gate, Substrates: []substrate.Substrate{lp.host.NS()}})
 	if err != nil {
 		t.Fatalf("worker %s: %v", extraID, err)
 	}

@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // Limits every sandbox of the test platform gets: small enough that the
@@ -41,8 +41,7 @@ func TestMain(m *testing.M) {
 }
 
 func testMain(m *testing.M) int {
-	if os.Geteuid() != 0 {
-		fmt.Println("skipping: internal/up integration tests need root (namespaces, cgroups, mounts, embedded etcd)")
+	if !testenv.RequireMainRoot("internal/up", "the platform suite: namespaces, cgroups, mounts, embedded etcd") {
 		return 0
 	}
 	tmp, err := os.MkdirTemp("", "space-up-test-")
@@ -52,11 +51,12 @@ func testMain(m *testing.M) int {
 	}
 	defer os.RemoveAll(tmp)
 
-	bin, err := binaries(tmp)
+	bin, cleanup, err := testenv.BinDir() // $SPACE_BIN_DIR (make test) or a fresh build
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
+	defer cleanup()
 	logPath := filepath.Join(tmp, "platform.log")
 	logf, err := os.Create(logPath)
 	if err != nil {
@@ -101,33 +101,6 @@ func testMain(m *testing.M) int {
 		return 1
 	}
 	return 0
-}
-
-// binaries returns the directory holding spaced-host and spaced-guest:
-// $SPACE_BIN_DIR (set by make test) or a fresh build into dir.
-func binaries(dir string) (string, error) {
-	if d := os.Getenv("SPACE_BIN_DIR"); d != "" {
-		return d, nil
-	}
-	bin := filepath.Join(dir, "bin")
-	for _, b := range []struct {
-		name, pkg string
-		static    bool
-	}{
-		{"spaced-host", "github.com/spacesbx/space/cmd/spaced-host", false},
-		{"spaced-guest", "github.com/spacesbx/space/cmd/spaced-guest", true},
-		{"netgtw", "github.com/spacesbx/space/cmd/netgtw", false},
-	} {
-		cmd := exec.Command("go", "build", "-o", filepath.Join(bin, b.name), b.pkg)
-		cmd.Env = os.Environ()
-		if b.static {
-			cmd.Env = append(cmd.Env, "CGO_ENABLED=0")
-		}
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return "", fmt.Errorf("build %s: %v\n%s", b.name, err, out)
-		}
-	}
-	return bin, nil
 }
 
 // dumpLog prints the tail of the platform log (on failure only).

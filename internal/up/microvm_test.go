@@ -22,6 +22,7 @@ import (
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/testenv"
 	"github.com/spacesbx/space/sdk"
 )
 
@@ -30,18 +31,18 @@ import (
 func vmPlatform(t *testing.T) *lcPlat {
 	t.Helper()
 	if _, err := os.Stat("/usr/bin/qemu-system-x86_64"); err != nil {
-		t.Skip("microvm: qemu-system-x86_64 not installed (make vm-deps installs it)")
+		testenv.Skipf(t, "microvm: qemu-system-x86_64 not installed (make vm-deps installs it)")
 	}
 	lp := startPlatform(t, 2)
-	if lp.vm == nil {
-		t.Skip("microvm: no substrate (no guest kernel in .cache/vm/kernel: run make vm-deps)")
+	if lp.host.VM() == nil {
+		testenv.Skipf(t, "microvm: no substrate (no guest kernel in .cache/vm/kernel: run make vm-deps)")
 	}
-	if why := lp.vm.Unavailable(); why != "" {
+	if why := lp.host.VM().Unavailable(); why != "" {
 		// TCG works wherever QEMU does: a probe that boots nothing is a
 		// failure, not a reason to skip.
 		t.Fatalf("microvm: %s", why)
 	}
-	t.Logf("microvm accelerator: %s (probe: %v)", lp.VMAccel(), lp.vm.Probes())
+	t.Logf("microvm accelerator: %s (probe: %v)", lp.VMAccel(), lp.host.VM().Probes())
 	// Operators see each worker's accelerator.
 	var ws []spacev1.Worker
 	if r := lp.api(t, http.MethodGet, "/space/v1/workers", nil); r.status != http.StatusOK || json.Unmarshal(r.body, &ws) != nil {

@@ -5,42 +5,45 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"strings"
+
+	"github.com/spacesbx/space/internal/logsetup"
+	"github.com/spacesbx/space/internal/node"
 )
 
 // Run is `space up`: it parses args, starts the platform, prints how to
-// reach it and serves until ctx ends. getenv supplies SPACE_API_KEY.
+// reach it and serves until ctx ends. getenv supplies SPACE_API_KEY and
+// the log defaults (logsetup.EnvFormat, logsetup.EnvLevel).
 func Run(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("space up", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	cfg := Config{VMPrewarm: true}
-	fs.StringVar(&cfg.APIAddr, "api-addr", "127.0.0.1:3000", "control plane listen address")
-	fs.StringVar(&cfg.EdgeAddr, "edge-addr", "127.0.0.1:3001", "edge (sandbox traffic) listen address")
-	fs.StringVar(&cfg.DataDir, "data-dir", ".data", "state directory (etcd, keys, workers)")
+	fs.StringVar(&cfg.APIAddr, "api-addr", DefaultAPIAddr, "control plane listen address")
+	fs.StringVar(&cfg.EdgeAddr, "edge-addr", DefaultEdgeAddr, "edge (sandbox traffic) listen address")
+	fs.StringVar(&cfg.DataDir, "data-dir", DefaultDataDir, "state directory (etcd, keys, workers)")
 	fs.IntVar(&cfg.Workers, "workers", 1, "number of workers")
-	fs.IntVar(&cfg.Capacity, "capacity", 100, "sandboxes per worker the scheduler may place (each idle ns sandbox holds about 13 host tasks against kernel.pid_max; a warning says when the host cannot hold them)")
+	fs.IntVar(&cfg.Capacity, "capacity", node.DefaultCapacity, "sandboxes per worker the scheduler may place (each idle ns sandbox holds about 13 host tasks against kernel.pid_max; a warning says when the host cannot hold them)")
 	fs.StringVar(&cfg.APIKey, "api-key", getenv("SPACE_API_KEY"), "bootstrap API key e2b_<40 hex> (default $SPACE_API_KEY, else generated)")
 	fs.StringVar(&cfg.BinDir, "bin-dir", "", "directory of spaced-host and spaced-guest (default: next to this binary)")
 	fs.StringVar(&cfg.VMKernelDir, "vm-kernel-dir", "", "microvm guest kernel dir with vmlinuz and modules/ (default: .cache/vm/kernel of the checkout the binaries were built in; none: ns only)")
 	fs.StringVar(&cfg.VMAccel, "vm-accel", "", "force the microvm accelerator, kvm or tcg (default: boot a probe guest under kvm, then tcg, and use the first that works)")
-	fs.StringVar(&cfg.Domain, "domain", "localhost", "public sandbox domain for <port>-<id>.<domain>")
+	fs.StringVar(&cfg.Domain, "domain", DefaultDomain, "public sandbox domain for <port>-<id>.<domain>")
 	fs.BoolVar(&cfg.NSNoUserNamespaces, "no-user-namespaces", false, "run ns sandboxes without user namespaces (root in a sandbox is then host root for uid checks)")
 	fs.BoolVar(&cfg.NSNoDiskQuota, "no-disk-quota", false, "keep ns sandboxes' writable layers in plain directories (no per-sandbox disk quota)")
 	etcd := fs.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
-	level := fs.String("log-level", "info", "debug, info, warn or error")
+	logOpts := logsetup.Flags(fs, logsetup.Options{Format: getenv(logsetup.EnvFormat), Level: getenv(logsetup.EnvLevel)})
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
 	if *etcd != "" {
 		cfg.EtcdEndpoints = strings.Split(*etcd, ",")
 	}
-	var lv slog.Level
-	if err := lv.UnmarshalText([]byte(*level)); err != nil {
-		fmt.Fprintf(stderr, "space up: --log-level: %v\n", err)
+	log, err := logsetup.New(stderr, *logOpts)
+	if err != nil {
+		fmt.Fprintf(stderr, "space up: %v\n", err)
 		return 2
 	}
-	cfg.Logger = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: lv}))
+	cfg.Logger = log
 	p, err := Start(ctx, cfg)
 	if err != nil {
 		fmt.Fprintf(stderr, "space up: %v\n", err)

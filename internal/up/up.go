@@ -1,6 +1,6 @@
 // Package up runs a whole single-machine SPACE in one process: embedded etcd,
-// the control plane, N workers (node-api + sbx-manager over the ns
-// substrate, each launching spaced-host bridges) and the edge. It is what
+// the control plane, N workers (built by package node, sharing one set of
+// substrates, each launching spaced-host bridges) and the edge. It is what
 // `space up` and the integration and end-to-end tests start.
 package up
 
@@ -10,7 +10,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -22,12 +21,8 @@ import (
 	"github.com/spacesbx/space/internal/controlplane"
 	"github.com/spacesbx/space/internal/edge"
 	"github.com/spacesbx/space/internal/guest"
-	"github.com/spacesbx/space/internal/sbxmanager"
-	"github.com/spacesbx/space/internal/snapshot"
+	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/store"
-	"github.com/spacesbx/space/internal/substrate"
-	"github.com/spacesbx/space/internal/substrate/microvm"
-	"github.com/spacesbx/space/internal/substrate/ns"
 	"github.com/spacesbx/space/internal/worker"
 )
 
@@ -83,60 +78,81 @@ type Config struct {
 	DefaultLimits spacev1.Limits
 	// UnsafeSkipIdentityChecks is the baseline of the on/off benchmark only.
 	UnsafeSkipIdentityChecks bool
-	Logger                   *slog.Logger
+	// Logger defaults to slog.Default(); `space up` builds it with
+	// package logsetup.
+	Logger *slog.Logger
 }
 
-// Validate checks cfg and fills defaults.
-func (c *Config) Validate() error {
+// Defaults of Config's fields.
+const (
+	DefaultAPIAddr  = "127.0.0.1:3000"
+	DefaultEdgeAddr = "127.0.0.1:3001"
+	DefaultDataDir  = ".data"
+	DefaultDomain   = "localhost"
+)
+
+// maxWorkers bounds Config.Workers.
+const maxWorkers = 64
+
+// withDefaults returns c with the documented defaults in its zero fields.
+// DataDir is made absolute (the workers' and substrates' paths derive
+// from it).
+func (c Config) withDefaults() Config {
 	if c.APIAddr == "" {
-		c.APIAddr = "127.0.0.1:3000"
+		c.APIAddr = DefaultAPIAddr
 	}
 	if c.EdgeAddr == "" {
-		c.EdgeAddr = "127.0.0.1:3001"
+		c.EdgeAddr = DefaultEdgeAddr
 	}
 	if c.DataDir == "" {
-		c.DataDir = ".data"
+		c.DataDir = DefaultDataDir
 	}
-	if c.Workers <= 0 {
+	if abs, err := filepath.Abs(c.DataDir); err == nil {
+		c.DataDir = abs
+	}
+	if c.Workers <= 0 { // a negative count has always meant the default
 		c.Workers = 1
 	}
-	if c.Workers > 64 {
-		return fmt.Errorf("up: at most 64 workers")
-	}
-	if c.Capacity < 0 {
-		return fmt.Errorf("up: capacity %d: want a positive number of sandboxes per worker", c.Capacity)
-	}
 	if c.Capacity == 0 {
-		c.Capacity = 100
+		c.Capacity = node.DefaultCapacity
 	}
 	if c.BinDir == "" {
-		exe, err := os.Executable()
-		if err != nil {
-			return fmt.Errorf("up: find binaries: %w", err)
-		}
-		c.BinDir = filepath.Dir(exe)
-	}
-	for _, b := range []string{"spaced-host", "spaced-guest"} {
-		if _, err := os.Stat(filepath.Join(c.BinDir, b)); err != nil {
-			return fmt.Errorf("up: %s not found in %s (run make build): %w", b, c.BinDir, err)
+		if exe, err := os.Executable(); err == nil {
+			c.BinDir = filepath.Dir(exe)
 		}
 	}
 	if c.Domain == "" {
-		c.Domain = "localhost"
+		c.Domain = DefaultDomain
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
-	var err error
-	if c.DataDir, err = filepath.Abs(c.DataDir); err != nil {
-		return fmt.Errorf("up: data dir: %w", err)
-	}
 	if c.SnapshotDir == "" {
 		c.SnapshotDir = filepath.Join(c.DataDir, "snapshots")
 	}
-	if c.VMKernelDir == "" {
+	if c.VMKernelDir == "" && c.BinDir != "" {
 		if d := filepath.Join(filepath.Dir(c.BinDir), ".cache", "vm", "kernel"); fileExists(filepath.Join(d, "vmlinuz")) {
 			c.VMKernelDir = d
+		}
+	}
+	return c
+}
+
+// Validate checks c (a zero field that has a default is valid) and that
+// BinDir holds the binaries every worker starts.
+func (c Config) Validate() error {
+	if c.Workers > maxWorkers {
+		return fmt.Errorf("up: at most %d workers", maxWorkers)
+	}
+	if c.Capacity < 0 {
+		return fmt.Errorf("up: capacity %d: want a positive number of sandboxes per worker", c.Capacity)
+	}
+	if c.BinDir == "" { // the default: beside the executable
+		return nil
+	}
+	for _, b := range []string{"spaced-host", "spaced-guest"} {
+		if _, err := os.Stat(filepath.Join(c.BinDir, b)); err != nil {
+			return fmt.Errorf("up: %s not found in %s (run make build): %w", b, c.BinDir, err)
 		}
 	}
 	return nil
@@ -152,8 +168,7 @@ type Platform struct {
 	cfg     Config
 	st      *store.Store
 	cp      *controlplane.Server
-	sub     *ns.Substrate
-	vm      *microvm.Substrate // nil: no microvm substrate here
+	host    *node.Host // the substrates and snapshot store every worker shares
 	Workers []*worker.Worker
 	edge    *edge.Edge
 
@@ -170,22 +185,6 @@ type Platform struct {
 	errs   []error
 }
 
-type registrar struct{ st *store.Store }
-
-func (r registrar) RegisterWorker(ctx context.Context, w spacev1.Worker, ttl time.Duration) (io.Closer, error) {
-	return r.st.RegisterWorker(ctx, w, ttl)
-}
-
-// sandboxWatch feeds the store's sandbox records to workers, which retire
-// executions the control plane has superseded.
-type sandboxWatch struct{ st *store.Store }
-
-func (s sandboxWatch) WatchSandboxes(ctx context.Context, fn func(worker.SandboxEvent)) error {
-	return s.st.WatchSandboxes(ctx, func(ev store.SandboxEvent) {
-		fn(worker.SandboxEvent{SandboxID: ev.Record.ID, Deleted: ev.Deleted, Ended: ev.Record.State.Terminal(), Route: ev.Record.Route})
-	})
-}
-
 func randomHex(n int) string {
 	b := make([]byte, n)
 	rand.Read(b)
@@ -195,6 +194,10 @@ func randomHex(n int) string {
 // Start brings every component up, in dependency order, and returns once
 // all workers are registered and the edge listens.
 func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
+	cfg = cfg.withDefaults()
+	if cfg.BinDir == "" {
+		return nil, fmt.Errorf("up: find binaries: the running executable's path is unknown: set BinDir")
+	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -211,45 +214,27 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	}()
 
 	// The microvm substrate boots its accelerator probe guests (seconds
-	// under TCG) while etcd and the control plane start.
-	type vmResult struct {
-		vm  *microvm.Substrate
-		err error
+	// under TCG) while etcd and the control plane start: node.Open only
+	// begins it.
+	p.host, err = node.Open(node.Config{
+		DataDir: cfg.DataDir, SnapshotDir: cfg.SnapshotDir, BinDir: cfg.BinDir,
+		VMKernelDir: cfg.VMKernelDir, VMAccel: cfg.VMAccel, VMPrewarm: cfg.VMPrewarm, VMNoTemplates: cfg.VMNoTemplates,
+		NSNoUserNamespaces: cfg.NSNoUserNamespaces, NSNoDiskQuota: cfg.NSNoDiskQuota,
+		Capacity: cfg.Capacity, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
+		Logger: log,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("up: %w", err)
 	}
-	vmReady := make(chan vmResult, 1)
-	if cfg.VMKernelDir != "" {
-		prewarm := ""
-		if cfg.VMPrewarm {
-			prewarm = filepath.Join(cfg.BinDir, "spaced-guest")
-		}
-		go func() { // owned: Start receives its result on every path
-			vm, err := microvm.New(microvm.Config{StateDir: filepath.Join(cfg.DataDir, "microvm"),
-				KernelPath: filepath.Join(cfg.VMKernelDir, "vmlinuz"), ModulesDir: filepath.Join(cfg.VMKernelDir, "modules"),
-				Accel: cfg.VMAccel, NoTemplates: cfg.VMNoTemplates, PrewarmAgent: prewarm, Logger: log})
-			vmReady <- vmResult{vm, err}
-		}()
-	}
-	vmTaken := cfg.VMKernelDir == ""
-	defer func() {
-		if !vmTaken { // an early return: the substrate is nobody's yet
-			if vr := <-vmReady; vr.vm != nil {
-				vr.vm.Close()
-			}
-		}
-	}()
 	p.st, err = store.Open(ctx, store.Config{DataDir: filepath.Join(cfg.DataDir, "store"), Endpoints: cfg.EtcdEndpoints, Logger: log})
 	if err != nil {
 		return nil, fmt.Errorf("up: store: %w", err)
-	}
-	snaps, err := snapshot.NewLocal(cfg.SnapshotDir)
-	if err != nil {
-		return nil, fmt.Errorf("up: snapshot store: %w", err)
 	}
 	edgeKey := "edge_" + randomHex(24)
 	p.cp, err = controlplane.New(controlplane.Config{
 		Addr: cfg.APIAddr, DataDir: filepath.Join(cfg.DataDir, "api"), BootstrapAPIKey: cfg.APIKey,
 		EdgeKey: edgeKey, Domain: cfg.Domain, DefaultEnvdVersion: guest.EnvdVersion,
-	}, controlplane.Deps{Store: p.st, Logger: log, Snapshots: snaps})
+	}, controlplane.Deps{Store: p.st, Logger: log, Snapshots: p.host.Snapshots()})
 	if err != nil {
 		return nil, fmt.Errorf("up: control plane: %w", err)
 	}
@@ -261,43 +246,14 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	p.APIURL = "http://" + apiLn.Addr().String()
 	p.goRun("control plane", func() error { return p.cp.Serve(rctx, apiLn) })
 
-	p.sub, err = ns.New(ns.Config{StateDir: filepath.Join(cfg.DataDir, "ns"), InitPath: NSInitPath(cfg.BinDir), Logger: log,
-		NoUserNamespaces: cfg.NSNoUserNamespaces, NoDiskQuota: cfg.NSNoDiskQuota})
-	if err != nil {
-		return nil, fmt.Errorf("up: ns substrate: %w", err)
-	}
-	var extra []substrate.Substrate
-	if cfg.VMKernelDir != "" {
-		vr := <-vmReady
-		vmTaken = true
-		p.vm, err = vr.vm, vr.err
-		switch {
-		case err != nil:
-			log.Warn("microvm substrate unavailable; workers run ns only", "err", err)
-		case p.vm.Unavailable() != "":
-			// Workers keep it so they report the reason; they do not
-			// advertise it.
-			extra = append(extra, p.vm)
-			log.Warn("microvm substrate unavailable; base-vm creates get 503", "reason", p.vm.Unavailable())
-		default:
-			extra = append(extra, p.vm)
-			log.Info("microvm substrate ready", "accel", p.vm.Accel())
-		}
-	}
 	if short := worker.PidBudget(cfg.Workers * cfg.Capacity); short != "" {
 		log.Warn("host task limits below capacity: sandboxes past them fail to start", "workers", cfg.Workers, "capacity", cfg.Capacity, "limits", short)
 	}
 	for i := range cfg.Workers {
 		id := fmt.Sprintf("w%d", i+1)
-		w, err := worker.New(worker.Config{
-			ID: id, StateDir: filepath.Join(cfg.DataDir, "workers", id), Capacity: cfg.Capacity, Logger: log,
-			Manager: sbxmanager.Config{
-				SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),
-				EnvdVersion: guest.EnvdVersion, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
-			},
-		}, worker.Deps{Substrates: append([]substrate.Substrate{p.sub}, extra...), Registrar: registrar{p.st}, Bundles: p.st, Sandboxes: sandboxWatch{p.st}, Snapshots: snaps})
+		w, err := p.host.NewWorker(node.WorkerConfig{ID: id, StateDir: filepath.Join(cfg.DataDir, "workers", id)}, node.WorkerDeps{Store: p.st})
 		if err != nil {
-			return nil, fmt.Errorf("up: worker %s: %w", id, err)
+			return nil, fmt.Errorf("up: %w", err)
 		}
 		p.Workers = append(p.Workers, w)
 		p.goRun("worker "+id, func() error { return w.Run(rctx) })
@@ -322,10 +278,10 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 // VMAccel reports the microvm substrate's accelerator ("kvm" or "tcg"), or
 // "" when the platform runs without it (no guest kernel or QEMU).
 func (p *Platform) VMAccel() string {
-	if p.vm == nil {
-		return ""
+	if vm := p.host.VM(); vm != nil {
+		return vm.Accel()
 	}
-	return p.vm.Accel()
+	return ""
 }
 
 func (p *Platform) goRun(name string, f func() error) {
@@ -383,27 +339,11 @@ func (p *Platform) Close() error {
 	if p.cp != nil {
 		p.cp.Close()
 	}
-	if p.sub != nil {
-		p.sub.Close()
-	}
-	if p.vm != nil {
-		p.vm.Close()
+	if p.host != nil {
+		p.host.Close()
 	}
 	if p.st != nil {
 		p.st.Close()
 	}
 	return nil
-}
-
-// NSInitPath is the ns sandboxes' init binary in binDir (make build puts
-// space-nsinit there), or "" when there is none: the hosting binary then
-// re-executes itself as the init, about 15 ms slower per sandbox start.
-func NSInitPath(binDir string) string {
-	p := filepath.Join(binDir, "space-nsinit")
-	if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() && fi.Mode().Perm()&0o111 != 0 {
-		if abs, err := filepath.Abs(p); err == nil {
-			return abs
-		}
-	}
-	return ""
 }

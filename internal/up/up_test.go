@@ -29,6 +29,7 @@ import (
 	"github.com/spacesbx/space/api/envd/filesystem/filesystempbconnect"
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/testenv"
 	"github.com/spacesbx/space/sdk"
 )
 
@@ -601,7 +602,7 @@ func TestIsolation(t *testing.T) {
 		ctx := ctxFor(t, 30*time.Second)
 		host, err := os.ReadFile("/etc/shadow")
 		if err != nil {
-			t.Skipf("host has no readable /etc/shadow: %v", err)
+			testenv.Skipf(t, "host has no readable /etc/shadow: %v", err)
 		}
 		r := mustRun(t, a, "cat /etc/shadow", "")
 		if r.code == 0 {

@@ -1,125 +1,44 @@
 package e2e
 
 import (
-	"bufio"
-	"context"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/spacesbx/space/internal/testenv"
 )
 
-const apiKey = "e2b_5ace5ace5ace5ace5ace5ace5ace5ace5ace5ace"
-
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
-
-// binDir returns the directory of the built binaries: $SPACE_BIN_DIR (set
-// by make test) or a fresh build.
-func binDir(t *testing.T) string {
-	if d := os.Getenv("SPACE_BIN_DIR"); d != "" {
-		return d
-	}
-	d := t.TempDir()
-	for _, c := range [][]string{
-		{"go", "build", "-o", d + "/", "github.com/spacesbx/space/cmd/space", "github.com/spacesbx/space/cmd/spaced-host"},
-		{"go", "build", "-o", filepath.Join(d, "spaced-guest"), "github.com/spacesbx/space/cmd/spaced-guest"},
-	} {
-		cmd := exec.Command(c[0], c[1:]...)
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("%v: %v\n%s", c, err, out)
-		}
-	}
-	return d
-}
+const apiKey = testenv.TestAPIKey
 
 type platform struct {
-	api, edge string
-	bin       string
+	*testenv.Platform
+	bin string
 }
 
-// startUp runs `space up` and waits for its banner.
+// startUp runs `space up` with two workers and checks its banner.
 func startUp(t *testing.T) *platform {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("skipping: end-to-end tests need root (namespaces, cgroups, mounts)")
+	tp := testenv.StartPlatform(t, testenv.PlatformOptions{Workers: 2, APIKey: apiKey, ReadyTimeout: 60 * time.Second})
+	for _, want := range []string{"export E2B_API_URL=" + tp.APIURL, "export E2B_SANDBOX_URL=" + tp.SandboxURL, apiKey} {
+		if !strings.Contains(tp.Banner, want) {
+			t.Fatalf("banner lacks %q:\n%s", want, tp.Banner)
+		}
 	}
-	bin := binDir(t)
-	p := &platform{api: freeAddr(t), edge: freeAddr(t), bin: bin}
-	ctx, cancel := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(ctx, filepath.Join(bin, "space"), "up", "--api-addr", p.api, "--edge-addr", p.edge,
-		"--data-dir", t.TempDir(), "--api-key", apiKey, "--workers", "2", "--log-level", "warn")
-	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
-	cmd.WaitDelay = 20 * time.Second
-	logf, _ := os.Create(filepath.Join(t.TempDir(), "space-up.log"))
-	cmd.Stderr = logf
-	out, _ := cmd.StdoutPipe()
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		cancel()
-		cmd.Wait() // reports the cancellation itself; the exit status tells how it ended
-		if code := cmd.ProcessState.ExitCode(); code != 0 {
-			t.Errorf("space up exited with %d after SIGINT", code)
-		}
-		if t.Failed() {
-			b, _ := os.ReadFile(logf.Name())
-			t.Logf("space up log:\n%s", b)
-		}
-		logf.Close()
-	})
-	ready := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(out)
-		var banner strings.Builder
-		for sc.Scan() {
-			banner.WriteString(sc.Text() + "\n")
-			if strings.HasPrefix(sc.Text(), "export E2B_API_KEY=") {
-				ready <- banner.String()
-			}
-		}
-		close(ready)
-	}()
-	select {
-	case b, ok := <-ready:
-		if !ok {
-			t.Fatal("space up exited before it was ready")
-		}
-		for _, want := range []string{"export E2B_API_URL=http://" + p.api, "export E2B_SANDBOX_URL=http://" + p.edge, apiKey} {
-			if !strings.Contains(b, want) {
-				t.Fatalf("banner lacks %q:\n%s", want, b)
-			}
-		}
-	case <-time.After(60 * time.Second):
-		t.Fatal("space up not ready after 60s")
-	}
-	return p
+	return &platform{tp, tp.BinDir}
 }
 
-func (p *platform) env() []string {
-	return append(os.Environ(), "E2B_API_URL=http://"+p.api, "E2B_SANDBOX_URL=http://"+p.edge, "E2B_API_KEY="+apiKey,
-		"SPACE_API_URL=http://"+p.api, "SPACE_SANDBOX_URL=http://"+p.edge, "SPACE_API_KEY="+apiKey)
-}
+func (p *platform) env() []string { return p.Env() }
 
 func TestE2BSDK(t *testing.T) {
 	if _, err := os.Stat("node_modules/e2b/package.json"); err != nil {
-		t.Skip("skipping: the e2b npm package is not installed (make e2e-deps installs it)")
+		testenv.Skipf(t, "the e2b npm package is not installed (make e2e-deps installs it)")
 	}
 	if _, err := exec.LookPath("node"); err != nil {
-		t.Skip("skipping: node is not installed (make deps installs it)")
+		testenv.Skipf(t, "node is not installed (make deps installs it)")
 	}
 	// Every *.test.mjs in this directory (sdk, compat-*) is part of the suite.
 	files, err := filepath.Glob("*.test.mjs")

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spacesbx/space/internal/testenv"
 	"github.com/spacesbx/space/sdk"
 )
 
@@ -401,7 +402,7 @@ func TestDiskFiller(t *testing.T) {
 	b.alive(t, 10*time.Second)
 	a.mustSh(t, "user", "rm -f /home/user/fill")
 	if strings.Contains(r.out, "dd-exit 0") {
-		t.Skipf("no disk quota on this platform: the filler wrote %d MiB (the template's disk is %d MiB) without ENOSPC; TestDiskQuota asserts the quota",
+		testenv.Skipf(t, "no disk quota on this platform: the filler wrote %d MiB (the template's disk is %d MiB) without ENOSPC; TestDiskQuota asserts the quota",
 			limitMB, info.DiskSizeMB)
 	}
 }

@@ -1,7 +1,6 @@
 package hostile
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"crypto/rand"
@@ -11,7 +10,6 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -26,6 +24,7 @@ import (
 	"github.com/creack/pty"
 	"golang.org/x/sys/unix"
 
+	"github.com/spacesbx/space/internal/testenv"
 	"github.com/spacesbx/space/sdk"
 )
 
@@ -37,8 +36,7 @@ type platform struct {
 	dir       string // temp dir: data dir, logs, markers
 	dataDir   string
 	pid       int
-	cmd       *exec.Cmd
-	cancel    context.CancelFunc
+	tp        *testenv.Platform
 	logPath   string
 	client    *sdk.Client
 
@@ -64,10 +62,6 @@ var (
 	attackOnce sync.Once
 	attackBin  []byte
 	attackErr  error
-
-	binOnce sync.Once
-	binPath string
-	binErr  error
 )
 
 func TestMain(m *testing.M) {
@@ -94,9 +88,6 @@ func TestMain(m *testing.M) {
 			}
 		}
 	}
-	if binPath != "" && os.Getenv("SPACE_BIN_DIR") == "" {
-		os.RemoveAll(binPath)
-	}
 	os.Exit(code)
 }
 
@@ -104,50 +95,6 @@ func randHex(n int) string {
 	b := make([]byte, n)
 	rand.Read(b)
 	return hex.EncodeToString(b)
-}
-
-func freeAddr() (string, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", err
-	}
-	defer l.Close()
-	return l.Addr().String(), nil
-}
-
-// binDir is $SPACE_BIN_DIR (make test) or a fresh build.
-func binDir() (string, error) {
-	binOnce.Do(func() {
-		if d := os.Getenv("SPACE_BIN_DIR"); d != "" {
-			binPath = d
-			return
-		}
-		d, err := os.MkdirTemp("", "hostile-bin-")
-		if err != nil {
-			binErr = err
-			return
-		}
-		binPath = d
-		for _, c := range []struct {
-			static bool
-			args   []string
-		}{
-			{false, []string{"build", "-o", d + "/", "github.com/spacesbx/space/cmd/space", "github.com/spacesbx/space/cmd/spaced-host",
-				"github.com/spacesbx/space/cmd/space-nsinit", "github.com/spacesbx/space/cmd/netgtw"}},
-			{true, []string{"build", "-o", filepath.Join(d, "spaced-guest"), "github.com/spacesbx/space/cmd/spaced-guest"}},
-		} {
-			cmd := exec.Command("go", c.args...)
-			cmd.Env = os.Environ()
-			if c.static {
-				cmd.Env = append(cmd.Env, "CGO_ENABLED=0")
-			}
-			if out, err := cmd.CombinedOutput(); err != nil {
-				binErr = fmt.Errorf("go %v: %v\n%s", c.args, err, out)
-				return
-			}
-		}
-	})
-	return binPath, binErr
 }
 
 // attackProgram is the static attack binary's content.
@@ -178,9 +125,7 @@ func attackProgram(t *testing.T) []byte {
 // shared returns the suite's platform, starting it on first use.
 func shared(t *testing.T) *platform {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("skipping: the hostile suite needs root (space up runs namespaces, cgroups and mounts)")
-	}
+	testenv.RequirePlatform(t)
 	sharedOnce.Do(func() { sharedP, sharedErr = start(2) })
 	if sharedErr != nil {
 		t.Fatalf("starting space up: %v", sharedErr)
@@ -192,22 +137,11 @@ func shared(t *testing.T) *platform {
 // does: its own session with a terminal (a pty) as controlling terminal,
 // plus two inherited descriptors it did not ask for.
 func start(workers int) (*platform, error) {
-	bin, err := binDir()
-	if err != nil {
-		return nil, err
-	}
 	dir, err := os.MkdirTemp("", "hostile-")
 	if err != nil {
 		return nil, err
 	}
-	p := &platform{dir: dir, dataDir: filepath.Join(dir, "data"), logPath: filepath.Join(dir, "space-up.log"),
-		canary: "HOSTILE_CANARY_" + randHex(8)}
-	if p.api, err = freeAddr(); err != nil {
-		return nil, err
-	}
-	if p.edge, err = freeAddr(); err != nil {
-		return nil, err
-	}
+	p := &platform{dir: dir, canary: "HOSTILE_CANARY_" + randHex(8)}
 	p.hostSecret = filepath.Join(dir, "host-secret")
 	if err := os.WriteFile(p.hostSecret, []byte(p.canary+"\n"), 0o644); err != nil {
 		return nil, err
@@ -228,38 +162,6 @@ func start(workers int) (*platform, error) {
 	if err != nil {
 		return nil, fmt.Errorf("pty: %w", err)
 	}
-	logf, err := os.Create(p.logPath)
-	if err != nil {
-		return nil, err
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	p.cancel = cancel
-	// ns only: the microvm substrate's accelerator probe (seconds of TCG
-	// boots) is not what this suite attacks.
-	cmd := exec.CommandContext(ctx, filepath.Join(bin, "space"), "up", "--api-addr", p.api, "--edge-addr", p.edge,
-		"--data-dir", p.dataDir, "--api-key", apiKey, "--workers", strconv.Itoa(workers), "--log-level", "warn",
-		"--vm-kernel-dir", filepath.Join(dir, "no-vm-kernel"))
-	cmd.Env = append(os.Environ(), "HOSTILE_CANARY="+p.canary)
-	cmd.Stdin = p.ptySlave
-	cmd.Stderr = logf
-	cmd.ExtraFiles = extra
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
-	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
-	cmd.WaitDelay = 20 * time.Second
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, err
-	}
-	logf.Close()
-	for _, f := range extra {
-		if f != nil {
-			f.Close()
-		}
-	}
-	p.cmd, p.pid = cmd, cmd.Process.Pid
 	go func() { // the operator's screen: everything written to the terminal
 		b := make([]byte, 4096)
 		for {
@@ -274,28 +176,29 @@ func start(workers int) (*platform, error) {
 			}
 		}
 	}()
-	ready := make(chan bool, 1)
-	go func() {
-		sc := bufio.NewScanner(out)
-		for sc.Scan() {
-			if strings.HasPrefix(sc.Text(), "export E2B_API_KEY=") {
-				ready <- true
-			}
+	// ns only: the microvm substrate's accelerator probe (seconds of TCG
+	// boots) is not what this suite attacks.
+	p.tp, err = testenv.LaunchPlatform(testenv.PlatformOptions{
+		Workers: workers, APIKey: apiKey, Dir: dir,
+		Args:        []string{"--vm-kernel-dir", filepath.Join(dir, "no-vm-kernel")},
+		Env:         append(os.Environ(), "HOSTILE_CANARY="+p.canary),
+		Stdin:       p.ptySlave,
+		ExtraFiles:  extra,
+		SysProcAttr: &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0},
+	})
+	for _, f := range extra {
+		if f != nil {
+			f.Close()
 		}
-		close(ready)
-	}()
-	select {
-	case ok := <-ready:
-		if !ok {
-			p.stop()
-			b, _ := os.ReadFile(p.logPath)
-			return nil, fmt.Errorf("space up exited before it was ready:\n%s", b)
-		}
-	case <-time.After(90 * time.Second):
-		p.stop()
-		return nil, errors.New("space up not ready after 90s")
 	}
-	p.client, err = sdk.New(sdk.Config{APIURL: "http://" + p.api, SandboxURL: "http://" + p.edge, APIKey: apiKey})
+	if err != nil {
+		p.ptyMaster.Close()
+		p.ptySlave.Close()
+		return nil, err
+	}
+	p.api, p.edge, p.dataDir, p.logPath = p.tp.APIAddr, p.tp.EdgeAddr, p.tp.DataDir, p.tp.LogPath
+	p.pid = p.tp.Cmd.Process.Pid
+	p.client, err = sdk.New(sdk.Config{APIURL: p.tp.APIURL, SandboxURL: p.tp.SandboxURL, APIKey: apiKey})
 	if err != nil {
 		p.stop()
 		return nil, err
@@ -303,20 +206,13 @@ func start(workers int) (*platform, error) {
 	return p, nil
 }
 
-// stop interrupts space up, waits for it and removes its files.
+// stop interrupts space up, waits for it and removes its files (unless it
+// exited badly: then they stay for the log).
 func (p *platform) stop() error {
-	p.cancel()
-	err := p.cmd.Wait()
+	err := p.tp.Stop()
 	p.ptyMaster.Close()
 	p.ptySlave.Close()
-	var res error
-	if code := p.cmd.ProcessState.ExitCode(); code != 0 {
-		res = fmt.Errorf("space up exited with %d after SIGINT (%v); log %s", code, err, p.logPath)
-	}
-	if res == nil {
-		os.RemoveAll(p.dir)
-	}
-	return res
+	return err
 }
 
 // ptyScreen is what reached the operator's terminal so far.

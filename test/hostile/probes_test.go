@@ -24,6 +24,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacesbx/space/internal/testenv"
 	"github.com/spacesbx/space/sdk"
 )
 
@@ -33,7 +34,7 @@ import (
 func TestTIOCSTIOperatorTerminal(t *testing.T) {
 	p := shared(t)
 	if b, err := os.ReadFile("/proc/sys/dev/tty/legacy_tiocsti"); err == nil && strings.TrimSpace(string(b)) == "0" {
-		t.Skip("skipping: dev.tty.legacy_tiocsti is 0 on this host: the kernel refuses TIOCSTI to everyone")
+		testenv.Skipf(t, "dev.tty.legacy_tiocsti is 0 on this host: the kernel refuses TIOCSTI to everyone")
 	}
 	t.Parallel()
 	s := p.sandbox(t, false)
@@ -288,10 +289,10 @@ func TestBackgroundServerSurvivesClient(t *testing.T) {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(filepath.Join(mod, "package.json")); err != nil {
-		t.Skip("skipping: the e2b npm package is not installed (make e2e-deps installs it)")
+		testenv.Skipf(t, "the e2b npm package is not installed (make e2e-deps installs it)")
 	}
 	if _, err := exec.LookPath("node"); err != nil {
-		t.Skip("skipping: node is not installed (make deps installs it)")
+		testenv.Skipf(t, "node is not installed (make deps installs it)")
 	}
 	t.Parallel()
 	s := p.sandbox(t, false)

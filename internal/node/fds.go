@@ -1,4 +1,4 @@
-package up
+package node
 
 import "golang.org/x/sys/unix"
 

@@ -1,0 +1,294 @@
+// Package node builds SPACE workers from one configuration: the
+// substrates a machine's workers share (ns, and microvm when a guest
+// kernel is configured), the snapshot store, and each worker's
+// sbx-manager configuration and collaborators over the store. `space up`
+// (internal/up, N workers in one process) and space-node (one worker
+// joined to a control plane's etcd) both build their workers here, so a
+// new substrate or worker dependency is wired in one place.
+package node
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/guest"
+	"github.com/spacesbx/space/internal/sbxmanager"
+	"github.com/spacesbx/space/internal/snapshot"
+	"github.com/spacesbx/space/internal/store"
+	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/substrate/microvm"
+	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/worker"
+)
+
+// Config configures the substrates and workers of one machine.
+type Config struct {
+	// DataDir holds the substrates' state (ns/, microvm/). Required.
+	DataDir string
+	// SnapshotDir is the snapshot store every worker shares (resume on
+	// another worker restores from it). Required.
+	SnapshotDir string
+	// BinDir holds spaced-host, spaced-guest, netgtw and space-nsinit.
+	// Default: the directory of the running executable.
+	BinDir string
+	// VMKernelDir holds the microvm guest kernel (vmlinuz) and its
+	// modules (modules/). Empty (the default): ns only.
+	VMKernelDir string
+	// VMRequired makes a microvm substrate that fails to open an error of
+	// Open (space-node, whose operator named the kernel). Off (the
+	// default): a warning, and the workers run ns only (space up, which
+	// finds a kernel by itself when there is one).
+	VMRequired bool
+	// VMAccel forces the microvm accelerator ("kvm" or "tcg"). Default:
+	// probe KVM, then TCG.
+	VMAccel string
+	// VMPrewarm builds the base-vm template snapshot in the background at
+	// open. Default off: the first create builds it.
+	VMPrewarm bool
+	// VMNoTemplates boots every microVM cold (the benchmark's baseline).
+	VMNoTemplates bool
+	// NSNoUserNamespaces and NSNoDiskQuota turn off the ns substrate's
+	// user namespaces and layer disks (ns.Config; both on by default where
+	// the host supports them).
+	NSNoUserNamespaces, NSNoDiskQuota bool
+	// Capacity is how many sandboxes the scheduler places on each worker
+	// (worker.Config.Capacity). Default 100.
+	Capacity int
+	// DefaultLimits apply to sandboxes (zero: substrate defaults).
+	DefaultLimits spacev1.Limits
+	// UnsafeSkipIdentityChecks is the baseline of the on/off benchmark only.
+	UnsafeSkipIdentityChecks bool
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// DefaultCapacity is Config.Capacity's default.
+const DefaultCapacity = 100
+
+func (c Config) withDefaults() Config {
+	if c.BinDir == "" {
+		if exe, err := os.Executable(); err == nil {
+			c.BinDir = filepath.Dir(exe)
+		}
+	}
+	if c.Capacity == 0 {
+		c.Capacity = DefaultCapacity
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// Validate checks c; a zero field that has a default is valid.
+func (c Config) Validate() error {
+	if c.DataDir == "" || c.SnapshotDir == "" {
+		return fmt.Errorf("node: %w: data dir and snapshot dir are required", errdefs.ErrInvalid)
+	}
+	if c.Capacity < 0 {
+		return fmt.Errorf("node: %w: capacity %d: want a positive number of sandboxes per worker", errdefs.ErrInvalid, c.Capacity)
+	}
+	return nil
+}
+
+// Host is what one machine's workers share: the substrates and the
+// snapshot store. Close it after its workers have stopped.
+type Host struct {
+	cfg   Config
+	ns    *ns.Substrate
+	snaps *snapshot.Local
+
+	vmOnce  sync.Once
+	vmReady chan vmResult // nil: no microvm configured
+	vm      *microvm.Substrate
+	vmErr   error
+}
+
+type vmResult struct {
+	vm  *microvm.Substrate
+	err error
+}
+
+// Open validates cfg, starts opening the microvm substrate in the
+// background (its accelerator probe boots guests, seconds under TCG, while
+// the caller starts the rest) and opens the ns substrate and the
+// snapshot store.
+func Open(cfg Config) (_ *Host, err error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	h := &Host{cfg: cfg}
+	if cfg.VMKernelDir != "" {
+		prewarm := ""
+		if cfg.VMPrewarm {
+			prewarm = filepath.Join(cfg.BinDir, "spaced-guest")
+		}
+		h.vmReady = make(chan vmResult, 1)
+		go func() { // owned: waitVM (from Substrates or Close) receives its result
+			vm, err := microvm.New(microvm.Config{StateDir: filepath.Join(cfg.DataDir, "microvm"),
+				KernelPath: filepath.Join(cfg.VMKernelDir, "vmlinuz"), ModulesDir: filepath.Join(cfg.VMKernelDir, "modules"),
+				Accel: cfg.VMAccel, NoTemplates: cfg.VMNoTemplates, PrewarmAgent: prewarm, Logger: cfg.Logger})
+			h.vmReady <- vmResult{vm, err}
+		}()
+	}
+	defer func() {
+		if err != nil {
+			h.Close()
+		}
+	}()
+	h.snaps, err = snapshot.NewLocal(cfg.SnapshotDir)
+	if err != nil {
+		return nil, fmt.Errorf("node: snapshot store: %w", err)
+	}
+	h.ns, err = ns.New(ns.Config{StateDir: filepath.Join(cfg.DataDir, "ns"), InitPath: NSInitPath(cfg.BinDir), Logger: cfg.Logger,
+		NoUserNamespaces: cfg.NSNoUserNamespaces, NoDiskQuota: cfg.NSNoDiskQuota})
+	if err != nil {
+		return nil, fmt.Errorf("node: ns substrate: %w", err)
+	}
+	return h, nil
+}
+
+// waitVM waits for the microvm substrate once; it logs what became of it.
+func (h *Host) waitVM() {
+	h.vmOnce.Do(func() {
+		if h.vmReady == nil {
+			return
+		}
+		r := <-h.vmReady
+		h.vm, h.vmErr = r.vm, r.err
+		log := h.cfg.Logger
+		switch {
+		case r.err != nil:
+			h.vm = nil
+			if !h.cfg.VMRequired {
+				log.Warn("microvm substrate unavailable; workers run ns only", "err", r.err)
+			}
+		case r.vm.Unavailable() != "":
+			// Workers keep it so they report the reason; they do not
+			// advertise it.
+			log.Warn("microvm substrate unavailable; base-vm creates get 503", "reason", r.vm.Unavailable())
+		default:
+			log.Info("microvm substrate ready", "accel", r.vm.Accel())
+		}
+	})
+}
+
+// Substrates waits for the microvm substrate and returns the substrates
+// workers run, ns first. With VMRequired, a microvm substrate that failed
+// to open is its error.
+func (h *Host) Substrates() ([]substrate.Substrate, error) {
+	h.waitVM()
+	if h.vmErr != nil && h.cfg.VMRequired {
+		return nil, fmt.Errorf("node: microvm substrate: %w", h.vmErr)
+	}
+	subs := []substrate.Substrate{h.ns}
+	if h.vm != nil {
+		subs = append(subs, h.vm)
+	}
+	return subs, nil
+}
+
+// NS is the ns substrate.
+func (h *Host) NS() *ns.Substrate { return h.ns }
+
+// VM waits for the microvm substrate and returns it, or nil when there is
+// none (no guest kernel configured, or it failed to open).
+func (h *Host) VM() *microvm.Substrate {
+	h.waitVM()
+	return h.vm
+}
+
+// Snapshots is the snapshot store the workers (and the control plane)
+// share.
+func (h *Host) Snapshots() *snapshot.Local { return h.snaps }
+
+// Config is the host's configuration, defaults filled.
+func (h *Host) Config() Config { return h.cfg }
+
+// Close closes the substrates. The workers over them must have stopped.
+func (h *Host) Close() error {
+	h.waitVM()
+	if h.ns != nil {
+		h.ns.Close()
+	}
+	if h.vm != nil {
+		h.vm.Close()
+	}
+	return nil
+}
+
+// WorkerConfig is what differs between the workers of one host.
+type WorkerConfig struct {
+	// ID is the worker id (DNS-label safe). Required.
+	ID string
+	// StateDir holds the worker's records, bundle cache and sandboxes.
+	// Required.
+	StateDir string
+	// Addr is node-api's listen address (worker.Config.Addr's default
+	// when empty).
+	Addr string
+}
+
+// WorkerDeps connect a worker to the control plane's store. Registrar
+// and Sandboxes default to adapters over Store; Substrates to the host's.
+type WorkerDeps struct {
+	Store      *store.Store
+	Registrar  worker.Registrar
+	Sandboxes  worker.SandboxWatcher
+	Substrates []substrate.Substrate
+}
+
+// NewWorker builds a worker over the host's substrates, registered
+// through the store. Run it with its Run method.
+func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) {
+	if d.Store == nil {
+		return nil, fmt.Errorf("node: worker %s: %w: no store", wc.ID, errdefs.ErrInvalid)
+	}
+	subs := d.Substrates
+	if subs == nil {
+		var err error
+		if subs, err = h.Substrates(); err != nil {
+			return nil, err
+		}
+	}
+	if d.Registrar == nil {
+		d.Registrar = Registrar(d.Store)
+	}
+	if d.Sandboxes == nil {
+		d.Sandboxes = SandboxWatch(d.Store)
+	}
+	cfg := h.cfg
+	w, err := worker.New(worker.Config{
+		ID: wc.ID, Addr: wc.Addr, StateDir: wc.StateDir, Capacity: cfg.Capacity, Logger: cfg.Logger,
+		Manager: sbxmanager.Config{
+			SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),
+			EnvdVersion: guest.EnvdVersion, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
+		},
+	}, worker.Deps{
+		Substrates: subs,
+		Registrar:  d.Registrar, Bundles: d.Store, Sandboxes: d.Sandboxes, Snapshots: h.snaps,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("node: worker %s: %w", wc.ID, err)
+	}
+	return w, nil
+}
+
+// NSInitPath is the ns sandboxes' init binary in binDir (make build puts
+// space-nsinit there), or "" when there is none: the hosting binary then
+// re-executes itself as the init, about 15 ms slower per sandbox start.
+func NSInitPath(binDir string) string {
+	p := filepath.Join(binDir, "space-nsinit")
+	if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() && fi.Mode().Perm()&0o111 != 0 {
+		if abs, err := filepath.Abs(p); err == nil {
+			return abs
+		}
+	}
+	return ""
+}

@@ -1,0 +1,44 @@
+package node
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/spacesbx/space/internal/errdefs"
+)
+
+func TestConfigDefaultsAndValidate(t *testing.T) {
+	if err := (Config{}).Validate(); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("empty config: %v, want ErrInvalid (data and snapshot dirs are required)", err)
+	}
+	c := Config{DataDir: "/d", SnapshotDir: "/s"}
+	if err := c.Validate(); err != nil {
+		t.Fatalf("zero fields with defaults must be valid: %v", err)
+	}
+	d := c.withDefaults()
+	exe, _ := os.Executable()
+	if d.Capacity != DefaultCapacity || d.Logger == nil || d.BinDir != filepath.Dir(exe) {
+		t.Fatalf("defaults: %+v", d)
+	}
+	if c.Capacity != 0 || c.Logger != nil {
+		t.Fatal("withDefaults changed its receiver")
+	}
+	if err := (Config{DataDir: "/d", SnapshotDir: "/s", Capacity: -1}).Validate(); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("negative capacity: %v", err)
+	}
+}
+
+func TestNSInitPath(t *testing.T) {
+	dir := t.TempDir()
+	if p := NSInitPath(dir); p != "" {
+		t.Fatalf("no space-nsinit: %q", p)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "space-nsinit"), []byte("#!/bin/sh\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if p := NSInitPath(dir); p != filepath.Join(dir, "space-nsinit") {
+		t.Fatalf("NSInitPath = %q", p)
+	}
+}
