@@ -6,8 +6,9 @@ import (
 	"os"
 
 	"github.com/spacesbx/space/internal/gateway"
+	"github.com/spacesbx/space/internal/logsetup"
 )
 
 func main() {
-	os.Exit(gateway.Main(os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
+	os.Exit(gateway.Main(os.Args[1:], os.Stdin, os.Stdout, os.Stderr, logsetup.FromEnv(os.Getenv)))
 }

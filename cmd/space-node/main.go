@@ -74,7 +74,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	host, err := node.Open(node.Config{
 		DataDir: *dataDir, SnapshotDir: *snapDir, BinDir: *binDir, Capacity: *capacity,
 		VMKernelDir: *vmKernel, VMRequired: true, VMAccel: *vmAccel,
-		NSNoUserNamespaces: *noUserNS, NSNoDiskQuota: *noQuota, Logger: log,
+		NSNoUserNamespaces: *noUserNS, NSNoDiskQuota: *noQuota, Logger: log, Log: *logOpts,
 	})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)

@@ -6,8 +6,9 @@ import (
 	"os"
 
 	"github.com/spacesbx/space/internal/bridge"
+	"github.com/spacesbx/space/internal/logsetup"
 )
 
 func main() {
-	os.Exit(bridge.Main(os.Args[1:], os.Stdout, os.Stderr))
+	os.Exit(bridge.Main(os.Args[1:], os.Stdout, os.Stderr, logsetup.FromEnv(os.Getenv)))
 }

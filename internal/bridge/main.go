@@ -7,7 +7,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"net"
 	"os"
 	"os/signal"
@@ -15,6 +14,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/procid"
 )
 
@@ -23,7 +23,7 @@ import (
 const ReadyLine = "spaced-host ready"
 
 // Main runs spaced-host with command-line args. It returns the exit code.
-func Main(args []string, stdout, stderr io.Writer) int {
+func Main(args []string, stdout, stderr io.Writer, logOpts logsetup.Options) int {
 	fs := flag.NewFlagSet("spaced-host", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	guestSock := fs.String("guest-socket", "", "host path of the agent's Unix socket")
@@ -60,7 +60,12 @@ func Main(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 	}
-	log := slog.New(slog.NewJSONHandler(stderr, nil)).With("component", "spaced-host")
+	log, err := logsetup.New(stderr, logOpts)
+	if err != nil {
+		fmt.Fprintf(stderr, "spaced-host: %v\n", err)
+		return 2
+	}
+	log = log.With("component", "spaced-host")
 	var want identity.Route
 	if err := json.Unmarshal([]byte(*expected), &want); err != nil {
 		fmt.Fprintf(stderr, "spaced-host: --expected: %v\n", err)

@@ -22,6 +22,7 @@ import (
 
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/logsetup"
 )
 
 // Control is one message on the control channel (netgtw's stdin, a pipe
@@ -51,7 +52,7 @@ const Ready = "netgtw ready\n"
 //
 //	netgtw --listen SOCK --bundle FILE --route JSON --init-pid PID
 //	       --init-start TICKS --netns-ino INO --manager-pid PID
-func Main(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+func Main(args []string, stdin io.Reader, stdout, stderr io.Writer, logOpts logsetup.Options) int {
 	fs := flag.NewFlagSet("netgtw", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	listen := fs.String("listen", "", "Unix socket to serve sbx-manager's forwarded service-port traffic on")
@@ -64,7 +65,11 @@ func Main(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	log := slog.New(slog.NewTextHandler(stderr, nil))
+	log, err := logsetup.New(stderr, logOpts)
+	if err != nil {
+		fmt.Fprintf(stderr, "netgtw: %v\n", err)
+		return 2
+	}
 	if *listen == "" || *bundle == "" || *routeJSON == "" || *managerPID == 0 {
 		fmt.Fprintln(stderr, "netgtw: --listen, --bundle, --route and --manager-pid are required")
 		return 2

@@ -81,6 +81,18 @@ func Flags(fs *flag.FlagSet, def Options) *Options {
 	return o
 }
 
+// Env is o as the environment a child process's main reads (EnvFormat,
+// EnvLevel): the worker's helpers (spaced-host, netgtw) log like it.
+func Env(o Options) []string {
+	o = o.withDefaults()
+	return []string{EnvFormat + "=" + o.Format, EnvLevel + "=" + o.Level}
+}
+
+// FromEnv reads Options from getenv (EnvFormat, EnvLevel); for mains.
+func FromEnv(getenv func(string) string) Options {
+	return Options{Format: getenv(EnvFormat), Level: getenv(EnvLevel)}
+}
+
 // New returns the logger o describes, writing to w.
 func New(w io.Writer, o Options) (*slog.Logger, error) {
 	if err := o.Validate(); err != nil {

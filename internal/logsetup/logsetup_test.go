@@ -53,3 +53,19 @@ func TestFlagsTakeDefaults(t *testing.T) {
 		t.Fatalf("%+v", *o)
 	}
 }
+
+// A child's main reads back exactly what the worker passed it.
+func TestEnvRoundTrip(t *testing.T) {
+	o := Options{Format: FormatJSON, Level: "debug"}
+	env := map[string]string{}
+	for _, kv := range Env(o) {
+		k, v, _ := strings.Cut(kv, "=")
+		env[k] = v
+	}
+	if got := FromEnv(func(k string) string { return env[k] }); got != o {
+		t.Fatalf("FromEnv(Env(%+v)) = %+v", o, got)
+	}
+	if got := Env(Options{}); got[0] != EnvFormat+"="+FormatText || got[1] != EnvLevel+"=info" {
+		t.Fatalf("defaults: %v", got)
+	}
+}

@@ -17,6 +17,7 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/guest"
+	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/sbxmanager"
 	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
@@ -65,6 +66,9 @@ type Config struct {
 	UnsafeSkipIdentityChecks bool
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// Log is the format and level Logger was made with; the worker's
+	// helper processes (spaced-host, netgtw) log the same way.
+	Log logsetup.Options
 }
 
 // DefaultCapacity is Config.Capacity's default.
@@ -269,6 +273,7 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 		Manager: sbxmanager.Config{
 			SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),
 			EnvdVersion: guest.EnvdVersion, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
+			ChildLog: cfg.Log,
 		},
 	}, worker.Deps{
 		Substrates: subs,

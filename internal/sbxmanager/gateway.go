@@ -50,6 +50,7 @@ import (
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/gateway"
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/procid"
 	"github.com/spacesbx/space/internal/procwait"
 	"github.com/spacesbx/space/internal/substrate"
@@ -174,7 +175,7 @@ func (m *Manager) startGateway(ctx context.Context, gs *gatewayState) (*gatewayP
 		"--init-start", strconv.FormatUint(start, 10), "--netns-ino", strconv.FormatUint(ino, 10),
 		"--manager-pid", strconv.Itoa(os.Getpid()))
 	cmd.Stderr = logf
-	cmd.Env = []string{"GOMAXPROCS=1", "GOGC=50"}
+	cmd.Env = append([]string{"GOMAXPROCS=1", "GOGC=50"}, logsetup.Env(m.cfg.ChildLog)...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
 	stdin, err := cmd.StdinPipe()
 	if err != nil {

@@ -22,6 +22,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/procid"
 	"github.com/spacesbx/space/internal/procwait"
 	"github.com/spacesbx/space/internal/substrate"
@@ -51,7 +52,7 @@ func (m *Manager) launchBridge(dir string) (*bridgeProc, error) {
 	defer logf.Close()
 	cmd := exec.Command(m.cfg.SpacedHostPath, "--args-from-stdin")
 	cmd.Stderr = logf
-	cmd.Env = []string{"GOMAXPROCS=1", "GOGC=50"}
+	cmd.Env = append([]string{"GOMAXPROCS=1", "GOGC=50"}, logsetup.Env(m.cfg.ChildLog)...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
 	stdin, err := cmd.StdinPipe()
 	if err != nil {

@@ -28,6 +28,7 @@ import (
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/procid"
 	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/substrate"
@@ -41,6 +42,10 @@ type Config struct {
 	StateDir string
 	// SpacedHostPath is the spaced-host binary. Required.
 	SpacedHostPath string
+	// ChildLog is how spaced-host and netgtw log (into their files in the
+	// activation directory): the worker's own choice, so every component
+	// writes one format. Default text, info.
+	ChildLog logsetup.Options
 	// NetgtwPath is the netgtw binary (service ports). Default: netgtw
 	// next to SpacedHostPath; without it sandboxes have no service ports.
 	NetgtwPath string

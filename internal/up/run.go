@@ -43,7 +43,7 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		fmt.Fprintf(stderr, "space up: %v\n", err)
 		return 2
 	}
-	cfg.Logger = log
+	cfg.Logger, cfg.Log = log, *logOpts
 	p, err := Start(ctx, cfg)
 	if err != nil {
 		fmt.Fprintf(stderr, "space up: %v\n", err)

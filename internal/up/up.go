@@ -21,6 +21,7 @@ import (
 	"github.com/spacesbx/space/internal/controlplane"
 	"github.com/spacesbx/space/internal/edge"
 	"github.com/spacesbx/space/internal/guest"
+	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/store"
 	"github.com/spacesbx/space/internal/worker"
@@ -81,6 +82,9 @@ type Config struct {
 	// Logger defaults to slog.Default(); `space up` builds it with
 	// package logsetup.
 	Logger *slog.Logger
+	// Log is the format and level Logger was made with; the workers'
+	// helper processes log the same way.
+	Log logsetup.Options
 }
 
 // Defaults of Config's fields.
@@ -221,7 +225,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		VMKernelDir: cfg.VMKernelDir, VMAccel: cfg.VMAccel, VMPrewarm: cfg.VMPrewarm, VMNoTemplates: cfg.VMNoTemplates,
 		NSNoUserNamespaces: cfg.NSNoUserNamespaces, NSNoDiskQuota: cfg.NSNoDiskQuota,
 		Capacity: cfg.Capacity, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
-		Logger: log,
+		Logger: log, Log: cfg.Log,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("up: %w", err)
