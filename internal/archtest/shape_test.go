@@ -189,16 +189,23 @@ func TestOneHTTPErrorMapperPerEdge(t *testing.T) {
 	}
 }
 
-// Tests ask for root through internal/testenv, so a non-root run says
-// what it did not run.
+// Tests ask for root through internal/testenv and skip only through it,
+// so a run says what it did not run.
 func TestRootChecksGoThroughTestenv(t *testing.T) {
 	for _, f := range parseFiles(t, "", true) {
 		if !f.test || f.pkgDir == "internal/testenv" {
 			continue
 		}
 		ast.Inspect(f.file, func(n ast.Node) bool {
-			if sel, ok := n.(*ast.SelectorExpr); ok && isIdent(sel.X, "os") && (sel.Sel.Name == "Geteuid" || sel.Sel.Name == "Getuid") {
+			sel, ok := n.(*ast.SelectorExpr)
+			if !ok {
+				return true
+			}
+			if isIdent(sel.X, "os") && (sel.Sel.Name == "Geteuid" || sel.Sel.Name == "Getuid") {
 				t.Errorf("%s: os.%s in a test: use testenv.RequireRoot / RequireNonRoot / IsRoot", f.pos(sel), sel.Sel.Name)
+			}
+			if id, isID := sel.X.(*ast.Ident); isID && id.Name != "testenv" && (sel.Sel.Name == "Skip" || sel.Sel.Name == "Skipf" || sel.Sel.Name == "SkipNow") {
+				t.Errorf("%s: a bare %s: skip through testenv (Require*, Skipf) so the run lists it as NOT RUN", f.pos(sel), sel.Sel.Name)
 			}
 			return true
 		})

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // serveEdge serves h.edge with HTTPServer (the settings Serve uses) on a
@@ -110,7 +111,7 @@ func readRawResponse(c net.Conn, within time.Duration) (*http.Response, []byte, 
 func rssBytes(t *testing.T) uint64 {
 	b, err := os.ReadFile("/proc/self/status")
 	if err != nil {
-		t.Skipf("no /proc/self/status: %v", err)
+		testenv.Skipf(t, "no /proc/self/status: %v", err)
 	}
 	for _, l := range strings.Split(string(b), "\n") {
 		if f := strings.Fields(l); len(f) >= 2 && f[0] == "VmRSS:" {
@@ -118,7 +119,7 @@ func rssBytes(t *testing.T) uint64 {
 			return kb << 10
 		}
 	}
-	t.Skip("no VmRSS")
+	testenv.Skipf(t, "no VmRSS")
 	return 0
 }
 
@@ -160,7 +161,7 @@ func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
 // authorizing would hold ~256 MiB (and up to 16 GiB had they sent it all).
 func TestUnauthenticatedStalledUploadsAreNotBuffered(t *testing.T) {
 	if testing.Short() {
-		t.Skip("1,000 connections")
+		testenv.Skipf(t, "1,000 connections")
 	}
 	const conns = 1000
 	const sent = 256 << 10

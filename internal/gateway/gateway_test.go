@@ -330,7 +330,7 @@ func TestNetnsDialer(t *testing.T) {
 	testenv.RequireRoot(t, "network namespaces")
 	// A helper process in a new netns (unshare -n) running a tiny server.
 	if _, err := exec.LookPath("python3"); err != nil {
-		t.Skip("python3 not available")
+		testenv.Skipf(t, "python3 not available")
 	}
 	// Host listener on some port: must NOT be what the gateway reaches.
 	hostLn, err := net.Listen("tcp", "127.0.0.1:0")
@@ -362,7 +362,7 @@ while True:
 	out, _ := cmd.StdoutPipe()
 	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
-		t.Skipf("unshare: %v", err)
+		testenv.Skipf(t, "unshare: %v", err)
 	}
 	defer func() { cmd.Process.Kill(); cmd.Wait() }()
 	if l, err := bufio.NewReader(out).ReadString('\n'); err != nil || l != "ready\n" {

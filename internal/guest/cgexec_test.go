@@ -30,7 +30,7 @@ func testUserCgroup(t *testing.T) (string, *os.File) {
 	_, _ = rand.Read(b)
 	dir := filepath.Join(root, "space-guest-test-"+hex.EncodeToString(b))
 	if err := os.Mkdir(dir, 0o755); err != nil {
-		t.Skipf("cannot create a test cgroup: %v", err)
+		testenv.Skipf(t, "cannot create a test cgroup: %v", err)
 	}
 	f, err := os.OpenFile(filepath.Join(dir, "cgroup.procs"), os.O_WRONLY, 0)
 	if err != nil {

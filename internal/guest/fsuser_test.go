@@ -290,7 +290,7 @@ func TestFilesReadOnlyAndFullFS(t *testing.T) {
 		cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS}
 		out, err := cmd.CombinedOutput()
 		if bytes.Contains(out, []byte("--- SKIP")) {
-			t.Skipf("in a mount namespace: %s", out)
+			testenv.Skipf(t, "in a mount namespace: %s", out)
 		}
 		if err != nil || !bytes.Contains(out, []byte("--- PASS: TestFilesReadOnlyAndFullFS")) {
 			t.Fatalf("in a mount namespace: %v\n%s", err, out)
@@ -307,7 +307,7 @@ func TestFilesReadOnlyAndFullFS(t *testing.T) {
 		}
 	}
 	if err := unix.Mount("tmpfs", ro, "tmpfs", 0, "mode=0777"); err != nil {
-		t.Skipf("cannot mount tmpfs: %v", err)
+		testenv.Skipf(t, "cannot mount tmpfs: %v", err)
 	}
 	t.Cleanup(func() { _ = unix.Unmount(ro, unix.MNT_DETACH) })
 	writeFile(t, filepath.Join(ro, "f"), "x")
@@ -520,7 +520,7 @@ func TestRunAsPanicRestores(t *testing.T) {
 func TestFilesAgentProcFiles(t *testing.T) {
 	e := newEnv(t)
 	if _, err := os.Stat("/proc/self/maps"); err != nil {
-		t.Skipf("no procfs: %v", err)
+		testenv.Skipf(t, "no procfs: %v", err)
 	}
 	pid := strconv.Itoa(os.Getpid())
 	tid := strconv.Itoa(unix.Gettid())
@@ -553,7 +553,7 @@ func TestRunAsKillsUnrestorableThread(t *testing.T) {
 		cmd.Env = append(os.Environ(), "GUEST_TEST_UNRESTORABLE=1")
 		out, err := cmd.CombinedOutput()
 		if bytes.Contains(out, []byte("--- SKIP")) {
-			t.Skipf("child: %s", out)
+			testenv.Skipf(t, "child: %s", out)
 		}
 		if err != nil || !bytes.Contains(out, []byte("--- PASS: TestRunAsKillsUnrestorableThread")) {
 			t.Fatalf("child: %v\n%s", err, out)
@@ -565,7 +565,7 @@ func TestRunAsKillsUnrestorableThread(t *testing.T) {
 		t.Fatal(err)
 	}
 	if base.caps[0].Permitted&(1<<unix.CAP_KILL) == 0 {
-		t.Skip("agent lacks CAP_KILL")
+		testenv.Skipf(t, "agent lacks CAP_KILL")
 	}
 	before := fsThreadsLost.Load()
 	user := &account{Name: "user", UID: 1000, GID: 1000, Groups: []uint32{1000}}

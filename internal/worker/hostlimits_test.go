@@ -5,6 +5,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // TestPidBudget: a few sandboxes fit any host; more than kernel.pid_max
@@ -15,7 +17,7 @@ func TestPidBudget(t *testing.T) {
 	}
 	b, err := os.ReadFile("/proc/sys/kernel/pid_max")
 	if err != nil {
-		t.Skip(err)
+		testenv.Skipf(t, "%v", err)
 	}
 	pidMax, _ := strconv.Atoi(strings.TrimSpace(string(b)))
 	n := pidMax/TasksPerIdleSandbox + 1

@@ -101,7 +101,7 @@ func kvmOpenHelper() int {
 func TestKVMAccessOnlyForQEMUCredentials(t *testing.T) {
 	testenv.RequireRoot(t, "uids and /dev/kvm's ACL")
 	if _, err := os.Stat(kvmDevice); err != nil {
-		t.Skipf("skipping: no %s on this host", kvmDevice)
+		testenv.Skipf(t, "no %s on this host", kvmDevice)
 	}
 	var before unix.Stat_t
 	if err := unix.Stat(kvmDevice, &before); err != nil {

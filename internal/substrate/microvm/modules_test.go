@@ -8,6 +8,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // fakeModuleTree writes a lib/modules/<v> tree whose modules are tiny
@@ -132,7 +134,7 @@ func FuzzParseModinfoDepends(f *testing.F) {
 func TestResolveModulesRealKernel(t *testing.T) {
 	kdir := filepath.Join(repoRoot(t), ".cache", "vm", "kernel")
 	if _, err := os.Stat(filepath.Join(kdir, "modules")); err != nil {
-		t.Skipf("skipping: no guest kernel modules in %s (run make vm-deps)", kdir)
+		testenv.Skipf(t, "no guest kernel modules in %s (run make vm-deps)", kdir)
 	}
 	mods, err := resolveModules(filepath.Join(kdir, "modules"), guestDrivers)
 	if err != nil {

@@ -39,7 +39,7 @@ func TestAgentEnvScript(t *testing.T) {
 	}
 	sh := DefaultBusyboxPath
 	if _, err := os.Stat(sh); err != nil {
-		t.Skip("no busybox")
+		testenv.Skipf(t, "no busybox")
 	}
 	p := filepath.Join(t.TempDir(), "env")
 	if err := os.WriteFile(p, script, 0o600); err != nil {

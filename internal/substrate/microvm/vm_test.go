@@ -26,14 +26,14 @@ import (
 func testConfig(t *testing.T) Config {
 	t.Helper()
 	if _, err := os.Stat(DefaultQEMUPath); err != nil {
-		t.Skipf("skipping: %s missing (make vm-deps installs it)", DefaultQEMUPath)
+		testenv.Skipf(t, "%s missing (make vm-deps installs it)", DefaultQEMUPath)
 	}
 	if _, err := os.Stat(DefaultBusyboxPath); err != nil {
-		t.Skipf("skipping: %s missing (make vm-deps installs busybox-static)", DefaultBusyboxPath)
+		testenv.Skipf(t, "%s missing (make vm-deps installs busybox-static)", DefaultBusyboxPath)
 	}
 	kdir := filepath.Join(repoRoot(t), ".cache", "vm", "kernel")
 	if _, err := os.Stat(filepath.Join(kdir, "vmlinuz")); err != nil {
-		t.Skipf("skipping: no guest kernel in %s (run make vm-deps)", kdir)
+		testenv.Skipf(t, "no guest kernel in %s (run make vm-deps)", kdir)
 	}
 	state := t.TempDir()
 	return Config{

@@ -32,13 +32,13 @@ func TestCgroupV2FreezeKill(t *testing.T) {
 		root = filepath.Join(cgroupRoot, "unified")
 	}
 	if _, err := os.Stat(filepath.Join(root, "cgroup.controllers")); err != nil {
-		t.Skip("no cgroup2 hierarchy mounted")
+		testenv.Skipf(t, "no cgroup2 hierarchy mounted")
 	}
 	parent := filepath.Join(root, "space")
 	createdParent := false
 	if _, err := os.Stat(parent); os.IsNotExist(err) {
 		if err := os.Mkdir(parent, 0o755); err != nil {
-			t.Skipf("cannot create a cgroup2 group: %v", err)
+			testenv.Skipf(t, "cannot create a cgroup2 group: %v", err)
 		}
 		createdParent = true
 	}
@@ -53,7 +53,7 @@ func TestCgroupV2FreezeKill(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(dir, "cgroup.kill")); err != nil {
 		_ = os.Remove(dir)
-		t.Skip("kernel without cgroup.kill")
+		testenv.Skipf(t, "kernel without cgroup.kill")
 	}
 	cg := &cgroup{v2: true, dirs: []string{dir}, initDirs: []string{dir}, freezerDirs: []string{dir}}
 	cmd := exec.Command("sleep", "60")

@@ -25,10 +25,10 @@ func needDisk(t *testing.T) string {
 	t.Helper()
 	testenv.RequireRoot(t, "loop devices, mounts")
 	if _, err := os.Stat("/dev/loop-control"); err != nil {
-		t.Skipf("no loop driver: %v", err)
+		testenv.Skipf(t, "no loop driver: %v", err)
 	}
 	if _, err := findE2fs("mkfs.ext4"); err != nil {
-		t.Skip(err)
+		testenv.Skipf(t, "%v", err)
 	}
 	return t.TempDir()
 }
@@ -267,7 +267,7 @@ func TestDiskIdmappedClone(t *testing.T) {
 		GidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: base, Size: 65536}},
 	}
 	if err := cmd.Start(); err != nil {
-		t.Skipf("no user namespace: %v", err)
+		testenv.Skipf(t, "no user namespace: %v", err)
 	}
 	defer func() {
 		_ = cmd.Process.Kill()
@@ -280,13 +280,13 @@ func TestDiskIdmappedClone(t *testing.T) {
 	defer unix.Close(uns)
 	fd, err := unix.OpenTree(unix.AT_FDCWD, d.Dir(), unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_SYMLINK_NOFOLLOW)
 	if err != nil {
-		t.Skipf("open_tree: %v", err)
+		testenv.Skipf(t, "open_tree: %v", err)
 	}
 	attr := unix.MountAttr{Attr_set: unix.MOUNT_ATTR_IDMAP | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV, Userns_fd: uint64(uns)}
 	if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH, &attr); err != nil {
 		unix.Close(fd)
 		if errors.Is(err, unix.ENOSYS) {
-			t.Skip("no mount_setattr")
+			testenv.Skipf(t, "no mount_setattr")
 		}
 		t.Fatalf("idmapping the disk's mount: %v", err)
 	}

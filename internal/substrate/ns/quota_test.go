@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // TestDiskQuotaInSandbox: a sandbox writing past its disk quota gets
@@ -20,7 +21,7 @@ import (
 func TestDiskQuotaInSandbox(t *testing.T) {
 	s := needRoot(t)
 	if !s.quota {
-		t.Skipf("skipping: no disk quota here: %s", diskQuotaUnsupported())
+		testenv.Skipf(t, "no disk quota here: %s", diskQuotaUnsupported())
 	}
 	const quota = 96 << 20
 	inst, spec := start(t, substrate.Limits{DiskBytes: quota})
@@ -127,7 +128,7 @@ func loopsBacking(t *testing.T, img string) int {
 func TestLayerDiskNeverMountedTwice(t *testing.T) {
 	s := needRoot(t)
 	if !s.quota {
-		t.Skipf("skipping: no disk quota here: %s", diskQuotaUnsupported())
+		testenv.Skipf(t, "no disk quota here: %s", diskQuotaUnsupported())
 	}
 	attachLayerDisks = true
 	defer func() { attachLayerDisks = false }()
@@ -175,7 +176,7 @@ func TestLayerDiskNeverMountedTwice(t *testing.T) {
 func TestLayerDiskAttachedFallback(t *testing.T) {
 	s := needRoot(t)
 	if !s.quota {
-		t.Skipf("skipping: no disk quota here: %s", diskQuotaUnsupported())
+		testenv.Skipf(t, "no disk quota here: %s", diskQuotaUnsupported())
 	}
 	attachLayerDisks = true
 	defer func() { attachLayerDisks = false }()

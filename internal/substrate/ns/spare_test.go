@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // TestSpareDisk: after a start, a layer disk is made ahead of time; the
@@ -16,7 +18,7 @@ import (
 func TestSpareDisk(t *testing.T) {
 	s, first, _ := startWith(t, Config{StateDir: filepath.Join(t.TempDir(), "state")})
 	if !s.quota {
-		t.Skipf("skipping: no disk quota here: %s", diskQuotaUnsupported())
+		testenv.Skipf(t, "no disk quota here: %s", diskQuotaUnsupported())
 	}
 	mustOK(t, first, 0, "echo first > /root/f")
 	var spareImg string

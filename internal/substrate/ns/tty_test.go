@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // ttyHelperEnv makes the test binary run TestTerminalHelper for real.
@@ -86,7 +87,7 @@ func TestSandboxCannotTypeIntoWorkerTerminal(t *testing.T) {
 // child, with a pty as its controlling terminal.
 func TestTerminalHelper(t *testing.T) {
 	if os.Getenv(ttyHelperEnv) == "" {
-		t.Skip("helper of TestSandboxCannotTypeIntoWorkerTerminal")
+		testenv.Skipf(t, "helper of TestSandboxCannotTypeIntoWorkerTerminal")
 	}
 	if fd, err := unix.Open("/dev/tty", unix.O_RDWR, 0); err != nil {
 		t.Fatalf("the helper has no controlling terminal: %v", err)

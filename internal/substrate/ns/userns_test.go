@@ -11,12 +11,13 @@ import (
 	"testing"
 
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 func TestUserNamespace(t *testing.T) {
 	s := needRoot(t)
 	if !s.userns {
-		t.Skipf("skipping: user namespaces unavailable here: %s", userNamespacesUnsupported())
+		testenv.Skipf(t, "user namespaces unavailable here: %s", userNamespacesUnsupported())
 	}
 	a, _ := start(t, substrate.Limits{})
 	base := a.uids.First()
@@ -108,7 +109,7 @@ func TestWithoutUserNamespaces(t *testing.T) {
 func TestSudo(t *testing.T) {
 	s := needRoot(t)
 	if !s.userns {
-		t.Skipf("skipping: sudo needs user namespaces, unavailable here: %s", userNamespacesUnsupported())
+		testenv.Skipf(t, "sudo needs user namespaces, unavailable here: %s", userNamespacesUnsupported())
 	}
 	if _, err := os.Stat(filepath.Join(s.cfg.UsrDir, "bin/sudo")); err != nil {
 		t.Fatalf("sudo is not installed on the host (make sandbox-deps installs it): %v", err)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // waitWarm waits until s has a warm init and returns its pid.
@@ -52,7 +53,7 @@ func groupsUnder(t *testing.T, s *Substrate) []string {
 func TestWarmInit(t *testing.T) {
 	needRoot(t)
 	if testSub.cgroups.v2 {
-		t.Skip("warm inits need cgroup v1 (rename)")
+		testenv.Skipf(t, "warm inits need cgroup v1 (rename)")
 	}
 	s, err := New(Config{StateDir: testState, CgroupParent: "space-warmtest"})
 	if err != nil {
