@@ -137,6 +137,10 @@ type InstallRequest struct {
 type InstallResponse struct {
 	Route       identity.Route `json:"route"`
 	EnvdVersion string         `json:"envd_version"`
+	// ProcessesKept: the execution was restored from its snapshot's whole
+	// state (a substrate that saves state), so its processes kept
+	// running; otherwise a restore brought back files only.
+	ProcessesKept bool `json:"processes_kept,omitempty"`
 }
 
 // TeardownRequest is the body of POST /space/node/v1/executions/teardown:

@@ -119,6 +119,43 @@ func TestSbxmanagerKnowsNoConcreteSubstrate(t *testing.T) {
 	}
 }
 
+// Components act on what a substrate declares, never on its name: no
+// comparison with a substrate name (identity.Substrate* or a literal) in
+// the packages on the request path.
+func TestComponentsDoNotCompareSubstrateNames(t *testing.T) {
+	for _, dir := range []string{"internal/sbxmanager", "internal/controlplane", "internal/edge", "internal/nodeapi", "internal/worker"} {
+		for _, f := range parseFiles(t, dir, false) {
+			ast.Inspect(f.file, func(n ast.Node) bool {
+				var operands []ast.Expr
+				switch x := n.(type) {
+				case *ast.BinaryExpr:
+					if x.Op == token.EQL || x.Op == token.NEQ {
+						operands = []ast.Expr{x.X, x.Y}
+					}
+				case *ast.CaseClause:
+					operands = x.List
+				}
+				for _, e := range operands {
+					if isSubstrateName(e) {
+						t.Errorf("%s: %s compares a substrate name: declare a substrate.Capabilities field instead", f.pos(e), dir)
+					}
+				}
+				return true
+			})
+		}
+	}
+}
+
+func isSubstrateName(e ast.Expr) bool {
+	switch x := e.(type) {
+	case *ast.SelectorExpr:
+		return isIdent(x.X, "identity") && strings.HasPrefix(x.Sel.Name, "Substrate")
+	case *ast.BasicLit:
+		return x.Kind == token.STRING && (x.Value == `"ns"` || x.Value == `"microvm"`)
+	}
+	return false
+}
+
 // errClassNames are the classes internal/errdefs defines; nobody else
 // declares its own.
 var errClassNames = map[string]bool{
@@ -185,6 +222,43 @@ func TestOneHTTPErrorMapperPerEdge(t *testing.T) {
 	for pkg := range edges {
 		if len(mappers[pkg]) == 0 {
 			t.Errorf("%s: no error mapper found (errdefs.HTTPStatus): its statuses are decided by hand", pkg)
+		}
+	}
+}
+
+// Outside the API edges nobody turns an error class into a status by
+// hand: no function both tests an errdefs class (errors.Is(err,
+// errdefs.ErrX)) and names an HTTP status.
+func TestNoHandMadeStatusMapping(t *testing.T) {
+	allowed := map[string]bool{"internal/errdefs": true, "internal/controlplane": true, "internal/nodeapi": true, "internal/edge": true}
+	for _, f := range parseFiles(t, "", false) {
+		if allowed[f.pkgDir] {
+			continue
+		}
+		for _, d := range f.file.Decls {
+			fn, ok := d.(*ast.FuncDecl)
+			if !ok || fn.Body == nil {
+				continue
+			}
+			var class, status ast.Node
+			ast.Inspect(fn.Body, func(n ast.Node) bool {
+				switch x := n.(type) {
+				case *ast.CallExpr:
+					if isSelector(x.Fun, "errors", "Is") && len(x.Args) == 2 {
+						if sel, ok := x.Args[1].(*ast.SelectorExpr); ok && isIdent(sel.X, "errdefs") {
+							class = x
+						}
+					}
+				case *ast.SelectorExpr:
+					if isIdent(x.X, "http") && strings.HasPrefix(x.Sel.Name, "Status") && x.Sel.Name != "StatusText" {
+						status = x
+					}
+				}
+				return true
+			})
+			if class != nil && status != nil {
+				t.Errorf("%s: %s maps an error class to an HTTP status by hand; return the classed error to the edge's mapper", f.pos(class), fn.Name.Name)
+			}
 		}
 	}
 }

@@ -176,7 +176,7 @@ func (c Config) Validate() error {
 		if name == "" || t.CPUCount < 0 || t.MemoryMB < 0 || t.DiskSizeMB < 0 {
 			return fmt.Errorf("controlplane config: bad template %q", name)
 		}
-		if t.Substrate != identity.SubstrateNS && t.Substrate != identity.SubstrateMicroVM {
+		if !identity.KnownSubstrate(t.Substrate) {
 			return fmt.Errorf("controlplane config: template %q: unknown substrate %q", name, t.Substrate)
 		}
 	}

@@ -18,9 +18,9 @@ import (
 
 const moveNote = "the sandbox now runs as a new execution: files were kept (writable layer restored from a snapshot), processes were restarted"
 
-// moveNoteVM is the note of a move on the microvm substrate, whose
+// moveNoteKept is the note of a move on the microvm substrate, whose
 // snapshots hold the whole machine.
-const moveNoteVM = "the sandbox now runs as a new execution: memory, processes and files were kept (full VM snapshot restored)"
+const moveNoteKept = "the sandbox now runs as a new execution: memory, processes and files were kept (its whole state was restored)"
 
 // handleMigrate is POST /space/v1/sandboxes/{id}/migrate: the sandbox moves
 // to another worker and the answer says what the move kept.
@@ -135,19 +135,20 @@ func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.Li
 
 // mover is one move in progress: what its steps learned so far.
 type mover struct {
-	s          *Server
-	ctx        context.Context
-	op         *store.LifecycleOp
-	log        *slog.Logger
-	id         string
-	rec        store.SandboxRecord // as last written (or read) by the move
-	old        identity.Route      // the execution moved away from
-	oldURL     string              // its worker's node-api, when alive
-	alive      bool                // the old worker is registered
-	wasRunning bool                // the operation began on a running sandbox
-	snapID     string              // the snapshot the target restores
-	next       identity.Route      // the new execution (after reserve)
-	started    time.Time           // when its install began
+	s             *Server
+	ctx           context.Context
+	op            *store.LifecycleOp
+	log           *slog.Logger
+	id            string
+	rec           store.SandboxRecord // as last written (or read) by the move
+	old           identity.Route      // the execution moved away from
+	oldURL        string              // its worker's node-api, when alive
+	alive         bool                // the old worker is registered
+	wasRunning    bool                // the operation began on a running sandbox
+	snapID        string              // the snapshot the target restores
+	next          identity.Route      // the new execution (after reserve)
+	started       time.Time           // when its install began
+	processesKept bool                // the target restored the whole state (InstallResponse)
 }
 
 func (s *Server) newMover(ctx context.Context, rec store.SandboxRecord, op *store.LifecycleOp) *mover {
@@ -276,6 +277,7 @@ func (m *mover) installTarget(w spacev1.Worker) (spacev1.InstallResponse, error)
 		Route: m.next, Template: m.rec.TemplateID, EnvVars: m.rec.EnvVars, Limits: limitsOf(m.rec), RestoreSnapshot: m.snapID,
 	})
 	if err == nil {
+		m.processesKept = resp.ProcessesKept
 		return resp, nil
 	}
 	m.log.Warn("install on the target failed; the generation is not published", "err", err)
@@ -344,8 +346,8 @@ func (m *mover) response() *spacev1.MigrateResponse {
 		SandboxID: m.id, From: m.old, Route: m.next, SnapshotID: m.snapID,
 		ProcessesRestarted: true, FilesKept: true, Note: moveNote,
 	}
-	if m.next.Substrate == identity.SubstrateMicroVM {
-		out.ProcessesRestarted, out.Note = false, moveNoteVM
+	if m.processesKept { // the worker says so: its substrate saves state
+		out.ProcessesRestarted, out.Note = false, moveNoteKept
 	}
 	for _, e := range m.rec.Executions {
 		if e.Route == m.next {

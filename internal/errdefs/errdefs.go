@@ -24,7 +24,7 @@ var (
 	// operation (a paused sandbox, a lost revision race).
 	ErrConflict = errors.New("conflict")
 	// ErrInvalid: the request itself is malformed or out of range.
-	ErrInvalid = errors.New("invalid argument")
+	ErrInvalid = errors.New("invalid request")
 	// ErrUnauthenticated: the caller did not prove who it is.
 	ErrUnauthenticated = errors.New("unauthenticated")
 	// ErrDenied: the caller is known but may not do this.

@@ -8,6 +8,7 @@ package identity
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/spacesbx/space/internal/errdefs"
@@ -18,6 +19,14 @@ const (
 	SubstrateNS      = "ns"
 	SubstrateMicroVM = "microvm"
 )
+
+// Substrates is every substrate name a route may carry; a new substrate
+// adds its name here (and nowhere else outside its package and the worker
+// assembly).
+var Substrates = []string{SubstrateNS, SubstrateMicroVM}
+
+// KnownSubstrate reports whether name is one of Substrates.
+func KnownSubstrate(name string) bool { return slices.Contains(Substrates, name) }
 
 // ErrInvalidRoute marks a route that cannot identify an execution; it is
 // an errdefs.ErrInvalid.

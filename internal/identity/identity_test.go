@@ -132,3 +132,16 @@ func FuzzValidateSandboxID(f *testing.F) {
 		}
 	})
 }
+
+func TestKnownSubstrate(t *testing.T) {
+	for _, s := range []string{SubstrateNS, SubstrateMicroVM} {
+		if !KnownSubstrate(s) {
+			t.Errorf("%s unknown", s)
+		}
+	}
+	for _, s := range []string{"", "NS", "docker", "ns "} {
+		if KnownSubstrate(s) {
+			t.Errorf("%q known", s)
+		}
+	}
+}

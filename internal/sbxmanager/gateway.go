@@ -245,7 +245,7 @@ func (m *Manager) startGateway(ctx context.Context, gs *gatewayState) (*gatewayP
 			if r.Context().Err() != nil {
 				return
 			}
-			m.writeError(w, fmt.Errorf("%w: service-port gateway: %v", errdefs.ErrUnavailable, err))
+			m.writeError(w, m.unreachable("service-port gateway", r, err))
 		},
 	}
 	return g, nil
@@ -390,7 +390,7 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if act.paused.Load() {
-		pausedError(w, ad.Claims.SandboxID) // never into a frozen guest
+		m.writeError(w, pausedError(ad.Claims.SandboxID)) // never into a frozen guest
 		return
 	}
 	ctx, release, ok := act.leaseContext(r.Context())
@@ -405,7 +405,7 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "service-port gateway retired")
 		return
 	case err != nil:
-		m.writeError(w, fmt.Errorf("%w: service-port gateway: %v", errdefs.ErrUnavailable, err))
+		m.writeError(w, m.unreachable("service-port gateway", r, err))
 		return
 	case gw == nil:
 		m.writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))

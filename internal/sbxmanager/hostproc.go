@@ -21,7 +21,6 @@ import (
 	"syscall"
 
 	"github.com/spacesbx/space/api/spacev1"
-	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/procid"
 	"github.com/spacesbx/space/internal/procwait"
@@ -164,7 +163,7 @@ func (m *Manager) startBridge(ctx context.Context, bp *bridgeProc, inst substrat
 		Transport:     rt,
 		FlushInterval: -1,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			m.writeError(w, fmt.Errorf("%w: sandbox bridge: %v", errdefs.ErrUnavailable, err))
+			m.writeError(w, m.unreachable("sandbox bridge", r, err))
 		},
 	}
 	return a, nil

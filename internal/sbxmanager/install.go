@@ -50,7 +50,7 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: manager closed", errdefs.ErrUnavailable)
 	}
 	if hasOld && old.Route == r && !old.Retired && act != nil {
-		return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion}, nil // idempotent retry
+		return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion, ProcessesKept: req.RestoreSnapshot != "" && m.caps(r).SavesState}, nil // idempotent retry
 	}
 	if hasOld && old.Route.Generation > r.Generation {
 		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: generation %d is older than installed %d", errdefs.ErrConflict, r.Generation, old.Route.Generation)
@@ -108,7 +108,7 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	}
 	m.metrics.activations.Inc()
 	log.Info("execution installed", "execution", r.ExecutionID, "activation", r.ActivationID)
-	return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion}, nil
+	return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion, ProcessesKept: rec.restoreState != ""}, nil
 }
 
 // activationDir is short on purpose: the bridge and guest sockets live in

@@ -85,7 +85,7 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		defer act.starts.Add(-1)
 	}
 	if act.paused.Load() {
-		pausedError(w, sandbox) // never into a frozen guest
+		m.writeError(w, pausedError(sandbox)) // never into a frozen guest
 		return
 	}
 	// A lease that ends mid-response ends it with "execution replaced".
@@ -124,12 +124,26 @@ func writeOutcome(w http.ResponseWriter, status int, outcome, reason string) {
 	json.NewEncoder(w).Encode(spacev1.Error{Code: status, Message: reason, Reason: outcome})
 }
 
-// pausedError answers a request for a paused execution.
-func pausedError(w http.ResponseWriter, sandbox string) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(http.StatusConflict)
-	json.NewEncoder(w).Encode(spacev1.Error{Code: http.StatusConflict,
-		Message: fmt.Sprintf("sandbox %s is paused: resume it (or connect) and retry", sandbox), Reason: ReasonPaused})
+// unreachable is the refusal of a request whose forwarding to what (the
+// sandbox bridge, the service-port gateway) failed: unavailable, and only
+// a classed cause's text reaches the client (ErrBridgeConnLost says the
+// request was not retried); a raw transport error names host sockets and
+// is logged here instead.
+func (m *Manager) unreachable(what string, r *http.Request, err error) error {
+	if errdefs.Reason(err) != "internal" {
+		return fmt.Errorf("%w: %s: %w", errdefs.ErrUnavailable, what, err)
+	}
+	if r.Context().Err() == nil {
+		m.log.Warn(what+" request failed", "path", r.URL.Path, "err", err)
+	}
+	return fmt.Errorf("%w: %s unreachable", errdefs.ErrUnavailable, what)
+}
+
+// pausedError is the refusal of a request for a paused execution (a
+// conflict with reason "paused").
+func pausedError(sandbox string) error {
+	return errdefs.WithReason(errdefs.Message(errdefs.ErrConflict,
+		fmt.Sprintf("sandbox %s is paused: resume it (or connect) and retry", sandbox)), ReasonPaused)
 }
 
 // ErrBridgeConnLost means a request's connection to spaced-host failed and

@@ -327,7 +327,7 @@ func wrapErr(op string, err error) error {
 		return fmt.Errorf("store: %s: %w", op, err)
 	}
 	if errors.Is(err, clientv3.ErrNoAvailableEndpoints) {
-		return fmt.Errorf("store: %s: %w: %v", op, ErrClosed, err)
+		return fmt.Errorf("store: %s: %w", op, ErrClosed) // the client's own text says no more, and must not reach API clients
 	}
 	return fmt.Errorf("store: %s: %w", op, err)
 }
