@@ -212,6 +212,12 @@ type MetricsResponse struct {
 // with which streams of a replaced or retired execution end.
 const ReasonExecutionReplaced = "execution replaced"
 
+// ReasonExecutionLost is node-api's reason for an operation on an
+// execution whose record the worker holds but whose processes are gone
+// (the worker restarted): its files are on the worker's disk, so the
+// control plane recovers it as a new execution instead of failing.
+const ReasonExecutionLost = "execution_lost"
+
 // ReasonPaused is the reason of a refusal because the sandbox is paused
 // (node-api's 409 for a frozen execution, the control plane's 409 for a
 // capability). The edge answers clients E2B's 502 with this reason.

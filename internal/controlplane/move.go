@@ -203,7 +203,11 @@ func (m *mover) pauseOld() error {
 	if !m.alive {
 		return fmt.Errorf("%w: worker %s is not registered", errdefs.ErrUnavailable, m.old.WorkerID)
 	}
-	return m.s.node.pause(m.ctx, m.oldURL, m.old)
+	err := m.s.node.pause(m.ctx, m.oldURL, m.old)
+	if executionLost(err) {
+		return nil // its processes are gone (the worker restarted): nothing runs to pause
+	}
+	return err
 }
 
 // snapshotOld makes sure a snapshot of the paused execution exists: it

@@ -152,7 +152,7 @@ func (n *nodeClient) call(ctx context.Context, nodeURL, path string, route ident
 		if json.Unmarshal(raw, &e) == nil && e.Message != "" {
 			msg = e.Message
 		}
-		return &nodeError{Status: resp.StatusCode, Worker: route.WorkerID, Message: truncate(msg, 300)}
+		return &nodeError{Status: resp.StatusCode, Worker: route.WorkerID, Message: truncate(msg, 300), Reason: e.Reason}
 	}
 	if out != nil {
 		if err := json.Unmarshal(raw, out); err != nil {
@@ -167,6 +167,8 @@ type nodeError struct {
 	Status  int
 	Worker  string
 	Message string
+	// Reason is the worker's JSON error reason (spacev1.Reason*), if any.
+	Reason string
 }
 
 func (e *nodeError) Error() string {
@@ -183,6 +185,13 @@ func (e *nodeError) Unwrap() error {
 		return errdefs.ErrUnavailable
 	}
 	return errdefs.ErrUpstream
+}
+
+// executionLost reports a worker's answer that the execution's processes
+// are gone while its record (and files) are there: the worker restarted.
+func executionLost(err error) bool {
+	var ne *nodeError
+	return errors.As(err, &ne) && ne.Reason == spacev1.ReasonExecutionLost
 }
 
 // definiteRefusal reports whether a node call failed with an answer that

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -44,9 +45,12 @@ func (s *Server) reapOnce(sem chan struct{}) {
 	}
 	now := s.now()
 	staleCreate := 2*s.cfg.InstallTimeout + 30*time.Second
+	lost := s.lostExecutions(ctx, entries)
 	for _, e := range entries {
 		r := e.Record
 		switch {
+		case lost[r.ID] && r.State == store.StateRunning && r.Op == nil && r.EndAt.After(now):
+			s.spawnRecoverLost(sem, r.ID, r.Route)
 		case r.State == store.StateRunning && r.AutoPause && !r.EndAt.After(now):
 			s.spawnAutoPause(sem, r.ID)
 		case r.Op != nil && now.Sub(r.Op.StartedAt) > s.opDeadline():
@@ -89,6 +93,67 @@ func (s *Server) spawnAutoPause(sem chan struct{}, id string) {
 			}
 			return nil
 		})
+	})
+}
+
+// lostExecutions reads the executions workers reported lost (their
+// processes died with the worker) and returns the sandboxes whose current
+// route is one of them and which are running: those are recovered. Every
+// other marker (a paused sandbox: its resume recovers it; a route already
+// replaced; a sandbox gone) is dropped.
+func (s *Server) lostExecutions(ctx context.Context, entries []store.SandboxEntry) map[string]bool {
+	routes, err := s.st.ListLost(ctx)
+	if err != nil || len(routes) == 0 {
+		if err != nil && s.ctx.Err() == nil {
+			s.log.Warn("reaper: listing lost executions failed", "err", err)
+		}
+		return nil
+	}
+	recs := make(map[string]store.SandboxRecord, len(entries))
+	for _, e := range entries {
+		recs[e.Record.ID] = e.Record
+	}
+	out := map[string]bool{}
+	for _, l := range routes {
+		r, ok := recs[l.SandboxID]
+		if ok && r.Route == l && r.State == store.StateRunning {
+			out[l.SandboxID] = true
+			continue
+		}
+		if ok && r.Route == l && r.Op != nil {
+			continue // an operation holds it; look again when it ends
+		}
+		if err := s.st.DeleteLost(ctx, l); err != nil {
+			s.log.Debug("reaper: dropping a lost-execution marker failed", "sandbox", l.SandboxID, "err", err)
+		}
+	}
+	return out
+}
+
+// spawnRecoverLost brings back a running sandbox whose execution's
+// processes died with its worker: a move (a new execution with the files
+// restored from the old worker's disk; the scheduler may pick the same
+// worker), keeping its timeout. The marker goes once the move succeeded.
+func (s *Server) spawnRecoverLost(sem chan struct{}, id string, lost identity.Route) {
+	s.spawnReap(sem, id, "recovery of a lost execution", func(ctx context.Context) error {
+		rec, op, err := s.beginOp(ctx, id, "", opMigrate, store.StateMigrating, "", func(r store.SandboxRecord) error {
+			if r.Route != lost || r.State != store.StateRunning {
+				return fmt.Errorf("%w: sandbox %s no longer runs the lost execution", errdefs.ErrConflict, id)
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		s.log.Warn("recovering a sandbox whose execution was lost with its worker", "sandbox", id,
+			"generation", lost.Generation, "worker", lost.WorkerID)
+		rec, _, err = s.move(ctx, rec, op, "", nil, 0, nil)
+		if err != nil {
+			s.log.Error("recovery of a lost execution failed; retried on the next pass", "sandbox", id, "err", err)
+			return err
+		}
+		s.log.Info("lost execution recovered", "sandbox", id, "generation", rec.Route.Generation, "worker", rec.Route.WorkerID)
+		return s.st.DeleteLost(ctx, lost)
 	})
 }
 

@@ -87,25 +87,34 @@ func (s *Server) resumeSandbox(ctx context.Context, id, team string, o resumeOpt
 	}
 	nodeURL, alive := s.liveWorker(ctx, rec.Route.WorkerID)
 	if alive && !o.Restart {
-		if err := s.node.resume(ctx, nodeURL, rec.Route); err != nil {
+		err := s.node.resume(ctx, nodeURL, rec.Route)
+		switch {
+		case executionLost(err):
+			// The worker restarted: its record and the files are there,
+			// the processes are not. Recover as a new execution from the
+			// files (a move, which may pick the same worker).
+			s.log.Warn("paused execution lost with its worker's restart; recovering it as a new execution",
+				"sandbox", id, "generation", rec.Route.Generation, "worker", rec.Route.WorkerID)
+		case err != nil:
 			s.log.Warn("resume failed; the sandbox stays paused", "sandbox", id, "worker", rec.Route.WorkerID, "err", err)
 			s.abortOp(ctx, id, op, store.StatePaused)
 			return rec, nil, fmt.Errorf("resume sandbox %s: %w", id, err)
-		}
-		now := s.now().UTC()
-		rec, err = s.finishOp(ctx, id, op, func(r *store.SandboxRecord) {
-			r.State = store.StateRunning
-			r.EndAt = now.Add(o.Timeout)
-			r.PausedSnapshot = ""
-			if o.AutoPause != nil {
-				r.AutoPause = *o.AutoPause
+		default:
+			now := s.now().UTC()
+			rec, err = s.finishOp(ctx, id, op, func(r *store.SandboxRecord) {
+				r.State = store.StateRunning
+				r.EndAt = now.Add(o.Timeout)
+				r.PausedSnapshot = ""
+				if o.AutoPause != nil {
+					r.AutoPause = *o.AutoPause
+				}
+				setExec(r, r.Route, execRunning, now)
+			})
+			if err != nil {
+				return rec, nil, fmt.Errorf("resume sandbox %s: %w", id, err)
 			}
-			setExec(r, r.Route, execRunning, now)
-		})
-		if err != nil {
-			return rec, nil, fmt.Errorf("resume sandbox %s: %w", id, err)
+			return rec, nil, nil
 		}
-		return rec, nil, nil
 	}
 	var exclude []string
 	if !alive {

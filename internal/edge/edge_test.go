@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -621,4 +622,33 @@ func TestPausedSandboxIs502(t *testing.T) {
 	check("node paused", http.StatusBadGateway, spacev1.ReasonPaused)
 	reason = "busy"
 	check("node conflict", http.StatusConflict, "busy")
+}
+
+// A route whose node cannot be reached (a worker gone, or restarted on
+// another address) is dropped from the cache: the next request asks the
+// control plane again instead of dialing it until its capability expires.
+func TestUnreachableNodeDropsTheCachedRoute(t *testing.T) {
+	h := newHarness(t)
+	dead := httptest.NewServer(http.NotFoundHandler())
+	deadURL := dead.URL
+	dead.Close()
+	h.cp.mu.Lock()
+	h.cp.nodeURL = deadURL
+	h.cp.mu.Unlock()
+	h.sandbox("sbx1")
+	h.node.handle("/files", func(w http.ResponseWriter, r *http.Request) { _, _ = io.WriteString(w, "ok") })
+	res := h.envd("GET", "sbx1", "/files?path=/a", "")
+	if res.StatusCode != http.StatusBadGateway {
+		t.Fatalf("GET through a dead node: %d %s", res.StatusCode, readAll(t, res))
+	}
+	if e := decodeErr(t, res); e.Reason != "node_unreachable" {
+		t.Fatalf("reason %q", e.Reason)
+	}
+	h.cp.mu.Lock()
+	h.cp.nodeURL = h.node.srv.URL
+	h.cp.mu.Unlock()
+	res = h.envd("GET", "sbx1", "/files?path=/a", "")
+	if body := readAll(t, res); res.StatusCode != http.StatusOK || body != "ok" {
+		t.Fatalf("GET after the node moved: %d %s (the dead route stayed cached)", res.StatusCode, body)
+	}
 }

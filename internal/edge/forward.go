@@ -64,6 +64,12 @@ func (e *Edge) proxyError(w http.ResponseWriter, r *http.Request, err error) {
 		// Client went away; nothing to answer.
 	default:
 		e.log.Warn("forwarding to node failed", "err", err)
+		// The route may name a worker that is gone or restarted on another
+		// address: the next request asks the control plane again instead
+		// of dialing it until the capability expires.
+		if st, _ := r.Context().Value(stateKey{}).(*reqState); st != nil && st.entry != nil {
+			e.deleteIf(st.key, st.entry)
+		}
 		writeError(w, answer(errdefs.ErrUpstream, "node_unreachable", "sandbox node unreachable"))
 	}
 }

@@ -277,7 +277,7 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 		},
 	}, worker.Deps{
 		Substrates: subs,
-		Registrar:  d.Registrar, Bundles: d.Store, Sandboxes: d.Sandboxes, Snapshots: h.snaps,
+		Registrar:  d.Registrar, Bundles: d.Store, Sandboxes: d.Sandboxes, Snapshots: h.snaps, Lost: d.Store,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("node: worker %s: %w", wc.ID, err)

@@ -88,7 +88,7 @@ func (m *Manager) liveActivation(op string, route identity.Route) (*activation, 
 		return nil, fmt.Errorf("%s %s: %w: execution %s is retired", op, route.SandboxID, errdefs.ErrConflict, rec.Route)
 	}
 	if act == nil {
-		return nil, fmt.Errorf("%s %s: %w: execution %s is not running on this worker (restarted?)", op, route.SandboxID, errdefs.ErrConflict, rec.Route)
+		return nil, errdefs.WithReason(fmt.Errorf("%s %s: %w: execution %s is not running on this worker (restarted?)", op, route.SandboxID, errdefs.ErrConflict, rec.Route), spacev1.ReasonExecutionLost)
 	}
 	return act, nil
 }

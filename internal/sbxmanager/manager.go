@@ -230,7 +230,34 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{},
 		writeError: deps.WriteError,
 	}
+	m.reclaimLost()
 	return m, nil
+}
+
+// reclaimLost ends what survived of the executions on record, none of
+// which runs in this new process (the worker restarted): a substrate that
+// can (substrate.Reclaimer) kills their leftovers (a paused sandbox's
+// frozen tasks) and releases their disks, so a recovery can read their
+// files. A failure is logged: that sandbox's recovery then fails and is
+// retried, its files are never read while something may still write them.
+func (m *Manager) reclaimLost() {
+	for _, r := range m.records {
+		if r.Retired {
+			continue
+		}
+		rc, ok := m.subs[r.Route.Substrate].(substrate.Reclaimer)
+		if !ok {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), m.cfg.StartTimeout)
+		err := rc.Reclaim(ctx, r.Route, r.Dir)
+		cancel()
+		if err != nil {
+			m.log.Error("reclaiming a lost execution failed", "sandbox", r.Route.SandboxID, "generation", r.Route.Generation, "err", err)
+			continue
+		}
+		m.log.Info("lost execution reclaimed", "sandbox", r.Route.SandboxID, "generation", r.Route.Generation)
+	}
 }
 
 func (m *Manager) lockSandbox(id string) func() {
@@ -298,6 +325,21 @@ func (m *Manager) Records() []identity.Record {
 	out := make([]identity.Record, 0, len(m.records))
 	for _, r := range m.records {
 		out = append(out, r.Record)
+	}
+	return out
+}
+
+// Lost returns the routes of installed, not retired executions that have
+// no running activation: after a restart of the worker, executions whose
+// processes died with it (their records and files are on disk).
+func (m *Manager) Lost() []identity.Route {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	var out []identity.Route
+	for id, r := range m.records {
+		if !r.Retired && m.active[id] == nil {
+			out = append(out, r.Route)
+		}
 	}
 	return out
 }

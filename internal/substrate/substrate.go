@@ -179,6 +179,15 @@ type Capabilities struct {
 	Activation bool
 }
 
+// Reclaimer is implemented by substrates whose instances can outlive the
+// process that started them (a paused ns sandbox's frozen tasks survive
+// their init's parent-death signal): after a worker restart, Reclaim ends
+// what is left of route's activation in dir and releases what it held,
+// keeping its files. Idempotent; nothing left is not an error.
+type Reclaimer interface {
+	Reclaim(ctx context.Context, route identity.Route, dir string) error
+}
+
 // Availability is implemented by substrates whose usability depends on
 // the host and was found when they were made (the microvm substrate boots
 // a probe guest under each accelerator). It is optional: callers check for

@@ -228,6 +228,21 @@ func (p *Platform) Stop() error {
 	return p.stopErr
 }
 
+// Kill ends space up with SIGKILL, a crash (nothing shuts down), waits
+// for it and keeps Dir: a new LaunchPlatform with the same Dir restarts it
+// on the same data. Stop after Kill does nothing.
+func (p *Platform) Kill() error {
+	if p.stopped {
+		return p.stopErr
+	}
+	p.stopped = true
+	err := p.Cmd.Process.Kill()
+	_ = p.Cmd.Wait() // reports the kill itself
+	p.cancel()
+	p.cleanup()
+	return err
+}
+
 func freeAddr() (string, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

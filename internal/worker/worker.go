@@ -22,6 +22,7 @@ import (
 	"github.com/spacesbx/space/internal/atomicfile"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/nodeapi"
 	"github.com/spacesbx/space/internal/sbxmanager"
 	"github.com/spacesbx/space/internal/substrate"
@@ -106,6 +107,15 @@ type Deps struct {
 	// Snapshots is the snapshot store shared by the workers that resume
 	// each other's sandboxes (nil: no snapshots).
 	Snapshots sbxmanager.SnapshotStore
+	// Lost, when set, is told at start about the executions this worker
+	// holds records of but whose processes are gone (it restarted), so the
+	// control plane recovers them instead of leaving them unserved.
+	Lost LostReporter
+}
+
+// LostReporter is told about lost executions (the store's PutLost).
+type LostReporter interface {
+	PutLost(ctx context.Context, route identity.Route) error
 }
 
 // Worker is one running worker.
@@ -246,6 +256,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		return fmt.Errorf("worker %s: register: %w", w.cfg.ID, err)
 	}
 	w.log.Info("worker registered", "node_url", w.URL())
+	w.reportLost(ctx)
 	select {
 	case err = <-apiErr:
 	case <-ctx.Done():
@@ -254,4 +265,22 @@ func (w *Worker) Run(ctx context.Context) error {
 		w.log.Warn("deregister", "err", cerr)
 	}
 	return err
+}
+
+// reportLost tells the control plane about the executions whose processes
+// did not survive this worker's restart. Each is logged; a report that
+// fails leaves that sandbox unserved until the worker restarts again or a
+// resume finds it lost, so it is logged as an error.
+func (w *Worker) reportLost(ctx context.Context) {
+	lost := w.mgr.Lost()
+	if len(lost) == 0 || w.deps.Lost == nil {
+		return
+	}
+	for _, r := range lost {
+		if err := w.deps.Lost.PutLost(ctx, r); err != nil {
+			w.log.Error("reporting a lost execution failed", "sandbox", r.SandboxID, "generation", r.Generation, "err", err)
+			continue
+		}
+		w.log.Warn("execution lost with the worker's restart; reported for recovery", "sandbox", r.SandboxID, "generation", r.Generation, "execution", r.ExecutionID)
+	}
 }

@@ -1,0 +1,91 @@
+//go:build linux
+
+package ns
+
+// Reclaiming an activation whose worker process died: its sandbox init
+// had a parent-death signal, but a paused sandbox's frozen tasks do not
+// die until thawed, and they keep its mount namespace, so its layer disk
+// stays mounted. Its files are kept (a recovery archives them).
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/identity"
+)
+
+// reclaimDiskWait bounds the wait for a reclaimed activation's layer disk
+// to be released (its mount goes with the last task of its namespace).
+const reclaimDiskWait = 10 * time.Second
+
+// Reclaim ends what is left of route's activation (substrate.Reclaimer):
+// every task of its cgroups is thawed and killed and the groups removed,
+// then it waits until no loop device backs the layer disk in dir, so the
+// disk can be mounted again without being mounted twice.
+func (s *Substrate) Reclaim(ctx context.Context, route identity.Route, dir string) error {
+	if !validComponent(route.SandboxID) || !validComponent(route.ActivationID) {
+		return fmt.Errorf("ns: reclaim: %w: route %s/%s is not a safe name", errdefs.ErrInvalid, route.SandboxID, route.ActivationID)
+	}
+	cg := existingCgroup(s.cgroups, s.cfg.CgroupParent, route.SandboxID+"-"+route.ActivationID)
+	if err := cg.remove(ctx); err != nil {
+		return fmt.Errorf("ns: reclaim %s: %w", route.SandboxID, err)
+	}
+	img := filepath.Join(dir, DiskImageName)
+	ctx, cancel := context.WithTimeout(ctx, reclaimDiskWait)
+	defer cancel()
+	return pollUntil(ctx, func() (bool, error) {
+		dev := loopBacking(img)
+		return dev == "", nil
+	})
+}
+
+// existingCgroup is the cgroup createCgroup made for name, as far as its
+// directories exist (remove kills their tasks and deletes them).
+func existingCgroup(l *cgroupLayout, parent, name string) *cgroup {
+	cg := &cgroup{v2: l.v2}
+	add := func(dir string, freezer bool) {
+		if _, err := os.Stat(dir); err != nil {
+			return
+		}
+		cg.dirs = append(cg.dirs, dir)
+		if freezer {
+			cg.freezerDirs = append(cg.freezerDirs, dir)
+		}
+	}
+	if l.v2 {
+		add(filepath.Join(l.unified, parent, name), true)
+		add(filepath.Join(l.unified, parent, agentGroupPrefix+name), true)
+		return cg
+	}
+	seen := map[string]bool{}
+	for _, c := range l.v1Used() {
+		mnt := l.v1[c]
+		if seen[mnt] {
+			continue
+		}
+		seen[mnt] = true
+		freezer := l.v1["freezer"] == mnt
+		add(filepath.Join(mnt, parent, name), freezer)
+		add(filepath.Join(mnt, parent, agentGroupPrefix+name), freezer)
+	}
+	return cg
+}
+
+// loopBacking returns a loop device (/dev/loopN) attached to img, or "".
+func loopBacking(img string) string {
+	ents, err := os.ReadDir("/sys/block")
+	if err != nil {
+		return ""
+	}
+	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), "loop") && loopBacks("/dev/"+e.Name(), img) {
+			return "/dev/" + e.Name()
+		}
+	}
+	return ""
+}
