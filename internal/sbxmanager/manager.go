@@ -330,16 +330,25 @@ func (m *Manager) Records() []identity.Record {
 }
 
 // Lost returns the routes of installed, not retired executions that have
-// no running activation: after a restart of the worker, executions whose
-// processes died with it (their records and files are on disk).
+// no running activation and can be recovered from their files: after a
+// restart of the worker, executions whose processes died with it (their
+// records and files are on disk). An instance whose files lived in its
+// memory (Capabilities.SavesState: a microVM) left nothing to recover
+// from; it is logged, not returned.
 func (m *Manager) Lost() []identity.Route {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	var out []identity.Route
 	for id, r := range m.records {
-		if !r.Retired && m.active[id] == nil {
-			out = append(out, r.Route)
+		if r.Retired || m.active[id] != nil {
+			continue
 		}
+		if m.caps(r.Route).SavesState {
+			m.log.Error("execution lost with the worker's restart and not recoverable: its state lived in its memory",
+				"sandbox", r.Route.SandboxID, "generation", r.Route.Generation)
+			continue
+		}
+		out = append(out, r.Route)
 	}
 	return out
 }
