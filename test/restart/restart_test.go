@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -15,29 +16,47 @@ import (
 )
 
 // After a crash of `space up` (SIGKILL: every sandbox's processes die
-// with it) and a restart on the same data, a running sandbox comes back by
-// itself as a new execution with its files, and a paused one resumes with
-// its files; both then run commands again.
+// with it) and a restart on the same data, the running sandboxes come back
+// by themselves as new executions and the paused ones resume, each with
+// its id, files, metadata and timeout; all run commands again.
 func TestCrashAndRestartLosesNoSandbox(t *testing.T) {
 	testenv.RequirePlatform(t)
+	const perKind = 3
 	dir := t.TempDir()
-	p1, err := testenv.LaunchPlatform(testenv.PlatformOptions{Dir: dir})
+	opts := testenv.PlatformOptions{Dir: dir, Workers: 2}
+	p1, err := testenv.LaunchPlatform(opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	c1 := client(t, p1)
-	running, paused := create(ctx, t, c1, "running"), create(ctx, t, c1, "paused")
-	before := currentRoute(ctx, t, p1, running.ID)
-	if code := rest(ctx, t, p1, http.MethodPost, "/sandboxes/"+paused.ID+"/pause", nil); code != http.StatusNoContent {
-		t.Fatalf("pause: %d", code)
+	var running, paused []*sdk.Sandbox
+	before := map[string]spacev1.Execution{}
+	infos := map[string]*sdk.SandboxInfo{}
+	for i := range perKind {
+		r, p := create(ctx, t, c1, fmt.Sprintf("running%d", i)), create(ctx, t, c1, fmt.Sprintf("paused%d", i))
+		running, paused = append(running, r), append(paused, p)
+	}
+	for _, s := range append(append([]*sdk.Sandbox{}, running...), paused...) {
+		before[s.ID] = currentRoute(ctx, t, p1, s.ID)
+		info, err := c1.GetSandbox(ctx, s.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		infos[s.ID] = info
+	}
+	for _, s := range paused {
+		if code := rest(ctx, t, p1, http.MethodPost, "/sandboxes/"+s.ID+"/pause", nil); code != http.StatusNoContent {
+			t.Fatalf("pause: %d", code)
+		}
 	}
 	if err := p1.Kill(); err != nil {
 		t.Fatal(err)
 	}
 
-	p2, err := testenv.LaunchPlatform(testenv.PlatformOptions{Dir: dir, LogLevel: "info"})
+	opts.LogLevel = "info"
+	p2, err := testenv.LaunchPlatform(opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -49,37 +68,72 @@ func TestCrashAndRestartLosesNoSandbox(t *testing.T) {
 			t.Error(err)
 		}
 	})
+	restarted := time.Now()
 	c2 := client(t, p2)
 
-	// The running one recovers without a client call.
-	sr := c2.Attach(running.ID, running.AccessToken)
-	var got []byte
-	deadline := time.Now().Add(90 * time.Second)
-	for {
-		got, err = sr.ReadFile(ctx, "/home/user/running.txt")
-		if err == nil || time.Now().After(deadline) {
-			break
+	// The running ones recover without a client call.
+	for i, s := range running {
+		sr := c2.Attach(s.ID, s.AccessToken)
+		var got []byte
+		deadline := time.Now().Add(90 * time.Second)
+		for {
+			got, err = sr.ReadFile(ctx, fmt.Sprintf("/home/user/running%d.txt", i))
+			if err == nil || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(200 * time.Millisecond)
 		}
-		time.Sleep(300 * time.Millisecond)
+		if err != nil || string(got) != fmt.Sprintf("kept running%d", i) {
+			t.Fatalf("running sandbox %s after the restart: %q, %v", s.ID, got, err)
+		}
+		assertRuns(ctx, t, sr)
 	}
-	if err != nil || string(got) != "kept running" {
-		t.Fatalf("running sandbox after the restart: %q, %v", got, err)
-	}
-	after := currentRoute(ctx, t, p2, running.ID)
-	if after.Route.Generation <= before.Route.Generation || after.Route.ExecutionID == before.Route.ExecutionID {
-		t.Errorf("the recovered sandbox runs %+v, want a new execution after %+v", after, before)
-	}
-	assertRuns(ctx, t, sr)
+	servedAfter := time.Since(restarted)
 
-	// The paused one resumes with its files.
-	if code := rest(ctx, t, p2, http.MethodPost, "/sandboxes/"+paused.ID+"/connect", map[string]int{"timeout": 300}); code != http.StatusCreated {
-		t.Fatalf("connect of the paused sandbox after the restart: %d", code)
+	// The paused ones resume with their files.
+	for i, s := range paused {
+		if code := rest(ctx, t, p2, http.MethodPost, "/sandboxes/"+s.ID+"/connect", map[string]int{"timeout": 600}); code != http.StatusCreated {
+			t.Fatalf("connect of paused sandbox %s after the restart: %d", s.ID, code)
+		}
+		sp := c2.Attach(s.ID, s.AccessToken)
+		if got, err := sp.ReadFile(ctx, fmt.Sprintf("/home/user/paused%d.txt", i)); err != nil || string(got) != fmt.Sprintf("kept paused%d", i) {
+			t.Fatalf("paused sandbox %s after the restart: %q, %v", s.ID, got, err)
+		}
+		assertRuns(ctx, t, sp)
 	}
-	sp := c2.Attach(paused.ID, paused.AccessToken)
-	if got, err := sp.ReadFile(ctx, "/home/user/paused.txt"); err != nil || string(got) != "kept paused" {
-		t.Fatalf("paused sandbox after the restart: %q, %v", got, err)
+
+	// Each is a new execution of the same sandbox, with its metadata; the
+	// running ones keep their timeout.
+	recovered := 0
+	for _, s := range running {
+		after := currentRoute(ctx, t, p2, s.ID)
+		if b := before[s.ID]; after.Route.Generation <= b.Route.Generation || after.Route.ExecutionID == b.Route.ExecutionID {
+			t.Errorf("sandbox %s runs %+v, want a new execution after %+v", s.ID, after.Route, b.Route)
+		} else {
+			recovered++
+		}
+		info, err := c2.GetSandbox(ctx, s.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if old := infos[s.ID]; info.Metadata["name"] != old.Metadata["name"] || !info.EndAt.Equal(old.EndAt) {
+			t.Errorf("sandbox %s: metadata %v end %v, want %v %v", s.ID, info.Metadata, info.EndAt, old.Metadata, old.EndAt)
+		}
 	}
-	assertRuns(ctx, t, sp)
+	resumed := 0
+	for _, s := range paused {
+		if after := currentRoute(ctx, t, p2, s.ID); after.Route.Generation > before[s.ID].Route.Generation {
+			resumed++
+		}
+		if info, err := c2.GetSandbox(ctx, s.ID); err != nil || info.Metadata["name"] != infos[s.ID].Metadata["name"] {
+			t.Errorf("paused sandbox %s: metadata %v, %v", s.ID, info, err)
+		}
+	}
+	t.Logf("after SIGKILL and restart: %d running sandboxes recovered as new executions (all served %.1fs after the restart), %d paused ones resumed as new executions, 0 lost",
+		recovered, servedAfter.Seconds(), resumed)
+	if resumed != perKind {
+		t.Errorf("%d of %d paused sandboxes came back as new executions", resumed, perKind)
+	}
 	if log := p2.Log(); !strings.Contains(log, "recovering a sandbox whose execution was lost") || !strings.Contains(log, "paused execution lost") {
 		t.Errorf("the control plane did not log its recovery decisions")
 	}
@@ -96,7 +150,7 @@ func client(t *testing.T, p *testenv.Platform) *sdk.Client {
 // create makes a sandbox with /home/user/<name>.txt holding "kept <name>".
 func create(ctx context.Context, t *testing.T, c *sdk.Client, name string) *sdk.Sandbox {
 	t.Helper()
-	s, err := c.CreateSandbox(ctx, sdk.CreateOptions{Timeout: 10 * time.Minute})
+	s, err := c.CreateSandbox(ctx, sdk.CreateOptions{Timeout: 10 * time.Minute, Metadata: map[string]string{"name": name}})
 	if err != nil {
 		t.Fatal(err)
 	}
