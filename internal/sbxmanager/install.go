@@ -102,7 +102,9 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	m.mu.Lock()
 	m.records[r.SandboxID] = rec
 	m.active[r.SandboxID] = newAct
+	m.watchers.Add(1)
 	m.mu.Unlock()
+	go m.watchExit(newAct)
 	if hasOld && old.Dir != rec.Dir {
 		os.RemoveAll(old.Dir) // the superseded execution's writable layer
 	}
@@ -236,6 +238,36 @@ func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (
 	}
 	tm.gateway = time.Since(t0)
 	return act, nil
+}
+
+// watchExit waits for a's init to exit while a is served (its lease, a.ctx,
+// ends first whenever the manager stops it: a replacement, a retirement, a
+// teardown, a shutdown). An init that exits on its own took the sandbox's
+// processes with it: the activation is stopped, its record and files are
+// kept, and OnLost reports the execution for recovery.
+func (m *Manager) watchExit(a *activation) {
+	defer m.watchers.Done()
+	select {
+	case <-a.ctx.Done():
+		return
+	case <-a.inst.Done():
+	}
+	unlock := m.lockSandbox(a.route.SandboxID)
+	m.mu.Lock()
+	cur := m.active[a.route.SandboxID]
+	if cur != a || a.ctx.Err() != nil {
+		m.mu.Unlock()
+		unlock()
+		return // being stopped by the manager: not lost
+	}
+	delete(m.active, a.route.SandboxID)
+	m.mu.Unlock()
+	m.log.Warn("sandbox init exited while served; its execution is lost", "sandbox", a.route.SandboxID, "generation", a.route.Generation)
+	m.stopActivation(a, "its init exited")
+	unlock()
+	if m.onLost != nil && !m.caps(a.route).SavesState {
+		m.onLost(a.route)
+	}
 }
 
 // stopActivation ends the activation's streams, stops its bridge and the

@@ -131,6 +131,11 @@ type Deps struct {
 	// (nodeapi.WriteError), the one place on a worker that turns error
 	// classes into HTTP statuses.
 	WriteError ErrorWriter
+	// OnLost, when set, is called (from the manager's own goroutine) with
+	// the route of an execution whose init exited while it was being
+	// served: its processes are gone, its record and files stay, and the
+	// control plane recovers it as a new execution.
+	OnLost func(identity.Route)
 }
 
 // ErrorWriter writes err as the answer to a request.
@@ -138,14 +143,18 @@ type ErrorWriter func(w http.ResponseWriter, err error)
 
 // Manager serves the executions installed on one worker.
 type Manager struct {
-	cfg     Config
-	subs    map[string]substrate.Substrate
-	ver     *capability.Verifier
-	snaps   SnapshotStore
-	store   *recordStore
-	audit   *auditLog
-	metrics *metrics
-	log     *slog.Logger
+	// watchers are the goroutines that wait for an activation's init to
+	// exit on its own (watchExit); Close waits for them.
+	watchers sync.WaitGroup
+	onLost   func(identity.Route)
+	cfg      Config
+	subs     map[string]substrate.Substrate
+	ver      *capability.Verifier
+	snaps    SnapshotStore
+	store    *recordStore
+	audit    *auditLog
+	metrics  *metrics
+	log      *slog.Logger
 	// writeError is Deps.WriteError.
 	writeError ErrorWriter
 
@@ -228,7 +237,7 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 		cfg: cfg, subs: subs, ver: deps.Verifier, snaps: deps.Snapshots, store: st, audit: audit,
 		metrics: newMetrics(cfg.Registerer), log: cfg.Logger.With("worker", cfg.WorkerID),
 		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{},
-		writeError: deps.WriteError,
+		writeError: deps.WriteError, onLost: deps.OnLost,
 	}
 	m.reclaimLost()
 	return m, nil
@@ -400,5 +409,6 @@ func (m *Manager) Close() error {
 		go func() { defer wg.Done(); m.stopActivation(a, "shutdown") }()
 	}
 	wg.Wait()
+	m.watchers.Wait()
 	return errors.Join(m.store.close(), m.audit.close())
 }

@@ -156,7 +156,17 @@ func New(cfg Config, deps Deps) (*Worker, error) {
 	mc := cfg.Manager
 	mc.WorkerID, mc.StateDir, mc.Logger = cfg.ID, cfg.StateDir, cfg.Logger
 	mc.Registerer = prometheus.WrapRegistererWith(prometheus.Labels{"worker": cfg.ID}, reg)
-	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrates: deps.Substrates, Verifier: ver, Snapshots: deps.Snapshots, WriteError: nodeapi.WriteError})
+	onLost := func(r identity.Route) {
+		if deps.Lost == nil {
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := deps.Lost.PutLost(ctx, r); err != nil {
+			cfg.Logger.Error("reporting a lost execution failed", "worker", cfg.ID, "sandbox", r.SandboxID, "generation", r.Generation, "err", err)
+		}
+	}
+	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrates: deps.Substrates, Verifier: ver, Snapshots: deps.Snapshots, WriteError: nodeapi.WriteError, OnLost: onLost})
 	if err != nil {
 		return nil, err
 	}

@@ -6,11 +6,16 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/testenv"
 	"github.com/spacesbx/space/sdk"
 )
@@ -213,4 +218,62 @@ func rest(ctx context.Context, t *testing.T, p *testenv.Platform, method, path s
 		t.Logf("%s %s: %d %s", method, path, res.StatusCode, e.String())
 	}
 	return res.StatusCode
+}
+
+// A sandbox whose init dies while it is served (an agent crash, an OOM
+// kill: the whole sandbox's processes go with it) comes back by itself as
+// a new execution with its files, on a worker that keeps running.
+func TestSandboxInitDeathIsRecovered(t *testing.T) {
+	p := testenv.StartPlatform(t, testenv.PlatformOptions{LogLevel: "info"})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	c := client(t, p)
+	s := create(ctx, t, c, "crash")
+	before := currentRoute(ctx, t, p, s.ID)
+	pid := agentPID(t, before.Route)
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		t.Fatalf("kill the sandbox init %d: %v", pid, err)
+	}
+	killed := time.Now()
+	var got []byte
+	var err error
+	for deadline := time.Now().Add(60 * time.Second); ; {
+		got, err = s.ReadFile(ctx, "/home/user/crash.txt")
+		if err == nil || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if err != nil || string(got) != "kept crash" {
+		t.Fatalf("after its init died: %q, %v", got, err)
+	}
+	after := currentRoute(ctx, t, p, s.ID)
+	if after.Route.Generation <= before.Route.Generation {
+		t.Errorf("runs %+v, want a new execution after %+v", after.Route, before.Route)
+	}
+	assertRuns(ctx, t, s)
+	t.Logf("sandbox served again %.2fs after its init was killed, as generation %d", time.Since(killed).Seconds(), after.Route.Generation)
+}
+
+// agentPID finds the host pid of route's sandbox init: the one process of
+// its agent cgroup (ns substrate).
+func agentPID(t *testing.T, r identity.Route) int {
+	t.Helper()
+	name := "agent." + r.SandboxID + "-" + r.ActivationID
+	for _, pat := range []string{"/sys/fs/cgroup/pids/*/" + name, "/sys/fs/cgroup/unified/*/" + name, "/sys/fs/cgroup/*/" + name} {
+		dirs, _ := filepath.Glob(pat)
+		for _, d := range dirs {
+			b, err := os.ReadFile(filepath.Join(d, "cgroup.procs"))
+			if err != nil {
+				continue
+			}
+			for _, f := range strings.Fields(string(b)) {
+				if pid, err := strconv.Atoi(f); err == nil {
+					return pid
+				}
+			}
+		}
+	}
+	t.Fatalf("no agent cgroup %s found", name)
+	return 0
 }
