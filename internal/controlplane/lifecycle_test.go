@@ -38,13 +38,14 @@ type lifeNode struct {
 	// fail answers a lifecycle path with a status; block holds it until
 	// the channel is closed (entered is signalled first).
 	fail    map[string]int
+	reason  map[string]string // the failure's JSON reason, if any
 	block   map[string]chan struct{}
 	entered chan string
 	snaps   map[string]identity.Route
 }
 
 func attachLife(n *fakeNode, l *callLog) *lifeNode {
-	n.life = &lifeNode{log: l, fail: map[string]int{}, block: map[string]chan struct{}{}, snaps: map[string]identity.Route{},
+	n.life = &lifeNode{log: l, fail: map[string]int{}, reason: map[string]string{}, block: map[string]chan struct{}{}, snaps: map[string]identity.Route{},
 		entered: make(chan string, 16)}
 	return n.life
 }
@@ -99,7 +100,7 @@ func (l *lifeNode) serve(n *fakeNode, w http.ResponseWriter, r *http.Request, bo
 		return true
 	}
 	l.mu.Lock()
-	fail, block := l.fail[r.URL.Path], l.block[r.URL.Path]
+	fail, block, reason := l.fail[r.URL.Path], l.block[r.URL.Path], l.reason[r.URL.Path]
 	l.mu.Unlock()
 	if block != nil {
 		l.entered <- op
@@ -112,7 +113,7 @@ func (l *lifeNode) serve(n *fakeNode, w http.ResponseWriter, r *http.Request, bo
 	if fail != 0 {
 		l.log.add(ev + " failed")
 		w.WriteHeader(fail)
-		_ = json.NewEncoder(w).Encode(spacev1.Error{Code: fail, Message: "boom"})
+		_ = json.NewEncoder(w).Encode(spacev1.Error{Code: fail, Message: "boom", Reason: reason})
 		return true
 	}
 	l.log.add(ev)

@@ -148,7 +148,8 @@ type mover struct {
 	snapID        string              // the snapshot the target restores
 	next          identity.Route      // the new execution (after reserve)
 	started       time.Time           // when its install began
-	processesKept bool                // the target restored the whole state (InstallResponse)
+	processesKept bool
+	lost          bool // the old execution's processes are gone (pauseOld found it lost)                // the target restored the whole state (InstallResponse)
 }
 
 func (s *Server) newMover(ctx context.Context, rec store.SandboxRecord, op *store.LifecycleOp) *mover {
@@ -164,7 +165,13 @@ func (s *Server) newMover(ctx context.Context, rec store.SandboxRecord, op *stor
 func (m *mover) giveUp(err error, mut func(*store.SandboxRecord)) (store.SandboxRecord, *spacev1.MigrateResponse, error) {
 	s := m.s
 	back := store.StatePaused
-	if m.wasRunning && m.alive {
+	switch {
+	case m.wasRunning && m.lost:
+		// Nothing runs to thaw (its processes died with its worker): the
+		// sandbox stays running on its lost execution, whose marker the
+		// reaper keeps, and the recovery is tried again.
+		back = store.StateRunning
+	case m.wasRunning && m.alive:
 		if rerr := s.node.resume(m.ctx, m.oldURL, m.old); rerr == nil {
 			back = store.StateRunning
 		} else {
@@ -205,6 +212,7 @@ func (m *mover) pauseOld() error {
 	}
 	err := m.s.node.pause(m.ctx, m.oldURL, m.old)
 	if executionLost(err) {
+		m.lost = true
 		return nil // its processes are gone (the worker restarted): nothing runs to pause
 	}
 	return err

@@ -1,0 +1,57 @@
+package controlplane
+
+import (
+	"context"
+	"net/http"
+	"testing"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/store"
+)
+
+// A running sandbox whose execution a worker reported lost is recovered by
+// the reaper as a new execution (the lost one has nothing to pause). A
+// recovery that fails leaves it running on the lost execution, marker
+// kept, and the next pass tries again; once recovered the marker goes.
+func TestReaperRecoversLostExecution(t *testing.T) {
+	e, n1, _, lg, id := twoWorkers(t, nil)
+	rec := e.record(id)
+	n1.life.mu.Lock()
+	n1.life.fail[spacev1.NodePathPause] = http.StatusConflict
+	n1.life.reason[spacev1.NodePathPause] = spacev1.ReasonExecutionLost
+	n1.life.fail[spacev1.NodePathResume] = http.StatusConflict // as a real worker: nothing runs to thaw
+	n1.life.reason[spacev1.NodePathResume] = spacev1.ReasonExecutionLost
+	n1.life.fail[spacev1.NodePathSnapshot] = http.StatusServiceUnavailable
+	n1.life.mu.Unlock()
+	ctx := context.Background()
+	if err := e.st.PutLost(ctx, rec.Route); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() bool {
+		for _, ev := range lg.all() {
+			if ev == "w1 snapshot g1 failed" {
+				return true
+			}
+		}
+		return false
+	})
+	// Failed: not paused (nothing thawed, nothing to resume), marker kept.
+	waitFor(t, func() bool { return e.record(id).Op == nil })
+	if r := e.record(id); r.State != store.StateRunning || r.Route != rec.Route {
+		t.Fatalf("after a failed recovery: %s %v", r.State, r.Route)
+	}
+	if lost, _ := e.st.ListLost(ctx); len(lost) != 1 {
+		t.Fatalf("the marker went with a failed recovery: %v", lost)
+	}
+	n1.life.mu.Lock()
+	delete(n1.life.fail, spacev1.NodePathSnapshot)
+	n1.life.mu.Unlock()
+	waitFor(t, func() bool {
+		r := e.record(id)
+		return r.State == store.StateRunning && r.Route.Generation == 2
+	})
+	waitFor(t, func() bool {
+		lost, _ := e.st.ListLost(ctx)
+		return len(lost) == 0
+	})
+}
