@@ -236,7 +236,7 @@ func runIsolationOnly(ctx context.Context, cfg Config, out io.Writer, progress f
 // worker.
 func measureLifeAndVM(ctx context.Context, cfg Config, root string, plog *slog.Logger, progress func(string, ...any), rep *Report, lifecycle bool) {
 	if lifecycle {
-		progress("lifecycle: pause/resume x10, cross-worker resume x5 at %v MiB", lifecycleLayers)
+		progress("lifecycle: pause/resume x10, cross-worker resume x5 at %v MiB, recovery after an init death x%d", lifecycleLayers, recoveries)
 	}
 	if life, err := StartPlatformConfig(ctx, up.Config{DataDir: platformDir(root, "life"), Workers: 2, BinDir: cfg.BinDir, Logger: plog, VMPrewarm: true}); err != nil {
 		rep.LifeErr, rep.VMErr = err, err

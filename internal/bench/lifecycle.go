@@ -7,9 +7,15 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/sdk"
 )
 
@@ -18,7 +24,17 @@ import (
 type LifecycleResult struct {
 	Pause, Resume []time.Duration
 	Migrate       map[int][]time.Duration
+	// Recover is from killing a sandbox's init (its processes die, as in
+	// an agent crash) until a file read through the edge succeeds again
+	// (the worker reports the execution lost, the control plane recovers
+	// it as a new execution); Create are plain creates of the same run,
+	// one before each recovery.
+	Recover, Create []time.Duration
 }
+
+// recoveries is how many sandboxes MeasureLifecycle kills and times the
+// recovery of.
+const recoveries = 5
 
 // lifecycleCall POSTs body to the control plane and times it until the
 // answer arrives (the operation is complete when the API answers).
@@ -91,7 +107,95 @@ func MeasureLifecycle(ctx context.Context, p *Platform, rounds, moves int, layer
 			res.Migrate[mib] = append(res.Migrate[mib], d)
 		}
 	}
+	for range recoveries {
+		c, r, err := measureRecovery(ctx, p)
+		if err != nil {
+			return res, fmt.Errorf("recovery: %w", err)
+		}
+		res.Create, res.Recover = append(res.Create, c), append(res.Recover, r)
+	}
 	return res, nil
+}
+
+// measureRecovery creates a sandbox (timed), writes a file, kills its init
+// from the host and times until the file reads again.
+func measureRecovery(ctx context.Context, p *Platform) (create, recovery time.Duration, err error) {
+	t0 := time.Now()
+	sbx, err := p.Client.CreateSandbox(ctx, sdk.CreateOptions{Timeout: 30 * time.Minute})
+	if err != nil {
+		return 0, 0, err
+	}
+	create = time.Since(t0)
+	defer p.Client.KillSandbox(context.Background(), sbx.ID)
+	if _, err := sbx.WriteFile(ctx, "/home/user/kept", []byte("kept")); err != nil {
+		return 0, 0, err
+	}
+	route, err := currentRoute(ctx, p, sbx.ID)
+	if err != nil {
+		return 0, 0, err
+	}
+	pid, err := agentPID(route)
+	if err != nil {
+		return 0, 0, err
+	}
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		return 0, 0, fmt.Errorf("kill init %d: %w", pid, err)
+	}
+	t1 := time.Now()
+	for deadline := t1.Add(60 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		b, err := sbx.ReadFile(ctx, "/home/user/kept")
+		if err == nil && string(b) == "kept" {
+			return create, time.Since(t1), nil
+		}
+		if time.Now().After(deadline) {
+			return 0, 0, fmt.Errorf("sandbox %s not served 60s after its init died: %v", sbx.ID, err)
+		}
+	}
+}
+
+// currentRoute is the route of sandbox id's running execution.
+func currentRoute(ctx context.Context, p *Platform, id string) (identity.Route, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, p.APIURL+"/space/v1/sandboxes/"+id+"/executions", nil)
+	if err != nil {
+		return identity.Route{}, err
+	}
+	req.Header.Set("X-API-Key", p.APIKey)
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return identity.Route{}, err
+	}
+	defer res.Body.Close()
+	var execs []spacev1.Execution
+	if err := json.NewDecoder(res.Body).Decode(&execs); err != nil {
+		return identity.Route{}, err
+	}
+	for _, e := range execs {
+		if e.State == "running" {
+			return e.Route, nil
+		}
+	}
+	return identity.Route{}, fmt.Errorf("sandbox %s has no running execution", id)
+}
+
+// agentPID is the host pid of route's sandbox init (ns substrate): the one
+// process of its agent cgroup.
+func agentPID(r identity.Route) (int, error) {
+	name := "agent." + r.SandboxID + "-" + r.ActivationID
+	for _, pat := range []string{"/sys/fs/cgroup/pids/*/" + name, "/sys/fs/cgroup/unified/*/" + name, "/sys/fs/cgroup/*/" + name} {
+		dirs, _ := filepath.Glob(pat)
+		for _, d := range dirs {
+			b, err := os.ReadFile(filepath.Join(d, "cgroup.procs"))
+			if err != nil {
+				continue
+			}
+			for _, f := range strings.Fields(string(b)) {
+				if pid, err := strconv.Atoi(f); err == nil {
+					return pid, nil
+				}
+			}
+		}
+	}
+	return 0, fmt.Errorf("no agent cgroup %s", name)
 }
 
 // Rows renders the lifecycle figures.
@@ -115,6 +219,10 @@ func (r LifecycleResult) Rows(layersMiB []int) []Row {
 			fmt.Sprintf("%.1f", Median(m)), base, rt, "", NotJudged})
 		rows = append(rows, Row{fmt.Sprintf("cross-worker resume p99, %d MiB layer (ms)", mib),
 			fmt.Sprintf("%.1f", Percentile(m, 99)), "", "", "", NotJudged})
+	}
+	if rc, cr := ms(r.Recover), ms(r.Create); len(rc) > 0 {
+		rows = append(rows, Row{fmt.Sprintf("recovery after the sandbox's init died p50, n=%d (ms)", len(rc)),
+			fmt.Sprintf("%.1f", Median(rc)), fmt.Sprintf("%.1f create p50", Median(cr)), ratio(Median(rc), Median(cr)), "", NotJudged})
 	}
 	return rows
 }

@@ -29,6 +29,7 @@ func (s *Server) reapLoop() {
 		case <-s.ctx.Done():
 			return
 		case <-t.C:
+		case <-s.reapNow:
 		}
 	}
 }

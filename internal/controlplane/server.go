@@ -20,14 +20,17 @@ import (
 // Server is space-api. Create it with New, serve it with Run (or mount
 // Handler), stop it with Close.
 type Server struct {
-	cfg    Config
-	st     *store.Store
-	log    *slog.Logger
-	now    func() time.Time
-	signer *rotatingSigner
-	node   *nodeClient
-	sched  *scheduler.Scheduler
-	snaps  snapshot.Store // nil: snapshot archives are not removed here
+	// reapNow asks the reaper for a pass before its next tick (a lost
+	// execution was reported).
+	reapNow chan struct{}
+	cfg     Config
+	st      *store.Store
+	log     *slog.Logger
+	now     func() time.Time
+	signer  *rotatingSigner
+	node    *nodeClient
+	sched   *scheduler.Scheduler
+	snaps   snapshot.Store // nil: snapshot archives are not removed here
 
 	apiKey          string
 	apiKeyGenerated bool
@@ -95,8 +98,19 @@ func New(cfg Config, deps Deps) (*Server, error) {
 
 	s.handler = s.routes()
 	s.ctx, s.cancel = context.WithCancel(context.Background())
-	s.wg.Add(1)
+	s.reapNow = make(chan struct{}, 1)
+	s.wg.Add(2)
 	go s.reapLoop()
+	go func() {
+		defer s.wg.Done()
+		// A lost execution is recovered at once, not on the next tick.
+		_ = s.st.WatchLost(s.ctx, func() {
+			select {
+			case s.reapNow <- struct{}{}:
+			default:
+			}
+		})
+	}()
 	return s, nil
 }
 

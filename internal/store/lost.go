@@ -51,6 +51,16 @@ func (s *Store) ListLost(ctx context.Context) ([]identity.Route, error) {
 	return out, nil
 }
 
+// WatchLost calls fn for every lost-execution report made from now on,
+// until ctx ends (its error is then returned).
+func (s *Store) WatchLost(ctx context.Context, fn func()) error {
+	return s.watchLoop(ctx, lostPrefix, true, func(*clientv3.GetResponse) {}, func(ev *clientv3.Event) {
+		if ev.Type == clientv3.EventTypePut {
+			fn()
+		}
+	})
+}
+
 // DeleteLost removes the marker of route, unless it names another
 // execution meanwhile (a newer report is kept).
 func (s *Store) DeleteLost(ctx context.Context, route identity.Route) error {
