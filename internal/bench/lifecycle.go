@@ -134,7 +134,7 @@ func measureRecovery(ctx context.Context, p *Platform) (create, recovery time.Du
 	if err != nil {
 		return 0, 0, err
 	}
-	pid, err := agentPID(route)
+	pid, err := AgentPID(route)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -177,9 +177,9 @@ func currentRoute(ctx context.Context, p *Platform, id string) (identity.Route, 
 	return identity.Route{}, fmt.Errorf("sandbox %s has no running execution", id)
 }
 
-// agentPID is the host pid of route's sandbox init (ns substrate): the one
+// AgentPID is the host pid of route's sandbox init (ns substrate): the one
 // process of its agent cgroup.
-func agentPID(r identity.Route) (int, error) {
+func AgentPID(r identity.Route) (int, error) {
 	name := "agent." + r.SandboxID + "-" + r.ActivationID
 	for _, pat := range []string{"/sys/fs/cgroup/pids/*/" + name, "/sys/fs/cgroup/unified/*/" + name, "/sys/fs/cgroup/*/" + name} {
 		dirs, _ := filepath.Glob(pat)

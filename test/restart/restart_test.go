@@ -6,16 +6,13 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"os"
-	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
-	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/bench"
 	"github.com/spacesbx/space/internal/testenv"
 	"github.com/spacesbx/space/sdk"
 )
@@ -230,13 +227,15 @@ func TestSandboxInitDeathIsRecovered(t *testing.T) {
 	c := client(t, p)
 	s := create(ctx, t, c, "crash")
 	before := currentRoute(ctx, t, p, s.ID)
-	pid := agentPID(t, before.Route)
+	pid, err := bench.AgentPID(before.Route)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
 		t.Fatalf("kill the sandbox init %d: %v", pid, err)
 	}
 	killed := time.Now()
 	var got []byte
-	var err error
 	for deadline := time.Now().Add(60 * time.Second); ; {
 		got, err = s.ReadFile(ctx, "/home/user/crash.txt")
 		if err == nil || time.Now().After(deadline) {
@@ -253,27 +252,4 @@ func TestSandboxInitDeathIsRecovered(t *testing.T) {
 	}
 	assertRuns(ctx, t, s)
 	t.Logf("sandbox served again %.2fs after its init was killed, as generation %d", time.Since(killed).Seconds(), after.Route.Generation)
-}
-
-// agentPID finds the host pid of route's sandbox init: the one process of
-// its agent cgroup (ns substrate).
-func agentPID(t *testing.T, r identity.Route) int {
-	t.Helper()
-	name := "agent." + r.SandboxID + "-" + r.ActivationID
-	for _, pat := range []string{"/sys/fs/cgroup/pids/*/" + name, "/sys/fs/cgroup/unified/*/" + name, "/sys/fs/cgroup/*/" + name} {
-		dirs, _ := filepath.Glob(pat)
-		for _, d := range dirs {
-			b, err := os.ReadFile(filepath.Join(d, "cgroup.procs"))
-			if err != nil {
-				continue
-			}
-			for _, f := range strings.Fields(string(b)) {
-				if pid, err := strconv.Atoi(f); err == nil {
-					return pid
-				}
-			}
-		}
-	}
-	t.Fatalf("no agent cgroup %s found", name)
-	return 0
 }
