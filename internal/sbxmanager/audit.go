@@ -6,6 +6,7 @@ import (
 	"os"
 
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/identity"
 )
 
 // auditLog records every admission decision as a JSON line. It names the
@@ -30,6 +31,18 @@ func (a *auditLog) record(ad Admission, purpose capability.Purpose, path string)
 		"purpose", string(purpose), "path", path,
 		"sandbox", c.SandboxID, "generation", c.Generation, "execution", c.ExecutionID,
 		"jti", c.JTI, "caller", c.Caller)
+}
+
+// lost records a decision about an execution whose processes are gone:
+// "reclaimed" (its leftovers ended at the worker's start), "lost" (its
+// init exited while served), "unrecoverable" (its state lived in its
+// memory), with the error that stopped it, if any.
+func (a *auditLog) lost(decision string, r identity.Route, err error) {
+	args := []any{"decision", decision, "sandbox", r.SandboxID, "generation", r.Generation, "execution", r.ExecutionID, "activation", r.ActivationID}
+	if err != nil {
+		args = append(args, "err", err.Error())
+	}
+	a.log.Info("lost execution", args...)
 }
 
 func (a *auditLog) close() error { return a.f.Close() }

@@ -263,6 +263,7 @@ func (m *Manager) watchExit(a *activation) {
 	delete(m.active, a.route.SandboxID)
 	m.mu.Unlock()
 	m.log.Warn("sandbox init exited while served; its execution is lost", "sandbox", a.route.SandboxID, "generation", a.route.Generation)
+	m.audit.lost("lost", a.route, nil)
 	m.stopActivation(a, "its init exited")
 	unlock()
 	if m.onLost != nil && !m.caps(a.route).SavesState {

@@ -261,6 +261,7 @@ func (m *Manager) reclaimLost() {
 		ctx, cancel := context.WithTimeout(context.Background(), m.cfg.StartTimeout)
 		err := rc.Reclaim(ctx, r.Route, r.Dir)
 		cancel()
+		m.audit.lost("reclaimed", r.Route, err)
 		if err != nil {
 			m.log.Error("reclaiming a lost execution failed", "sandbox", r.Route.SandboxID, "generation", r.Route.Generation, "err", err)
 			continue
@@ -353,6 +354,7 @@ func (m *Manager) Lost() []identity.Route {
 			continue
 		}
 		if m.caps(r.Route).SavesState {
+			m.audit.lost("unrecoverable", r.Route, nil)
 			m.log.Error("execution lost with the worker's restart and not recoverable: its state lived in its memory",
 				"sandbox", r.Route.SandboxID, "generation", r.Route.Generation)
 			continue

@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -139,6 +141,24 @@ func TestCrashAndRestartLosesNoSandbox(t *testing.T) {
 	if log := p2.Log(); !strings.Contains(log, "recovering a sandbox whose execution was lost") || !strings.Contains(log, "paused execution lost") {
 		t.Errorf("the control plane did not log its recovery decisions")
 	}
+	if n := auditCount(t, p2, `"decision":"reclaimed"`); n != 2*perKind {
+		t.Errorf("the workers audited %d reclaimed executions, want %d", n, 2*perKind)
+	}
+}
+
+// auditCount counts the lines of p's workers' audit logs that contain s.
+func auditCount(t *testing.T, p *testenv.Platform, s string) int {
+	t.Helper()
+	logs, _ := filepath.Glob(filepath.Join(p.DataDir, "workers", "*", "audit.log"))
+	n := 0
+	for _, l := range logs {
+		b, err := os.ReadFile(l)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n += strings.Count(string(b), s)
+	}
+	return n
 }
 
 func client(t *testing.T, p *testenv.Platform) *sdk.Client {
@@ -251,5 +271,8 @@ func TestSandboxInitDeathIsRecovered(t *testing.T) {
 		t.Errorf("runs %+v, want a new execution after %+v", after.Route, before.Route)
 	}
 	assertRuns(ctx, t, s)
+	if n := auditCount(t, p, `"decision":"lost"`); n != 1 {
+		t.Errorf("the worker audited %d lost executions, want 1", n)
+	}
 	t.Logf("sandbox served again %.2fs after its init was killed, as generation %d", time.Since(killed).Seconds(), after.Route.Generation)
 }
