@@ -156,15 +156,11 @@ func New(cfg Config, deps Deps) (*Worker, error) {
 	mc := cfg.Manager
 	mc.WorkerID, mc.StateDir, mc.Logger = cfg.ID, cfg.StateDir, cfg.Logger
 	mc.Registerer = prometheus.WrapRegistererWith(prometheus.Labels{"worker": cfg.ID}, reg)
+	log := cfg.Logger.With("worker", cfg.ID)
 	onLost := func(r identity.Route) {
-		if deps.Lost == nil {
-			return
-		}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		if err := deps.Lost.PutLost(ctx, r); err != nil {
-			cfg.Logger.Error("reporting a lost execution failed", "worker", cfg.ID, "sandbox", r.SandboxID, "generation", r.Generation, "err", err)
-		}
+		putLost(ctx, deps.Lost, log, r, "its init exited")
 	}
 	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrates: deps.Substrates, Verifier: ver, Snapshots: deps.Snapshots, WriteError: nodeapi.WriteError, OnLost: onLost})
 	if err != nil {
@@ -175,7 +171,7 @@ func New(cfg Config, deps Deps) (*Worker, error) {
 		mgr.Close()
 		return nil, err
 	}
-	return &Worker{cfg: cfg, deps: deps, ver: ver, mgr: mgr, api: api, log: cfg.Logger.With("worker", cfg.ID)}, nil
+	return &Worker{cfg: cfg, deps: deps, ver: ver, mgr: mgr, api: api, log: log}, nil
 }
 
 // URL is node-api's base URL.
@@ -282,15 +278,20 @@ func (w *Worker) Run(ctx context.Context) error {
 // fails leaves that sandbox unserved until the worker restarts again or a
 // resume finds it lost, so it is logged as an error.
 func (w *Worker) reportLost(ctx context.Context) {
-	lost := w.mgr.Lost()
-	if len(lost) == 0 || w.deps.Lost == nil {
+	for _, r := range w.mgr.Lost() {
+		putLost(ctx, w.deps.Lost, w.log, r, "with the worker's restart")
+	}
+}
+
+// putLost reports r lost (how says how it was lost) to lr, if any, and
+// logs the outcome.
+func putLost(ctx context.Context, lr LostReporter, log *slog.Logger, r identity.Route, how string) {
+	if lr == nil {
 		return
 	}
-	for _, r := range lost {
-		if err := w.deps.Lost.PutLost(ctx, r); err != nil {
-			w.log.Error("reporting a lost execution failed", "sandbox", r.SandboxID, "generation", r.Generation, "err", err)
-			continue
-		}
-		w.log.Warn("execution lost with the worker's restart; reported for recovery", "sandbox", r.SandboxID, "generation", r.Generation, "execution", r.ExecutionID)
+	if err := lr.PutLost(ctx, r); err != nil {
+		log.Error("reporting a lost execution failed", "sandbox", r.SandboxID, "generation", r.Generation, "err", err)
+		return
 	}
+	log.Warn("execution lost "+how+"; reported for recovery", "sandbox", r.SandboxID, "generation", r.Generation, "execution", r.ExecutionID)
 }
