@@ -147,6 +147,10 @@ type Manager struct {
 	// exit on its own (watchExit); Close waits for them.
 	watchers sync.WaitGroup
 	onLost   func(identity.Route)
+	// unreclaimed holds the sandboxes whose leftovers reclaimLost could
+	// not end at start: something may still write their files, so they
+	// are neither reported lost nor snapshotted. Written only in New.
+	unreclaimed map[string]bool
 	cfg      Config
 	subs     map[string]substrate.Substrate
 	ver      *capability.Verifier
@@ -247,9 +251,11 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 // which runs in this new process (the worker restarted): a substrate that
 // can (substrate.Reclaimer) kills their leftovers (a paused sandbox's
 // frozen tasks) and releases their disks, so a recovery can read their
-// files. A failure is logged: that sandbox's recovery then fails and is
-// retried, its files are never read while something may still write them.
+// files. A failure is logged and audited, and that sandbox is neither
+// reported lost nor snapshotted (unreclaimed): its files are never read
+// while something may still write them.
 func (m *Manager) reclaimLost() {
+	m.unreclaimed = map[string]bool{}
 	for _, r := range m.records {
 		if r.Retired {
 			continue
@@ -263,6 +269,7 @@ func (m *Manager) reclaimLost() {
 		cancel()
 		m.audit.lost("reclaimed", r.Route, err)
 		if err != nil {
+			m.unreclaimed[r.Route.SandboxID] = true
 			m.log.Error("reclaiming a lost execution failed", "sandbox", r.Route.SandboxID, "generation", r.Route.Generation, "err", err)
 			continue
 		}
@@ -350,7 +357,7 @@ func (m *Manager) Lost() []identity.Route {
 	defer m.mu.RUnlock()
 	var out []identity.Route
 	for id, r := range m.records {
-		if r.Retired || m.active[id] != nil {
+		if r.Retired || m.active[id] != nil || m.unreclaimed[id] {
 			continue
 		}
 		if m.caps(r.Route).SavesState {

@@ -53,6 +53,9 @@ func (m *Manager) Snapshot(ctx context.Context, route identity.Route, id string)
 	if act != nil && !act.paused.Load() {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: execution must be paused first", route.SandboxID, errdefs.ErrConflict)
 	}
+	if act == nil && m.unreclaimed[route.SandboxID] {
+		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: what is left of the execution could not be ended at the worker's start; its files are not read", route.SandboxID, errdefs.ErrUnavailable)
+	}
 	if m.caps(route).SavesState {
 		return m.snapshotState(ctx, route, act, id)
 	}
