@@ -151,14 +151,14 @@ type Manager struct {
 	// not end at start: something may still write their files, so they
 	// are neither reported lost nor snapshotted. Written only in New.
 	unreclaimed map[string]bool
-	cfg      Config
-	subs     map[string]substrate.Substrate
-	ver      *capability.Verifier
-	snaps    SnapshotStore
-	store    *recordStore
-	audit    *auditLog
-	metrics  *metrics
-	log      *slog.Logger
+	cfg         Config
+	subs        map[string]substrate.Substrate
+	ver         *capability.Verifier
+	snaps       SnapshotStore
+	store       *recordStore
+	audit       *auditLog
+	metrics     *metrics
+	log         *slog.Logger
 	// writeError is Deps.WriteError.
 	writeError ErrorWriter
 
