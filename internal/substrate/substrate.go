@@ -8,6 +8,7 @@ package substrate
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -186,6 +187,43 @@ type Capabilities struct {
 // keeping its files. Idempotent; nothing left is not an error.
 type Reclaimer interface {
 	Reclaim(ctx context.Context, route identity.Route, dir string) error
+}
+
+// Adopter is implemented by substrates whose instances outlive the
+// process that started them: nothing ties a sandbox's life to its
+// worker's, so a worker binary can be restarted or upgraded (or crash)
+// under running sandboxes. After a restart, Adopt takes over the running
+// activation of spec from the state its instance reported when it was
+// started (Adoptable.AdoptState, persisted by the caller with its record).
+// Before it returns the instance, Adopt verifies that what runs is that
+// very activation: the init by pidfd and start time, its executable, its
+// cgroups or VMM, its guest socket, and it takes back what the instance
+// holds on the host (its uid range, its layer). When any check fails it
+// returns an error wrapping ErrNotAdoptable (or a context error) and
+// leaves everything as it found it: the caller then reclaims the
+// leftovers (Reclaimer) and recovers the execution, never serves it.
+// An adopted instance that was paused is still paused (Adoptable.Paused).
+type Adopter interface {
+	Adopt(ctx context.Context, spec Spec, state []byte) (Instance, error)
+}
+
+// ErrNotAdoptable is the class of Adopter.Adopt's verification failures:
+// what runs is not (or no longer) the recorded activation.
+var ErrNotAdoptable = errors.New("not adoptable")
+
+// Adoptable is implemented by the instances of an Adopter.
+type Adoptable interface {
+	// AdoptState is what Adopter.Adopt needs to find and verify this
+	// instance (JSON, opaque to the caller). It is fixed once Start has
+	// returned.
+	AdoptState() []byte
+	// Paused reports whether the instance is paused (frozen) now.
+	Paused() bool
+	// Detach lets go of what this process holds for the instance
+	// (descriptors, watchers, its uid range and layer references) and
+	// leaves it running, to be adopted by the next process. The instance
+	// must not be used afterwards; Done is not closed by it.
+	Detach()
 }
 
 // Availability is implemented by substrates whose usability depends on
