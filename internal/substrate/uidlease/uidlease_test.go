@@ -2,7 +2,13 @@
 
 package uidlease
 
-import "testing"
+import (
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+)
 
 func TestAcquireDistinctAndReleased(t *testing.T) {
 	dir := t.TempDir()
@@ -31,4 +37,61 @@ func TestAcquireDistinctAndReleased(t *testing.T) {
 	if _, err := Acquire(dir, 1<<31, 1<<16, 1<<16, 0); err == nil {
 		t.Fatal("a range past the largest uid was accepted")
 	}
+}
+
+// A range bound to a process stays leased after its holder lets go of the
+// lock (a worker restart), is taken back only for that very process, and
+// is free again once that process is gone.
+func TestBoundRangeOutlivesItsHolder(t *testing.T) {
+	dir := t.TempDir()
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	a, err := Acquire(dir, 100000, 1, 65536, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Bind(cmd.Process.Pid); err != nil {
+		t.Fatal(err)
+	}
+	a.Detach() // the holder is gone; the sandbox runs on
+	if l, err := Acquire(dir, 100000, 1, 65536, 0); err == nil {
+		l.Release()
+		t.Fatal("a range bound to a live process was handed out again")
+	}
+	if _, err := Adopt(dir, 100000, os.Getpid()); !errors.Is(err, ErrNotOwner) {
+		t.Fatalf("adopt for another process: %v, want ErrNotOwner", err)
+	}
+	b, err := Adopt(dir, 100000, cmd.Process.Pid)
+	if err != nil {
+		t.Fatalf("adopt for its owner: %v", err)
+	}
+	if _, err := Acquire(dir, 100000, 1, 65536, 0); err == nil {
+		t.Fatal("an adopted range was handed out again")
+	}
+	b.Detach()
+	cmd.Process.Kill()
+	cmd.Wait()
+	c, err := Acquire(dir, 100000, 1, 65536, 0)
+	if err != nil {
+		t.Fatalf("the range of a dead owner is not free: %v", err)
+	}
+	if _, err := Adopt(dir, 100000, cmd.Process.Pid); err == nil {
+		t.Fatal("adopted a range whose owner died and that was leased again")
+	}
+	c.Release()
+}
+
+func TestMalformedTagIsFree(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "100000"), []byte("garbage ) 1 x\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	l, err := Acquire(dir, 100000, 1, 65536, 0)
+	if err != nil {
+		t.Fatalf("a malformed tag held the range: %v", err)
+	}
+	l.Release()
 }
