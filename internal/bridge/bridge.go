@@ -107,6 +107,13 @@ type Config struct {
 	Expected identity.Route
 	// ManagerPID, when non-zero, is the only process allowed to connect.
 	ManagerPID int
+	// ManagerFile, when set, names the manager process as sbx-manager
+	// wrote it ("<pid> <start time>", WriteManagerFile). A bridge outlives
+	// the manager that launched it (a worker restart or upgrade leaves
+	// sandboxes running), so a connection from another pid than the
+	// current manager's re-reads the file, and the process it names (the
+	// same start time, so not a reused pid) becomes the manager.
+	ManagerFile string
 	// DialTimeout bounds connecting to and verifying the guest. Default 5s.
 	DialTimeout time.Duration
 	Logger      *slog.Logger
@@ -211,6 +218,8 @@ type Bridge struct {
 	closing  atomic.Bool
 
 	closeOnce sync.Once
+	// manager is the pid of the one process allowed to connect (0: any).
+	manager atomic.Int64
 	// verified counts guest connections that passed every check.
 	verified atomic.Uint64
 }
@@ -233,6 +242,7 @@ func New(cfg Config) (*Bridge, error) {
 		return nil, err
 	}
 	b := &Bridge{cfg: cfg, label: cfg.Expected.ExecutionLabel()}
+	b.manager.Store(int64(cfg.ManagerPID))
 	if err := b.record(); err != nil {
 		b.release()
 		return nil, err
@@ -258,16 +268,46 @@ func New(cfg Config) (*Bridge, error) {
 			return context.WithValue(ctx, connKey{}, &guestConn{})
 		},
 		ConnState: func(c net.Conn, s http.ConnState) {
-			if s == http.StateNew && cfg.ManagerPID > 0 {
-				if cred, err := procid.PeerCred(c); err != nil || int(cred.Pid) != cfg.ManagerPID {
-					cfg.Logger.Warn("bridge: rejecting connection from unexpected peer")
-					c.Close()
-				}
+			if s == http.StateNew && !b.fromManager(c) {
+				cfg.Logger.Warn("bridge: rejecting connection from unexpected peer")
+				c.Close()
 			}
 		},
 	}
 	return b, nil
 }
+
+// fromManager reports whether c's peer is the manager: the current one,
+// or the one ManagerFile names now (a restarted manager), which then
+// becomes the current one.
+func (b *Bridge) fromManager(c net.Conn) bool {
+	want := b.manager.Load()
+	if want == 0 {
+		return true
+	}
+	cred, err := procid.PeerCred(c)
+	if err != nil {
+		return false
+	}
+	if int64(cred.Pid) == want {
+		return true
+	}
+	if b.cfg.ManagerFile == "" {
+		return false
+	}
+	pid, err := ReadManagerFile(b.cfg.ManagerFile)
+	if err != nil || pid != int(cred.Pid) {
+		return false
+	}
+	b.manager.Store(int64(pid))
+	b.cfg.Logger.Info("bridge: a new manager took over", "manager_pid", pid)
+	return true
+}
+
+// GuestExited returns a channel closed when the recorded agent (or VMM)
+// process has exited: a bridge outlives its manager, but never its
+// sandbox.
+func (b *Bridge) GuestExited() (<-chan struct{}, error) { return b.guest.Exited() }
 
 // Serve serves manager connections on l until Close. With a vm channel
 // it also ends, with ErrChannelLost, when the channel's connection fails.

@@ -113,9 +113,19 @@ func startGuest(t *testing.T, dir string, id identity.Route, extra http.Handler)
 
 func start(t *testing.T, id identity.Route, extra http.Handler) *env {
 	t.Helper()
+	return startWith(t, id, extra, nil)
+}
+
+// startWith is start with the bridge's Config changed by mutate first.
+func startWith(t *testing.T, id identity.Route, extra http.Handler, mutate func(*Config)) *env {
+	t.Helper()
 	dir := t.TempDir()
 	sock, srv := startGuest(t, dir, id, extra)
-	b, err := New(Config{GuestSocket: sock, GuestPID: os.Getpid(), Expected: want})
+	cfg := Config{GuestSocket: sock, GuestPID: os.Getpid(), Expected: want}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	b, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -533,5 +543,54 @@ func BenchmarkDialGuest(b *testing.B) {
 				gc.conn.Close()
 			}
 		})
+	}
+}
+
+// A bridge outlives the manager that launched it: another process is
+// refused until the manager file names it (with its own start time, so a
+// stale file naming a reused pid does not let anyone in).
+func TestRestartedManagerTakesOverThroughTheManagerFile(t *testing.T) {
+	other := exec.Command("sleep", "60")
+	if err := other.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { other.Process.Kill(); other.Wait() }()
+	file := filepath.Join(t.TempDir(), "manager")
+	e := startWith(t, want, nil, func(c *Config) { c.ManagerPID = other.Process.Pid; c.ManagerFile = file })
+	get := func() error {
+		e.tr.CloseIdleConnections()
+		resp, err := e.client.Get("http://x/echo")
+		if err == nil {
+			resp.Body.Close()
+		}
+		return err
+	}
+	if err := get(); err == nil {
+		t.Fatal("a connection from another process than the manager was served (no manager file)")
+	}
+	st, err := procid.StartTime(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(file, []byte(fmt.Sprintf("%d %d\n", os.Getpid(), st+1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := get(); err == nil {
+		t.Fatal("served a peer the manager file names with another start time")
+	}
+	if err := os.WriteFile(file, []byte("garbage"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := get(); err == nil {
+		t.Fatal("served a peer with a malformed manager file")
+	}
+	if err := WriteManagerFile(file); err != nil {
+		t.Fatal(err)
+	}
+	if err := get(); err != nil {
+		t.Fatalf("the manager the file names was refused: %v", err)
+	}
+	if err := get(); err != nil {
+		t.Fatalf("the new manager's next connection was refused: %v", err)
 	}
 }

@@ -31,6 +31,7 @@ func Main(args []string, stdout, stderr io.Writer, logOpts logsetup.Options) int
 	listen := fs.String("listen", "", "Unix socket path to serve sbx-manager on")
 	expected := fs.String("expected", "", "expected execution identity (JSON)")
 	managerPID := fs.Int("manager-pid", 0, "only accept connections from this pid (0: any)")
+	managerFile := fs.String("manager-file", "", "file naming the manager process (pid and start time): a restarted manager takes over by rewriting it")
 	channel := fs.String("channel", ChannelUnix, "how the guest is reached: unix (one connection per manager connection) or vmchan (one multiplexed connection to a VMM's chardev socket)")
 	activationFile := fs.String("activation-file", "", "vmchan: file holding the ACTIVATE payload (JSON of the guest config)")
 	bootTimeout := fs.Duration("boot-timeout", 60*time.Second, "vmchan: how long to wait for the guest to answer the handshake")
@@ -80,7 +81,7 @@ func Main(args []string, stdout, stderr io.Writer, logOpts logsetup.Options) int
 			return 2
 		}
 	}
-	b, err := New(Config{GuestSocket: *guestSock, GuestPID: *guestPID, Expected: want, ManagerPID: *managerPID, Logger: log,
+	b, err := New(Config{GuestSocket: *guestSock, GuestPID: *guestPID, Expected: want, ManagerPID: *managerPID, ManagerFile: *managerFile, Logger: log,
 		Channel: *channel, Activation: activation, BootTimeout: *bootTimeout})
 	if err != nil {
 		log.Error("refusing to start", "err", err)
@@ -97,9 +98,18 @@ func Main(args []string, stdout, stderr io.Writer, logOpts logsetup.Options) int
 	defer stop()
 	done := make(chan error, 1)
 	go func() { done <- b.Serve(l) }()
+	guestGone, gerr := b.GuestExited()
+	if gerr != nil {
+		guestGone = nil // no pidfds: the manager stops the bridge
+	}
 	fmt.Fprintln(stdout, ReadyLine)
 	select {
 	case err = <-done:
+	case <-guestGone:
+		log.Info("the sandbox's process exited; stopping")
+		b.Close()
+		<-done
+		err = nil
 	case <-ctx.Done():
 		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		b.Shutdown(sctx)

@@ -336,3 +336,65 @@ func control(c net.Conn, f func(fd int)) error {
 	}
 	return nil
 }
+
+// Signal sends sig to the recorded process through its pidfd, so a pid
+// reused since cannot receive it (without pidfds: to the pid, after
+// Check).
+func (h *Handle) Signal(sig unix.Signal) error {
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	if h.closed {
+		return ErrClosed
+	}
+	if h.pidfd >= 0 {
+		return unix.PidfdSendSignal(h.pidfd, sig, nil, 0)
+	}
+	now, err := Read(h.p.PID)
+	if err != nil || !h.p.same(now) {
+		return fmt.Errorf("procid: %w: pid %d changed", ErrMismatch, h.p.PID)
+	}
+	return unix.Kill(h.p.PID, sig)
+}
+
+// Exited returns a channel closed once the recorded process has exited.
+// It serves processes that are not this process's children (adopted after
+// a restart): their pidfd becomes readable when they exit, and Go's
+// netpoller waits for that, so no thread is held per process. It needs a
+// pidfd.
+func (h *Handle) Exited() (<-chan struct{}, error) {
+	h.mu.RLock()
+	if h.closed || h.pidfd < 0 {
+		h.mu.RUnlock()
+		return nil, fmt.Errorf("procid: exited: %w", ErrClosed)
+	}
+	fd, err := unix.FcntlInt(uintptr(h.pidfd), unix.F_DUPFD_CLOEXEC, 0)
+	h.mu.RUnlock()
+	if err != nil {
+		return nil, fmt.Errorf("procid: exited: %w", err)
+	}
+	return WaitPidfd(fd)
+}
+
+// WaitPidfd takes ownership of pidfd (opened with PIDFD_NONBLOCK) and
+// returns a channel closed once its process has exited; the descriptor is
+// closed then.
+func WaitPidfd(pidfd int) (<-chan struct{}, error) {
+	f := os.NewFile(uintptr(pidfd), "pidfd")
+	rc, err := f.SyscallConn()
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("procid: wait pidfd: %w", err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer f.Close()
+		// Read waits (in the netpoller) for readability between calls.
+		_ = rc.Read(func(fd uintptr) bool {
+			fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+			n, err := unix.Poll(fds, 0)
+			return err != nil || n > 0
+		})
+	}()
+	return done, nil
+}

@@ -419,3 +419,42 @@ func copyFile(t *testing.T, from, to string) {
 		t.Fatal(err)
 	}
 }
+
+// Exited closes for a process that is not our child once it exits, and
+// not before; Signal reaches it through the pidfd.
+func TestExitedAndSignal(t *testing.T) {
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	h, err := Open(cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	if !h.HasPidfd() {
+		testenv.Skipf(t, "no pidfds on this kernel")
+	}
+	done, err := h.Exited()
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-done:
+		t.Fatal("Exited closed while the process runs")
+	case <-time.After(100 * time.Millisecond):
+	}
+	if err := h.Signal(unix.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Exited did not close after the process was killed")
+	}
+	cmd.Wait()
+	if err := h.Signal(0); err == nil {
+		t.Fatal("signal to a reaped process succeeded")
+	}
+}
