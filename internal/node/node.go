@@ -62,6 +62,11 @@ type Config struct {
 	Capacity int
 	// DefaultLimits apply to sandboxes (zero: substrate defaults).
 	DefaultLimits spacev1.Limits
+	// KeepSandboxesOnExit leaves the workers' sandboxes running when
+	// they stop, for the next start to re-adopt
+	// (worker.Config.KeepSandboxesOnExit). Default false; the commands'
+	// flag (--keep-sandboxes) defaults to true.
+	KeepSandboxesOnExit bool
 	// UnsafeSkipIdentityChecks is the baseline of the on/off benchmark only.
 	UnsafeSkipIdentityChecks bool
 	// Logger defaults to slog.Default().
@@ -270,6 +275,7 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 	cfg := h.cfg
 	w, err := worker.New(worker.Config{
 		ID: wc.ID, Addr: wc.Addr, StateDir: wc.StateDir, Capacity: cfg.Capacity, Logger: cfg.Logger,
+		KeepSandboxesOnExit: cfg.KeepSandboxesOnExit,
 		Manager: sbxmanager.Config{
 			SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),
 			EnvdVersion: guest.EnvdVersion, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,

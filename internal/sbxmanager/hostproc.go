@@ -19,6 +19,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"syscall"
+	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/logsetup"
@@ -52,7 +53,10 @@ func (m *Manager) launchBridge(dir string) (*bridgeProc, error) {
 	cmd := exec.Command(m.cfg.SpacedHostPath, "--args-from-stdin")
 	cmd.Stderr = logf
 	cmd.Env = append([]string{"GOMAXPROCS=1", "GOGC=50"}, logsetup.Env(m.cfg.ChildLog)...)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
+	// No parent-death signal: a bridge outlives its worker, like its
+	// sandbox, and the next worker takes it over (adopt.go). One that is
+	// never handed a sandbox exits when its stdin closes.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		return nil, fmt.Errorf("bridge: %w", err)
@@ -105,7 +109,8 @@ func (m *Manager) startBridge(ctx context.Context, bp *bridgeProc, inst substrat
 	sock := filepath.Join(dir, "host.sock")
 	want, _ := json.Marshal(r)
 	args := []string{"--guest-socket", inst.GuestSocket(), "--guest-pid", strconv.Itoa(inst.InitPID()),
-		"--listen", sock, "--expected", string(want), "--manager-pid", strconv.Itoa(os.Getpid())}
+		"--listen", sock, "--expected", string(want), "--manager-pid", strconv.Itoa(os.Getpid()),
+		"--manager-file", m.managerFile()}
 	if !caps.Activation {
 		// The agent's executable was hashed here before (once per binary):
 		// spaced-host records the agent without reading it again, unless
@@ -137,13 +142,17 @@ func (m *Manager) startBridge(ctx context.Context, bp *bridgeProc, inst substrat
 	case <-ctx.Done():
 		return fail(fmt.Errorf("spaced-host: %w", ctx.Err()))
 	}
-	cmd, hh, hostDone := bp.cmd, bp.hh, bp.hostDone
-	if err := hh.Check(); err != nil {
+	if err := bp.hh.Check(); err != nil {
 		return fail(fmt.Errorf("spaced-host identity: %w", err))
 	}
-	hp := hh.Process()
+	return m.newActivation(inst, bp.hh, bp.hostDone, sock), nil
+}
+
+// newActivation serves inst through the spaced-host hh listening on sock.
+func (m *Manager) newActivation(inst substrate.Instance, hh *procid.Handle, hostDone <-chan struct{}, sock string) *activation {
+	r := inst.Route()
 	actx, cancel := context.WithCancel(context.Background())
-	a := &activation{route: r, inst: inst, host: cmd, hostProc: hp, hostSock: sock, ctx: actx, cancel: cancel, hostDone: hostDone}
+	a := &activation{route: r, inst: inst, host: hh, hostProc: hh.Process(), hostSock: sock, ctx: actx, cancel: cancel, hostDone: hostDone}
 	// Per connection, never per request: the bridge must be the process
 	// this manager launched, still alive and unchanged.
 	tr, rt := newBridgeTransport(sock, func(c net.Conn) error {
@@ -166,5 +175,22 @@ func (m *Manager) startBridge(ctx context.Context, bp *bridgeProc, inst substrat
 			m.writeError(w, m.unreachable("sandbox bridge", r, err))
 		},
 	}
-	return a, nil
+	return a
+}
+
+// stopHost ends the activation's spaced-host: SIGTERM, then SIGKILL
+// after 3 s, and waits until it has exited.
+func (a *activation) stopHost() {
+	select {
+	case <-a.hostDone:
+		return
+	default:
+	}
+	_ = a.host.Signal(syscall.SIGTERM)
+	select {
+	case <-a.hostDone:
+	case <-time.After(3 * time.Second):
+		_ = a.host.Signal(syscall.SIGKILL)
+		<-a.hostDone
+	}
 }

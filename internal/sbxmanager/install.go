@@ -12,7 +12,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"syscall"
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
@@ -90,6 +89,10 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	if err != nil {
 		log.Error("activation failed", "err", err)
 		return spacev1.InstallResponse{}, fmt.Errorf("install %s: %w", r.SandboxID, err)
+	}
+	rec.Host = newAct.hostProc
+	if ad, ok := newAct.inst.(substrate.Adoptable); ok {
+		rec.Adopt = ad.AdoptState()
 	}
 	t0 := time.Now()
 	if err := m.store.put(rec); err != nil {
@@ -277,13 +280,7 @@ func (m *Manager) stopActivation(a *activation, why string) {
 	a.cancel()
 	a.stopGateway()
 	a.tr.CloseIdleConnections()
-	a.host.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-a.hostDone:
-	case <-time.After(3 * time.Second):
-		a.host.Process.Kill()
-		<-a.hostDone
-	}
+	a.stopHost()
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	if err := a.inst.Stop(ctx); err != nil {

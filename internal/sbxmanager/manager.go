@@ -15,7 +15,6 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"sort"
 	"sync"
@@ -147,7 +146,9 @@ type Manager struct {
 	// exit on its own (watchExit); Close waits for them.
 	watchers sync.WaitGroup
 	onLost   func(identity.Route)
-	// unreclaimed holds the sandboxes whose leftovers reclaimLost could
+	// startReport is what adoptAll found at start.
+	startReport StartReport
+	// unreclaimed holds the sandboxes whose leftovers adoptAll could
 	// not end at start: something may still write their files, so they
 	// are neither reported lost nor snapshotted. Written only in New.
 	unreclaimed map[string]bool
@@ -176,9 +177,10 @@ type Manager struct {
 
 // activation is one running activation with its bridge.
 type activation struct {
-	route    identity.Route
-	inst     substrate.Instance
-	host     *exec.Cmd
+	route identity.Route
+	inst  substrate.Instance
+	// host is the spaced-host (a pidfd), hostProc its recorded identity.
+	host     *procid.Handle
 	hostProc procid.Process
 	hostSock string
 	proxy    *httputil.ReverseProxy
@@ -187,8 +189,9 @@ type activation struct {
 	// execution is replaced, retired or torn down.
 	ctx    context.Context
 	cancel context.CancelFunc
-	// hostDone is closed when the bridge process has been reaped.
-	hostDone chan struct{}
+	// hostDone is closed when the bridge process has exited (reaped, for
+	// one this manager launched).
+	hostDone <-chan struct{}
 	// paused is set while the sandbox is frozen (lifecycle.go).
 	paused atomic.Bool
 	// gwState is the activation's service-port gateway, started on the
@@ -243,38 +246,8 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{},
 		writeError: deps.WriteError, onLost: deps.OnLost,
 	}
-	m.reclaimLost()
+	m.adoptAll()
 	return m, nil
-}
-
-// reclaimLost ends what survived of the executions on record, none of
-// which runs in this new process (the worker restarted): a substrate that
-// can (substrate.Reclaimer) kills their leftovers (a paused sandbox's
-// frozen tasks) and releases their disks, so a recovery can read their
-// files. A failure is logged and audited, and that sandbox is neither
-// reported lost nor snapshotted (unreclaimed): its files are never read
-// while something may still write them.
-func (m *Manager) reclaimLost() {
-	m.unreclaimed = map[string]bool{}
-	for _, r := range m.records {
-		if r.Retired {
-			continue
-		}
-		rc, ok := m.subs[r.Route.Substrate].(substrate.Reclaimer)
-		if !ok {
-			continue
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), m.cfg.StartTimeout)
-		err := rc.Reclaim(ctx, r.Route, r.Dir)
-		cancel()
-		m.audit.lost("reclaimed", r.Route, err)
-		if err != nil {
-			m.unreclaimed[r.Route.SandboxID] = true
-			m.log.Error("reclaiming a lost execution failed", "sandbox", r.Route.SandboxID, "generation", r.Route.Generation, "err", err)
-			continue
-		}
-		m.log.Info("lost execution reclaimed", "sandbox", r.Route.SandboxID, "generation", r.Route.Generation)
-	}
 }
 
 func (m *Manager) lockSandbox(id string) func() {

@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -68,6 +69,9 @@ type fakeSubstrate struct {
 	startGate chan struct{}
 	// startErr, when set, fails every start.
 	startErr error
+	// reportGeneration, when set, is the generation every guest reports
+	// as its own (a guest that is not the execution it should be).
+	reportGeneration atomic.Uint64
 }
 
 type fakeInstance struct {
@@ -119,7 +123,13 @@ func (f *fakeSubstrate) Start(ctx context.Context, spec substrate.Spec) (substra
 	}
 	route := spec.Route
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /_space/identity", func(w http.ResponseWriter, r *http.Request) { json.NewEncoder(w).Encode(route) })
+	mux.HandleFunc("GET /_space/identity", func(w http.ResponseWriter, r *http.Request) {
+		id := route
+		if g := f.reportGeneration.Load(); g != 0 {
+			id.Generation = g
+		}
+		json.NewEncoder(w).Encode(id)
+	})
 	mux.HandleFunc("/files", func(w http.ResponseWriter, r *http.Request) {
 		if d, err := time.ParseDuration(r.URL.Query().Get("delay")); err == nil {
 			time.Sleep(d)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/procid"
 )
 
 var bucketRecords = []byte("records")
@@ -25,6 +26,14 @@ type record struct {
 	Limits    spacev1.Limits    `json:"limits"`
 	Dir       string            `json:"dir"`
 	Installed time.Time         `json:"installed"`
+	// Host is the spaced-host serving the activation, as recorded at its
+	// launch (pid, start time, executable and its SHA-256): a restarted
+	// manager adopts the activation only through exactly that process.
+	Host procid.Process `json:"host"`
+	// Adopt is what the substrate needs to adopt the activation's
+	// instance after a restart (substrate.Adoptable.AdoptState); empty
+	// for a substrate without adoption.
+	Adopt json.RawMessage `json:"adopt,omitempty"`
 	// restoreState is the instance state file an install restores (a
 	// substrate that saves state); not persisted.
 	restoreState string

@@ -226,6 +226,16 @@ type Adoptable interface {
 	Detach()
 }
 
+// Sweeper is implemented by substrates that can find their running
+// sandboxes without a record: at a worker's start, Sweep ends (like
+// Reclaimer) every sandbox of this substrate's worker whose name
+// ("<sandbox>-<activation>") keep rejects: one started by a worker that
+// died before it recorded it, or any leftover of a crash. It returns how
+// many it ended.
+type Sweeper interface {
+	Sweep(ctx context.Context, keep func(name string) bool) (swept int, err error)
+}
+
 // Availability is implemented by substrates whose usability depends on
 // the host and was found when they were made (the microvm substrate boots
 // a probe guest under each accelerator). It is optional: callers check for

@@ -31,6 +31,11 @@ type PlatformOptions struct {
 	LogLevel string
 	// Args are more `space up` flags.
 	Args []string
+	// KeepSandboxes is --keep-sandboxes: Stop leaves the sandboxes
+	// running for the next LaunchPlatform on Dir to re-adopt. Default
+	// false, so a test's sandboxes end with its platform (after Kill, a
+	// crash, they run on until a platform on Dir stops them).
+	KeepSandboxes bool
 	// Dir holds the data dir (Dir/data) and the log (Dir/space-up.log);
 	// Stop removes it after a clean exit. Default: a new temp dir.
 	Dir string
@@ -153,7 +158,8 @@ func LaunchPlatform(o PlatformOptions) (_ *Platform, err error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	p.cancel = cancel
 	args := append([]string{"up", "--api-addr", p.APIAddr, "--edge-addr", p.EdgeAddr, "--data-dir", p.DataDir,
-		"--api-key", o.APIKey, "--workers", strconv.Itoa(o.Workers), "--log-level", o.LogLevel}, o.Args...)
+		"--api-key", o.APIKey, "--workers", strconv.Itoa(o.Workers), "--log-level", o.LogLevel,
+		"--keep-sandboxes=" + strconv.FormatBool(o.KeepSandboxes)}, o.Args...)
 	cmd := exec.CommandContext(ctx, filepath.Join(bin, "space"), args...)
 	cmd.Env, cmd.Stdin, cmd.ExtraFiles, cmd.SysProcAttr = o.Env, o.Stdin, o.ExtraFiles, o.SysProcAttr
 	cmd.Stderr = logf

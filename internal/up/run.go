@@ -29,6 +29,7 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	fs.StringVar(&cfg.VMAccel, "vm-accel", "", "force the microvm accelerator, kvm or tcg (default: boot a probe guest under kvm, then tcg, and use the first that works)")
 	fs.StringVar(&cfg.Domain, "domain", DefaultDomain, "public sandbox domain for <port>-<id>.<domain>")
 	fs.BoolVar(&cfg.NSNoUserNamespaces, "no-user-namespaces", false, "run ns sandboxes without user namespaces (root in a sandbox is then host root for uid checks)")
+	fs.BoolVar(&cfg.KeepSandboxesOnExit, "keep-sandboxes", true, "leave the sandboxes running when space up stops (SIGTERM, Ctrl-C); the next start on the same --data-dir re-adopts them. false: stop them")
 	fs.BoolVar(&cfg.NSNoDiskQuota, "no-disk-quota", false, "keep ns sandboxes' writable layers in plain directories (no per-sandbox disk quota)")
 	etcd := fs.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
 	logOpts := logsetup.Flags(fs, logsetup.Options{Format: getenv(logsetup.EnvFormat), Level: getenv(logsetup.EnvLevel)})
@@ -65,6 +66,10 @@ export E2B_SANDBOX_URL=%s
 export E2B_API_KEY=%s
 `, len(p.Workers), p.APIURL, p.SandboxURL, p.APIKey, keyNote, p.APIURL, p.SandboxURL, p.APIKey)
 	<-ctx.Done()
-	fmt.Fprintln(stderr, "space up: shutting down")
+	if cfg.KeepSandboxesOnExit {
+		fmt.Fprintln(stderr, "space up: shutting down; sandboxes keep running and are re-adopted at the next start on this --data-dir (--keep-sandboxes=false stops them)")
+	} else {
+		fmt.Fprintln(stderr, "space up: shutting down and stopping the sandboxes")
+	}
 	return 0
 }

@@ -77,6 +77,10 @@ type Config struct {
 	NSNoUserNamespaces, NSNoDiskQuota bool
 	// DefaultLimits apply to sandboxes (zero: substrate defaults).
 	DefaultLimits spacev1.Limits
+	// KeepSandboxesOnExit leaves the sandboxes running when the platform
+	// stops; the next start on DataDir re-adopts them (node.Config).
+	// Default false; `space up --keep-sandboxes` defaults to true.
+	KeepSandboxesOnExit bool
 	// UnsafeSkipIdentityChecks is the baseline of the on/off benchmark only.
 	UnsafeSkipIdentityChecks bool
 	// Logger defaults to slog.Default(); `space up` builds it with
@@ -225,7 +229,8 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		VMKernelDir: cfg.VMKernelDir, VMAccel: cfg.VMAccel, VMPrewarm: cfg.VMPrewarm, VMNoTemplates: cfg.VMNoTemplates,
 		NSNoUserNamespaces: cfg.NSNoUserNamespaces, NSNoDiskQuota: cfg.NSNoDiskQuota,
 		Capacity: cfg.Capacity, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
-		Logger: log, Log: cfg.Log,
+		KeepSandboxesOnExit: cfg.KeepSandboxesOnExit,
+		Logger:              log, Log: cfg.Log,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("up: %w", err)

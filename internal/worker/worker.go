@@ -54,6 +54,12 @@ type Config struct {
 	LeaseTTL time.Duration
 	// BundleWait bounds waiting for the first key bundle. Default 15s.
 	BundleWait time.Duration
+	// KeepSandboxesOnExit leaves the sandboxes running when the worker
+	// stops (Run returns): the next worker started on StateDir re-adopts
+	// them, so a restart or an upgrade of the worker binary loses nothing.
+	// Default false: a stopping worker stops its sandboxes (records are
+	// kept either way). A worker that dies leaves them running regardless.
+	KeepSandboxesOnExit bool
 	// Manager is passed to sbx-manager (its WorkerID, StateDir and Logger
 	// are set from this Config's).
 	Manager sbxmanager.Config
@@ -205,7 +211,8 @@ func writeBundle(path string, b capability.Bundle) error {
 
 // Run keeps the bundle current, serves node-api, registers the worker once
 // a bundle is installed, and on ctx's end deregisters, stops serving and
-// stops every activation, in that order.
+// stops every activation (or, with KeepSandboxesOnExit, leaves them
+// running for the next worker), in that order.
 func (w *Worker) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -241,7 +248,11 @@ func (w *Worker) Run(ctx context.Context) error {
 		cancel()
 		wg.Wait()
 		ret.wg.Wait()
-		w.mgr.Close()
+		if w.cfg.KeepSandboxesOnExit {
+			w.mgr.Detach()
+		} else {
+			w.mgr.Close()
+		}
 	}()
 
 	select {
