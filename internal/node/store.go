@@ -27,6 +27,10 @@ type sandboxWatch struct{ st *store.Store }
 
 func (s sandboxWatch) WatchSandboxes(ctx context.Context, fn func(worker.SandboxEvent)) error {
 	return s.st.WatchSandboxes(ctx, func(ev store.SandboxEvent) {
+		if ev.Synced {
+			fn(worker.SandboxEvent{Synced: true})
+			return
+		}
 		fn(worker.SandboxEvent{SandboxID: ev.Record.ID, Deleted: ev.Deleted, Ended: ev.Record.State.Terminal(), Route: ev.Record.Route})
 	})
 }

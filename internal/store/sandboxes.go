@@ -314,10 +314,15 @@ type SandboxEvent struct {
 	Deleted  bool
 	Record   SandboxRecord
 	Revision int64
+	// Synced marks the end of a full listing: every record that existed
+	// at Revision was delivered before it (and Record is empty). A
+	// consumer can then tell what the store no longer holds.
+	Synced bool
 }
 
-// WatchSandboxes calls fn with an event for every existing record, then for
-// every change, until ctx ends (it then returns ctx.Err()). After a broken
+// WatchSandboxes calls fn with an event for every existing record and a
+// Synced event, then for every change, until ctx ends (it then returns
+// ctx.Err()). After a broken
 // watch it re-reads all records: fn sees the current record again for each,
 // and a Deleted event for records that vanished in the gap. Consumers must be
 // idempotent. fn runs on the watching goroutine.
@@ -346,6 +351,7 @@ func (s *Store) WatchSandboxes(ctx context.Context, fn func(SandboxEvent)) error
 			}
 		}
 		known = seen
+		fn(SandboxEvent{Synced: true, Revision: resp.Header.Revision})
 	}, func(ev *clientv3.Event) {
 		id := strings.TrimPrefix(string(ev.Kv.Key), sandboxesPrefix)
 		if ev.Type == clientv3.EventTypeDelete {

@@ -392,3 +392,34 @@ func TestRestartAfterRetireServesNothing(t *testing.T) {
 		t.Fatalf("reinstall retired: %d", s)
 	}
 }
+
+// At start the worker reconciles its records with the control plane's
+// first full listing: an execution whose sandbox the control plane no
+// longer holds (purged while the worker was down: no event will ever name
+// it) is retired; one the listing names is left alone.
+func TestRestartReconciles(t *testing.T) {
+	e := newNSEnv(t)
+	a := e.worker("wa")
+	kept, gone := nsRoute(1, "wa"), nsRoute(1, "wa")
+	gone.SandboxID = "sbxgone"
+	var ir spacev1.InstallResponse
+	for _, r := range []identity.Route{kept, gone} {
+		if s := e.control(a, spacev1.NodePathInstall, r, spacev1.InstallRequest{Route: r, Template: "base"}, &ir); s != 200 {
+			t.Fatalf("install %s: %d", r.SandboxID, s)
+		}
+	}
+	a.stop()
+	a2 := e.worker("wa")
+	a2.events <- SandboxEvent{SandboxID: kept.SandboxID, Route: kept}
+	a2.events <- SandboxEvent{Synced: true}
+	waitFor(t, "retirement of the forgotten sandbox", func() bool { rec, _ := a2.Manager().Installed(gone.SandboxID); return rec.Retired })
+	if rec, _ := a2.Manager().Installed(kept.SandboxID); rec.Retired {
+		t.Fatal("a sandbox the control plane still holds was retired")
+	}
+	// A later listing that misses a sandbox installed since changes nothing.
+	a2.events <- SandboxEvent{Synced: true}
+	time.Sleep(200 * time.Millisecond)
+	if rec, _ := a2.Manager().Installed(kept.SandboxID); rec.Retired {
+		t.Fatal("a second listing retired a sandbox")
+	}
+}

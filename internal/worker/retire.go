@@ -22,10 +22,14 @@ type SandboxEvent struct {
 	// Route is the sandbox's current (or, when Ended, last) execution as
 	// published by the control plane. Zero while none is published yet.
 	Route identity.Route
+	// Synced marks the end of a full listing: every sandbox record the
+	// control plane holds was delivered before it (the other fields are
+	// empty).
+	Synced bool
 }
 
-// SandboxWatcher delivers an event for every existing sandbox record, then
-// for every change, until ctx ends (a broken watch resyncs and may repeat
+// SandboxWatcher delivers an event for every existing sandbox record and a
+// Synced event, then for every change, until ctx ends (a broken watch resyncs and may repeat
 // events: consumers are idempotent). fn runs on the watching goroutine.
 type SandboxWatcher interface {
 	WatchSandboxes(ctx context.Context, fn func(SandboxEvent)) error
@@ -69,6 +73,11 @@ type retirer struct {
 
 	mu      sync.Mutex
 	pending map[string]bool // sandboxes being retired
+	// known are the sandboxes the control plane holds, as the watch has
+	// told so far; atStart are the sandboxes this worker had records of
+	// when it started (nil once reconciled).
+	known   map[string]bool
+	atStart []identity.Record
 }
 
 // handle runs on the watch goroutine: the decision is local and cheap; the
@@ -77,10 +86,51 @@ type retirer struct {
 // re-checks the installed record under the sandbox lock, so a retirement
 // decided from an old record never touches a newer install.
 func (r *retirer) handle(ctx context.Context, ev SandboxEvent) {
+	if ev.Synced {
+		r.reconcile(ctx)
+		return
+	}
+	r.mu.Lock()
+	if ev.Deleted {
+		delete(r.known, ev.SandboxID)
+	} else {
+		r.known[ev.SandboxID] = true
+	}
+	r.mu.Unlock()
 	installed, ok := r.w.mgr.Installed(ev.SandboxID)
 	if !ok || !supersedes(ev, installed) {
 		return
 	}
+	r.retire(ctx, ev, installed)
+}
+
+// reconcile runs at the first full listing after the worker started: an
+// execution this worker had on record at start whose sandbox the control
+// plane no longer holds at all (killed and purged while the worker was
+// down, so no event will ever name it) is retired, as a deleted record
+// would retire it. Later listings change nothing here: a sandbox created
+// since the start cannot be missing from one (its record is written
+// before any install).
+func (r *retirer) reconcile(ctx context.Context) {
+	r.mu.Lock()
+	recs := r.atStart
+	r.atStart = nil
+	var gone []identity.Record
+	for _, rec := range recs {
+		if !rec.Retired && !r.known[rec.Route.SandboxID] {
+			gone = append(gone, rec)
+		}
+	}
+	r.mu.Unlock()
+	for _, rec := range gone {
+		r.w.log.Warn("reconciling at start: the control plane no longer holds this sandbox; retiring its execution",
+			"sandbox", rec.Route.SandboxID, "generation", rec.Route.Generation)
+		r.retire(ctx, SandboxEvent{SandboxID: rec.Route.SandboxID, Deleted: true}, rec)
+	}
+}
+
+// retire retires installed (ev decided it) on a goroutine of its own.
+func (r *retirer) retire(ctx context.Context, ev SandboxEvent, installed identity.Record) {
 	r.mu.Lock()
 	if r.pending[ev.SandboxID] {
 		r.mu.Unlock()
