@@ -19,10 +19,12 @@ import (
 	"github.com/spacesbx/space/sdk"
 )
 
-// After a crash of `space up` (SIGKILL: every sandbox's processes die
-// with it) and a restart on the same data, the running sandboxes come back
-// by themselves as new executions and the paused ones resume, each with
-// its id, files, metadata and timeout; all run commands again.
+// After a crash of `space up` (SIGKILL) in which every sandbox's
+// processes died too (here: their inits are killed after it; sandboxes
+// outlive their worker, so it takes a second failure) and a restart on the
+// same data, nothing can be re-adopted: the running sandboxes come back by
+// themselves as new executions and the paused ones resume, each with its
+// id, files, metadata and timeout; all run commands again.
 func TestCrashAndRestartLosesNoSandbox(t *testing.T) {
 	testenv.RequirePlatform(t)
 	const perKind = 3
@@ -55,8 +57,22 @@ func TestCrashAndRestartLosesNoSandbox(t *testing.T) {
 			t.Fatalf("pause: %d", code)
 		}
 	}
+	var inits []int
+	for _, b := range before {
+		pid, err := bench.AgentPID(b.Route)
+		if err != nil {
+			t.Fatal(err)
+		}
+		inits = append(inits, pid)
+	}
 	if err := p1.Kill(); err != nil {
 		t.Fatal(err)
+	}
+	for _, pid := range inits {
+		// A paused sandbox's frozen init dies once its reclaim thaws it.
+		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil && err != syscall.ESRCH {
+			t.Fatalf("kill sandbox init %d: %v", pid, err)
+		}
 	}
 
 	opts.LogLevel = "info"
@@ -140,6 +156,9 @@ func TestCrashAndRestartLosesNoSandbox(t *testing.T) {
 	}
 	if log := p2.Log(); !strings.Contains(log, "recovering a sandbox whose execution was lost") || !strings.Contains(log, "paused execution lost") {
 		t.Errorf("the control plane did not log its recovery decisions")
+	}
+	if n := auditCount(t, p2, `"decision":"not-adopted"`); n != 2*perKind {
+		t.Errorf("the workers audited %d executions that failed adoption, want %d", n, 2*perKind)
 	}
 	if n := auditCount(t, p2, `"decision":"reclaimed"`); n != 2*perKind {
 		t.Errorf("the workers audited %d reclaimed executions, want %d", n, 2*perKind)
