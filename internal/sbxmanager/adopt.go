@@ -251,10 +251,14 @@ func stopAdoptedHost(hh *procid.Handle) {
 // probes the guest through it. On error the caller stops both.
 func (m *Manager) adoptBridge(ctx context.Context, rec record, inst substrate.Instance, hh *procid.Handle) (*activation, error) {
 	r := rec.Route
-	hostDone, err := hh.Exited()
+	exited, err := hh.Exited()
 	if err != nil {
 		return nil, fmt.Errorf("%w: spaced-host: %v", substrate.ErrNotAdoptable, err)
 	}
+	// As for a bridge this manager launched: the handle is closed once
+	// the process is gone, so every later check fails closed.
+	hostDone := make(chan struct{})
+	go func() { <-exited; hh.Close(); close(hostDone) }()
 	act := m.newActivation(inst, hh, hostDone, filepath.Join(rec.Dir, "host.sock"))
 	fail := func(err error) (*activation, error) {
 		act.cancel()

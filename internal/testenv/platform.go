@@ -31,6 +31,8 @@ type PlatformOptions struct {
 	LogLevel string
 	// Args are more `space up` flags.
 	Args []string
+	// BinDir holds the binaries to run. Default: BinDir().
+	BinDir string
 	// KeepSandboxes is --keep-sandboxes: Stop leaves the sandboxes
 	// running for the next LaunchPlatform on Dir to re-adopt. Default
 	// false, so a test's sandboxes end with its platform (after Kill, a
@@ -127,9 +129,11 @@ func RequirePlatform(t testing.TB) {
 // TestMain). Callers check the tier first (RequirePlatform).
 func LaunchPlatform(o PlatformOptions) (_ *Platform, err error) {
 	o = o.withDefaults()
-	bin, cleanup, err := BinDir()
-	if err != nil {
-		return nil, err
+	bin, cleanup, err := o.BinDir, func() {}, error(nil)
+	if bin == "" {
+		if bin, cleanup, err = BinDir(); err != nil {
+			return nil, err
+		}
 	}
 	p := &Platform{BinDir: bin, APIKey: o.APIKey, Dir: o.Dir, cleanup: cleanup}
 	defer func() {
