@@ -37,6 +37,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/bridge"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/procid"
 	"github.com/spacesbx/space/internal/substrate"
@@ -108,6 +109,7 @@ func (m *Manager) adoptAll() {
 	for _, res := range out {
 		r := res.rec.Route
 		if res.err == nil {
+			res.act.awaitingView.Store(true)
 			m.active[r.SandboxID] = res.act
 			m.watchers.Add(1)
 			go m.watchExit(res.act)
@@ -320,6 +322,24 @@ func (m *Manager) probe(ctx context.Context, act *activation) error {
 		return fmt.Errorf("%w: guest reports %s, not %s", substrate.ErrNotAdoptable, body, r)
 	}
 	return nil
+}
+
+// ConfirmAdopted lets requests reach the activations adopted at start:
+// the caller has applied the control plane's view (retired what it no
+// longer runs). Until then they answer 503 with a Retry-After.
+func (m *Manager) ConfirmAdopted() {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	for _, a := range m.active {
+		a.awaitingView.Store(false)
+	}
+}
+
+// awaitingViewError is the answer to a request for an adopted activation
+// before ConfirmAdopted.
+func awaitingViewError(sandbox string) error {
+	return errdefs.WithRetryAfter(fmt.Errorf("%w: execution of %s was re-adopted after a worker restart and is served once the control plane's view is applied",
+		errdefs.ErrUnavailable, sandbox), time.Second)
 }
 
 // identityPath is where the guest reports its identity (bridge's check 5).

@@ -152,6 +152,12 @@ func TestDetachedExecutionsAreReadopted(t *testing.T) {
 	defer srv.Close()
 	f.srv = srv
 	f.m = m2
+	// Nothing is served until the worker has applied the control plane's
+	// view (a sandbox killed meanwhile is retired first).
+	if resp, body := f.get(t, "/files?path=x", f.token(t, route("sbxa", 1), capability.PurposeFiles)); resp.StatusCode != http.StatusServiceUnavailable {
+		t.Fatalf("before the control plane's view: %d %q", resp.StatusCode, body)
+	}
+	m2.ConfirmAdopted()
 	resp, body := f.get(t, "/files?path=x", f.token(t, route("sbxa", 1), capability.PurposeFiles))
 	if resp.StatusCode != 200 || body != "file of sbxa gen 1" || resp.Header.Get(spacev1.HeaderExecution) != "sbxa/1/e1" {
 		t.Fatalf("after adoption: %d %q %q", resp.StatusCode, body, resp.Header.Get(spacev1.HeaderExecution))

@@ -389,6 +389,10 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		m.writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
 		return
 	}
+	if act.awaitingView.Load() {
+		m.writeError(w, awaitingViewError(ad.Claims.SandboxID))
+		return
+	}
 	if act.paused.Load() {
 		m.writeError(w, pausedError(ad.Claims.SandboxID)) // never into a frozen guest
 		return
@@ -409,6 +413,10 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		return
 	case gw == nil:
 		m.writeError(w, fmt.Errorf("%w: no service-port gateway for %s on this worker", errdefs.ErrUnavailable, ad.Claims.SandboxID))
+		return
+	}
+	if act.awaitingView.Load() {
+		m.writeError(w, awaitingViewError(ad.Claims.SandboxID))
 		return
 	}
 	if proto == gateway.ProtocolHTTP {

@@ -194,6 +194,11 @@ type activation struct {
 	hostDone <-chan struct{}
 	// paused is set while the sandbox is frozen (lifecycle.go).
 	paused atomic.Bool
+	// awaitingView is set on an activation adopted at start until the
+	// worker has the control plane's view (ConfirmAdopted): a sandbox
+	// killed or moved while the worker was down is retired then, before
+	// any request reaches it.
+	awaitingView atomic.Bool
 	// gwState is the activation's service-port gateway, started on the
 	// first service-port request (nil: none, the substrate gives no
 	// network namespace).

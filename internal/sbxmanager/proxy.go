@@ -61,6 +61,10 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		m.writeError(w, fmt.Errorf("%w: execution of %s is installed but not active on this worker", errdefs.ErrUnavailable, sandbox))
 		return
 	}
+	if act.awaitingView.Load() {
+		m.writeError(w, awaitingViewError(sandbox))
+		return
+	}
 	// Replaced, retired or torn down since admission: the lease has ended.
 	ctx, release, ok := act.leaseContext(r.Context())
 	if !ok {

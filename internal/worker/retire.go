@@ -72,12 +72,13 @@ type retirer struct {
 	wg sync.WaitGroup
 
 	mu      sync.Mutex
-	pending map[string]bool // sandboxes being retired
+	pending map[string]chan struct{} // sandboxes being retired (closed when done)
 	// known are the sandboxes the control plane holds, as the watch has
 	// told so far; atStart are the sandboxes this worker had records of
 	// when it started (nil once reconciled).
 	known   map[string]bool
 	atStart []identity.Record
+	synced  bool
 }
 
 // handle runs on the watch goroutine: the decision is local and cheap; the
@@ -113,8 +114,8 @@ func (r *retirer) handle(ctx context.Context, ev SandboxEvent) {
 // before any install).
 func (r *retirer) reconcile(ctx context.Context) {
 	r.mu.Lock()
-	recs := r.atStart
-	r.atStart = nil
+	recs, first := r.atStart, !r.synced
+	r.atStart, r.synced = nil, true
 	var gone []identity.Record
 	for _, rec := range recs {
 		if !rec.Retired && !r.known[rec.Route.SandboxID] {
@@ -127,16 +128,36 @@ func (r *retirer) reconcile(ctx context.Context) {
 			"sandbox", rec.Route.SandboxID, "generation", rec.Route.Generation)
 		r.retire(ctx, SandboxEvent{SandboxID: rec.Route.SandboxID, Deleted: true}, rec)
 	}
+	if first {
+		// Adopted executions are served once every retirement the view
+		// called for (this listing's events included) is done.
+		r.mu.Lock()
+		var inflight []chan struct{}
+		for _, c := range r.pending {
+			inflight = append(inflight, c)
+		}
+		r.mu.Unlock()
+		r.wg.Add(1)
+		go func() {
+			defer r.wg.Done()
+			for _, c := range inflight {
+				<-c
+			}
+			r.w.mgr.ConfirmAdopted()
+			r.w.log.Info("control plane's view applied; re-adopted executions are served")
+		}()
+	}
 }
 
 // retire retires installed (ev decided it) on a goroutine of its own.
 func (r *retirer) retire(ctx context.Context, ev SandboxEvent, installed identity.Record) {
 	r.mu.Lock()
-	if r.pending[ev.SandboxID] {
+	if _, busy := r.pending[ev.SandboxID]; busy {
 		r.mu.Unlock()
 		return
 	}
-	r.pending[ev.SandboxID] = true
+	done := make(chan struct{})
+	r.pending[ev.SandboxID] = done
 	r.mu.Unlock()
 	r.wg.Add(1)
 	go func() {
@@ -145,6 +166,7 @@ func (r *retirer) retire(ctx context.Context, ev SandboxEvent, installed identit
 			r.mu.Lock()
 			delete(r.pending, ev.SandboxID)
 			r.mu.Unlock()
+			close(done)
 		}()
 		why := "route moved to " + ev.Route.String()
 		if ev.Deleted || ev.Ended {

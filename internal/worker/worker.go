@@ -239,10 +239,12 @@ func (w *Worker) Run(ctx context.Context) error {
 	}()
 	apiErr := make(chan error, 1)
 	go func() { defer wg.Done(); apiErr <- w.api.Run(ctx) }()
-	ret := &retirer{w: w, pending: map[string]bool{}, known: map[string]bool{}, atStart: w.mgr.Records()}
+	ret := &retirer{w: w, pending: map[string]chan struct{}{}, known: map[string]bool{}, atStart: w.mgr.Records()}
 	if w.deps.Sandboxes != nil {
 		wg.Add(1)
 		go func() { defer wg.Done(); w.watchSandboxes(ctx, ret) }()
+	} else {
+		w.mgr.ConfirmAdopted() // no control-plane view to wait for
 	}
 	defer func() {
 		cancel()
