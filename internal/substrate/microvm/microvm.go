@@ -136,8 +136,9 @@ import (
 
 // Names of the entries of an activation directory.
 const (
-	SocketName = "guest.sock"
-	ConsoleLog = "console.log"
+	SocketName    = "guest.sock"
+	QMPSocketName = "qmp.sock"
+	ConsoleLog    = "console.log"
 	maxLogSize = 4 << 20
 )
 
@@ -388,7 +389,8 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 	}
 	inst := &instance{
 		s: s, route: spec.Route, dir: spec.Dir, socket: filepath.Join(spec.Dir, SocketName),
-		imageID: imgID, shape: l.shape, lim: lim, done: make(chan struct{}),
+		qmpPath: filepath.Join(spec.Dir, QMPSocketName), imageID: imgID, shape: l.shape, accel: s.accel,
+		done: make(chan struct{}),
 	}
 	fail := func(err error) (*instance, error) {
 		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -422,8 +424,8 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 	if err != nil {
 		return fail(err)
 	}
-	defer lf.closeAll()
-	extra := []*os.File{lf.listener, lf.qmpChild, lf.kernel, lf.initrd, lf.env}
+	defer lf.close()
+	extra := []*os.File{lf.listener, lf.qmpListener, lf.kernel, lf.initrd, lf.env}
 	if state != nil {
 		l.incomingFD = fdAgent + len(extra)
 		extra = append(extra, state)
@@ -432,24 +434,39 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 		l.ramFD = fdAgent + len(extra)
 		extra = append(extra, l.ram)
 	}
+	// QEMU writes its console into a pipe this process copies into
+	// console.log (capped); the pipe breaks when this process is gone.
+	consoleR, consoleW, err := os.Pipe()
+	if err != nil {
+		return fail(err)
+	}
+	inst.console, inst.copied = consoleR, make(chan struct{})
+	go inst.copyConsole() // owned: Stop and Detach wait for it
 	cmd := &exec.Cmd{
 		Path:       s.cfg.QEMUPath,
 		Args:       append([]string{"qemu-system-x86_64"}, s.qemuArgs(l)...),
 		Env:        []string{},
 		Dir:        "/",
 		Stdin:      nil,
-		Stdout:     inst.log,
-		Stderr:     inst.log,
+		Stdout:     consoleW,
+		Stderr:     consoleW,
 		ExtraFiles: extra,
-		WaitDelay:  2 * time.Second,
 		SysProcAttr: &syscall.SysProcAttr{
 			Credential: cred,
-			Pdeathsig:  syscall.SIGKILL,
-			Setsid:     true,
+			// A session of its own: signals to the worker's process group
+			// or terminal do not reach QEMU.
+			Setsid: true,
 		},
 	}
+	if templateRAM != nil {
+		// A template is the substrate's own: it dies with this process.
+		// A sandbox's QEMU outlives it, to be adopted by the next one.
+		cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
+	}
 	var startErr error
-	if err := s.spawner.Do(func() { startErr = cmd.Start() }); err != nil {
+	err = s.spawner.Do(func() { startErr = cmd.Start() })
+	consoleW.Close() // QEMU holds its copy: EOF comes when QEMU exits
+	if err != nil {
 		return fail(fmt.Errorf("microvm: %w", err))
 	}
 	if startErr != nil {
@@ -457,14 +474,41 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 	}
 	inst.cmd = cmd
 	inst.pid = cmd.Process.Pid
+	if lease != nil {
+		// The uid stays QEMU's for as long as QEMU lives, whether or not
+		// this process does.
+		if err := lease.l.Bind(inst.pid); err != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			inst.cmd = nil
+			return fail(err)
+		}
+	}
+	if inst.pidfd, err = openPidfd(inst.pid); err != nil {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		inst.cmd = nil
+		return fail(err)
+	}
 	inst.wg.Add(1)
-	go inst.wait()
-	lf.close() // QEMU holds its copies; the listener must be QEMU's alone
+	go inst.watch()
+	lf.close() // QEMU holds its copies; the listeners must be QEMU's alone
 	if state != nil {
 		state.Close()
 	}
-	q, err := newQMP(ctx, lf.qmp)
-	lf.qmp = nil // the client owns it now
+	id, err := identify(inst.pidfd, inst.pid)
+	if err != nil {
+		return fail(fmt.Errorf("qemu %d: %w", inst.pid, err))
+	}
+	id.Leased = lease != nil
+	if err := inst.record(id); err != nil {
+		return fail(err)
+	}
+	conn, err := dialQMP(ctx, inst.qmpPath, nil)
+	if err != nil {
+		return fail(err)
+	}
+	q, err := newQMP(ctx, conn)
 	if err != nil {
 		return fail(err)
 	}
