@@ -49,8 +49,11 @@
 // # Activation directory (Spec.Dir)
 //
 //	guest.sock   the agent channel's listening socket (removed by Stop)
+//	qmp.sock     QEMU's QMP listening socket, mode 0600 (removed by Stop)
+//	vm.json      the adoption state (adopt.go; removed by Stop)
 //	console.log  the guest's serial console and QEMU's messages, capped at
-//	             4 MiB (kept; Start errors quote its tail)
+//	             4 MiB, while the process that started QEMU runs (kept;
+//	             Start errors quote its tail)
 //
 // # Host side of the channel
 //
@@ -60,9 +63,10 @@
 // listener's credentials (what a client reads with SO_PEERCRED) are
 // QEMU's, the listener lives in QEMU's descriptor table and the substrate
 // closes its copy: spaced-host can tie the socket to InitPID() exactly as
-// it ties the ns substrate's socket to the agent. QEMU is controlled over
-// QMP on one end of a socketpair (the other end is QEMU's fd 4): no QMP
-// socket exists in the file system.
+// it ties the ns substrate's socket to the agent. QMP is set up the same
+// way on qmp.sock (QEMU's fd 4), which only root can reach: QEMU accepts
+// one client at a time and the next once it goes, so the worker process
+// that adopts a running QEMU connects again (adopt.go).
 //
 // # Least privilege
 //
@@ -82,8 +86,9 @@
 // directory. No mount or pid namespace: QEMU under its own uid, its
 // seccomp filter and no host devices is the boundary that matters, and a
 // namespace set-up would add a re-exec like the ns substrate's for little.
-// QEMU dies with the hosting process (parent-death signal) and is forked
-// from one dedicated locked OS thread for that reason.
+// A sandbox's QEMU outlives the worker process (a session of its own, no
+// parent-death signal; see adopt.go); probe and template QEMUs die with it
+// (parent-death signal, forked from one dedicated locked OS thread).
 //
 // # Pause, state and restore
 //
@@ -139,7 +144,7 @@ const (
 	SocketName    = "guest.sock"
 	QMPSocketName = "qmp.sock"
 	ConsoleLog    = "console.log"
-	maxLogSize = 4 << 20
+	maxLogSize    = 4 << 20
 )
 
 // Descriptor numbers in QEMU (ExtraFiles order); the migration stream
@@ -179,8 +184,8 @@ type Substrate struct {
 	imgMu sync.Mutex
 	sums  map[fileKey][32]byte
 
-	// spawner starts QEMU: its parent-death signal is tied to the forking
-	// thread.
+	// spawner starts QEMU: the parent-death signal of probes and
+	// templates is tied to the forking thread.
 	spawner spawner.Spawner
 }
 
@@ -292,8 +297,9 @@ func (s *Substrate) Name() string { return identity.SubstrateMicroVM }
 // when none works (see Unavailable).
 func (s *Substrate) Accel() string { return s.accel }
 
-// Close stops the spawner thread; running VMs are killed by their
-// parent-death signal, so Stop them first. Start fails afterwards.
+// Close stops the spawner thread and template builds (their QEMUs die);
+// sandboxes' VMs keep running (Stop or Detach them). Start fails
+// afterwards.
 func (s *Substrate) Close() error {
 	s.closeTemplates()
 	s.spawner.Close()
@@ -306,17 +312,6 @@ func (s *Substrate) Close() error {
 // message; there is no network namespace on the host.
 func (s *Substrate) Capabilities() substrate.Capabilities {
 	return substrate.Capabilities{SavesState: true, Activation: true}
-}
-
-func validateSpec(spec *substrate.Spec) error {
-	if err := spec.Validate(identity.SubstrateMicroVM, SocketName); err != nil {
-		return err
-	}
-	// The environment travels as a script the init sources.
-	if _, err := agentEnvScript(spec.AgentEnv); err != nil {
-		return err
-	}
-	return validateLimits(spec.Limits)
 }
 
 // Start activates spec (see the package doc) and returns once QEMU runs

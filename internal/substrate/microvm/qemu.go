@@ -15,6 +15,9 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/substrate"
 )
 
 // QEMU's command line and the files it is handed as descriptors (see the
@@ -79,6 +82,18 @@ func (s *Substrate) qemuCredential(accel string) (*syscall.Credential, *uidLease
 		cred.Groups = []uint32{s.cfg.KVMGroup}
 	}
 	return cred, lease, nil
+}
+
+// validateSpec makes the substrate-wide checks and this substrate's own.
+func validateSpec(spec *substrate.Spec) error {
+	if err := spec.Validate(identity.SubstrateMicroVM, SocketName); err != nil {
+		return err
+	}
+	// The environment travels as a script the init sources.
+	if _, err := agentEnvScript(spec.AgentEnv); err != nil {
+		return err
+	}
+	return validateLimits(spec.Limits)
 }
 
 // agentEnvScript renders env as "export NAME='value'" lines for the init
