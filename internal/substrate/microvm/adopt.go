@@ -140,6 +140,9 @@ func (s *Substrate) Adopt(ctx context.Context, spec substrate.Spec, state []byte
 	return inst, nil
 }
 
+var _ substrate.Reclaimer = (*Substrate)(nil)
+var _ substrate.Adopter = (*Substrate)(nil)
+
 func (s *Substrate) adopt(ctx context.Context, spec substrate.Spec, state []byte) (_ *instance, err error) {
 	if err := spec.Validate(identity.SubstrateMicroVM, SocketName); err != nil {
 		return nil, err

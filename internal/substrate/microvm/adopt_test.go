@@ -324,3 +324,133 @@ func TestAdoptAfterStarterDies(t *testing.T) {
 		t.Errorf("Adopt of a stopped VM: %v", err)
 	}
 }
+
+// A VM this process started, detached and adopted by another substrate
+// of the same process: the same QEMU, still this process's child, is
+// served, stopped through the adopter's pidfd and reaped.
+func TestDetachStartedThenAdopt(t *testing.T) {
+	cfg := testConfig(t)
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	cfg.Accel = s.Accel()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	spec := substrate.Spec{Route: testRoute("dt1"), Template: "base", Dir: filepath.Join(t.TempDir(), "dt1"), AgentPath: DefaultBusyboxPath}
+	inst, err := s.Start(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch := dialChannel(t, inst)
+	if r, err := ch.ask("a", 60*time.Second); err != nil || r != "1 a" {
+		inst.Stop(ctx)
+		t.Fatalf("first reply %q, %v", r, err)
+	}
+	state := inst.(substrate.Adoptable).AdoptState()
+	inst.(substrate.Adoptable).Detach()
+	s2, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s2.Close()
+	inst2, err := s2.Adopt(ctx, spec, state)
+	if err != nil {
+		t.Fatalf("Adopt: %v", err)
+	}
+	defer inst2.Stop(context.Background())
+	if inst2.InitPID() != inst.InitPID() || inst2.(substrate.Adoptable).Paused() {
+		t.Fatalf("adopted pid %d (started %d), paused %v", inst2.InitPID(), inst.InitPID(), inst2.(substrate.Adoptable).Paused())
+	}
+	if r, err := ch.ask("b", 10*time.Second); err != nil || r != "2 b" {
+		t.Fatalf("after adoption %q, %v", r, err)
+	}
+	if err := inst2.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The detached instance's watch reaps its child: no zombie stays.
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if _, err := os.Stat(fmt.Sprintf("/proc/%d", inst.InitPID())); os.IsNotExist(err) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("qemu %d not reaped after Stop", inst.InitPID())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Reclaim kills the process its record names only when it is that
+// process (here a sleep standing in for QEMU), removes the sockets and
+// the record, and finds nothing the second time.
+func TestReclaim(t *testing.T) {
+	s := &Substrate{cfg: Config{}.withDefaults()}
+	dir := t.TempDir()
+	route := testRoute("rc1")
+	start := func() (*exec.Cmd, procID) {
+		c := exec.Command("sleep", "300")
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Process.Kill(); c.Wait() })
+		f, err := openPidfd(c.Process.Pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		id, err := identify(f, c.Process.Pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c, id
+	}
+	write := func(id procID) {
+		b, err := json.Marshal(adoptState{Version: adoptVersion, procID: id, Accel: "tcg", ImageID: "x",
+			Shape: machineShape{MemoryMiB: 256, VCPUs: 1}, Route: route,
+			QMPSocket: filepath.Join(dir, QMPSocketName), GuestSocket: filepath.Join(dir, SocketName)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for n, data := range map[string][]byte{RecordName: b, SocketName: nil, QMPSocketName: nil} {
+			if err := os.WriteFile(filepath.Join(dir, n), data, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	runs := func(c *exec.Cmd) bool { return c.Process.Signal(syscall.Signal(0)) == nil && c.ProcessState == nil }
+
+	// A record whose process is not the one at its pid now (start time).
+	c1, id1 := start()
+	id1.Start++
+	write(id1)
+	if err := s.Reclaim(ctx, testRoute("other"), dir); err == nil {
+		t.Error("Reclaim of another activation's record succeeded")
+	}
+	if err := s.Reclaim(ctx, route, dir); err != nil {
+		t.Fatal(err)
+	}
+	if !runs(c1) {
+		t.Fatal("Reclaim killed a process its record does not name")
+	}
+	for _, n := range []string{RecordName, SocketName, QMPSocketName} {
+		if _, err := os.Stat(filepath.Join(dir, n)); !os.IsNotExist(err) {
+			t.Errorf("%s left behind: %v", n, err)
+		}
+	}
+
+	// The recorded process itself.
+	c2, id2 := start()
+	write(id2)
+	if err := s.Reclaim(ctx, route, dir); err != nil {
+		t.Fatal(err)
+	}
+	if err := c2.Wait(); err == nil || !strings.Contains(err.Error(), "killed") {
+		t.Fatalf("the recorded process: %v, want killed", err)
+	}
+	if err := s.Reclaim(ctx, route, dir); err != nil {
+		t.Fatalf("second Reclaim: %v", err)
+	}
+}
