@@ -138,6 +138,13 @@ func TestAdoptAfterStarterDies(t *testing.T) {
 		}
 	}
 	alive("after the starter's SIGKILL")
+	if st.Leased {
+		// The starter's lock died with it; the uid stays QEMU's.
+		if l, err := leaseUID(cfg.UIDLockDir, st.UID, 1, 0); err == nil {
+			l.release()
+			t.Fatalf("uid %d of the running QEMU was leased again", st.UID)
+		}
+	}
 	spec := substrate.Spec{Route: testRoute("ad1"), Template: "base", Dir: dir, AgentPath: DefaultBusyboxPath}
 
 	s1, err := New(cfg)
