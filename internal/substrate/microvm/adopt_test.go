@@ -122,6 +122,11 @@ func TestAdoptAfterStarterDies(t *testing.T) {
 			f.Close()
 		}
 	}()
+	// This test plays spaced-host too, which outlives the worker and
+	// holds the channel throughout: the counter loop the test guest runs
+	// instead of the agent reads EOF from its port, and ends (and the
+	// guest with it), while no host side is connected.
+	ch := dialChannel(t, &instance{socket: st.GuestSocket})
 	if err := starter.Process.Kill(); err != nil {
 		t.Fatal(err)
 	}
@@ -134,7 +139,8 @@ func TestAdoptAfterStarterDies(t *testing.T) {
 	alive := func(when string) {
 		t.Helper()
 		if err := st.verify(qemu); err != nil {
-			t.Fatalf("%s: QEMU no longer runs: %v", when, err)
+			b, _ := os.ReadFile(filepath.Join(dir, ConsoleLog))
+			t.Fatalf("%s: QEMU no longer runs: %v; console %q", when, err, b[max(0, len(b)-1500):])
 		}
 	}
 	alive("after the starter's SIGKILL")
@@ -236,7 +242,6 @@ func TestAdoptAfterStarterDies(t *testing.T) {
 	if !bytes.Equal(vi.AdoptState(), state) {
 		t.Errorf("AdoptState changed by adoption: %s", vi.AdoptState())
 	}
-	ch := dialChannel(t, inst)
 	if r, err := ch.ask("sh echo to-the-console > /dev/console; echo ok", 60*time.Second); err != nil || r != "1 ok" {
 		t.Fatalf("adopted guest answered %q, %v", r, err)
 	}
