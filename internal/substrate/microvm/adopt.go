@@ -35,8 +35,9 @@ const RecordName = "vm.json"
 // adoptVersion is the adoption state's format.
 const adoptVersion = 1
 
-// adoptTimeout bounds Adopt's QMP connection and query when ctx does not:
-// a QEMU whose QMP is held by another client never greets.
+// adoptTimeout bounds Adopt's QMP connection and query: a QEMU whose QMP
+// is held by another client (or a listener that is not QEMU's) never
+// greets.
 const adoptTimeout = 10 * time.Second
 
 // adoptState is AdoptState's JSON.
@@ -194,11 +195,10 @@ func (s *Substrate) adopt(ctx context.Context, spec substrate.Spec, state []byte
 		}
 		inst.uid = &uidLease{uid: st.UID, l: l}
 	}
-	if _, ok := ctx.Deadline(); !ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, adoptTimeout)
-		defer cancel()
-	}
+	// Bounded whatever ctx allows: a QEMU whose QMP does not answer in
+	// time is not adoptable (Adopt tells that from ctx's own end).
+	ctx, cancel := context.WithTimeout(ctx, adoptTimeout)
+	defer cancel()
 	conn, err := dialQMP(ctx, inst.qmpPath, &st.procID)
 	if err != nil {
 		return nil, err
