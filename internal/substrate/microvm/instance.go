@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -19,26 +20,38 @@ import (
 	"github.com/spacesbx/space/internal/substrate"
 )
 
-// instance is one running VM.
+// instance is one running VM: one this process started (cmd set, QEMU
+// is its child) or one it adopted.
 type instance struct {
 	s       *Substrate
 	route   identity.Route
 	dir     string
 	socket  string
+	qmpPath string
 	imageID string
 	shape   machineShape
-	lim     substrate.Limits
+	accel   string
 
-	cmd *exec.Cmd
-	pid int
-	qmp *qmp
-	uid *uidLease
-	log *cappedWriter
+	cmd   *exec.Cmd // nil when adopted: QEMU is then not this process's child
+	pid   int
+	pidfd *os.File // QEMU's, watched for its exit
+	state []byte   // AdoptState, fixed once Start or Adopt returned
+	qmp   *qmp
+	uid   *uidLease
+	log   *cappedWriter
+	// console is the read end of QEMU's stdout and stderr, copied into
+	// log until copied closes (started instances only: the pipe breaks
+	// with the process that started QEMU, and QEMU, ignoring SIGPIPE,
+	// drops its console output from then on).
+	console *os.File
+	copied  chan struct{}
 
-	wg   sync.WaitGroup
-	done chan struct{}
+	wg       sync.WaitGroup
+	done     chan struct{}
+	detached atomic.Bool
+	paused   atomic.Bool
 
-	mu      sync.Mutex // serializes Pause, Resume, SaveState and Stop
+	mu      sync.Mutex // serializes Pause, Resume, SaveState, Stop and Detach
 	stopped bool
 
 	statsMu sync.Mutex
@@ -49,6 +62,7 @@ var (
 	_ substrate.Instance      = (*instance)(nil)
 	_ substrate.StateSaver    = (*instance)(nil)
 	_ substrate.StatsReporter = (*instance)(nil)
+	_ substrate.Adoptable     = (*instance)(nil)
 )
 
 func (i *instance) Route() identity.Route { return i.route }
@@ -58,16 +72,37 @@ func (i *instance) GuestSocket() string   { return i.socket }
 func (i *instance) InitPID() int          { return i.pid }
 func (i *instance) Done() <-chan struct{} { return i.done }
 
-func (i *instance) wait() {
+// watch closes done when QEMU exits. It waits on QEMU's pidfd in the
+// runtime's poller, so it takes no OS thread, and it works as well for a
+// QEMU that is not this process's child (adopted). A child is reaped here
+// once it has exited, also after Detach (as init would reap it once this
+// process is gone); a detached instance's done stays open.
+func (i *instance) watch() {
 	defer i.wg.Done()
-	_ = i.cmd.Wait()
-	close(i.done)
+	if err := waitExit(i.pidfd); err != nil {
+		return // the pidfd was closed: Detach of an adopted QEMU
+	}
+	if i.cmd != nil {
+		_ = i.cmd.Wait()
+	}
+	if !i.detached.Load() {
+		close(i.done)
+	}
+}
+
+// copyConsole copies QEMU's console output into console.log.
+func (i *instance) copyConsole() {
+	defer close(i.copied)
+	_, _ = io.Copy(i.log, i.console)
 }
 
 // live returns an error when the instance cannot take commands.
 func (i *instance) live() error {
 	if i.stopped {
 		return errors.New("microvm: instance stopped")
+	}
+	if i.detached.Load() {
+		return errors.New("microvm: instance detached")
 	}
 	select {
 	case <-i.done:
@@ -76,6 +111,10 @@ func (i *instance) live() error {
 		return nil
 	}
 }
+
+// Paused reports whether the vCPUs are stopped (Pause, or SaveState after
+// it), as this process last set or, for an adopted instance, found them.
+func (i *instance) Paused() bool { return i.paused.Load() }
 
 // Pause stops the vCPUs (QMP stop); QEMU, the channel and guest memory
 // stay as they are.
@@ -88,6 +127,7 @@ func (i *instance) Pause(ctx context.Context) error {
 	if _, err := i.qmp.execute(ctx, "stop", nil, nil); err != nil {
 		return fmt.Errorf("microvm: pause: %w", err)
 	}
+	i.paused.Store(true)
 	return nil
 }
 
@@ -101,20 +141,24 @@ func (i *instance) Resume(ctx context.Context) error {
 	if _, err := i.qmp.execute(ctx, "cont", nil, nil); err != nil {
 		return fmt.Errorf("microvm: resume: %w", err)
 	}
+	i.paused.Store(false)
 	return nil
 }
 
 // Stop asks QEMU to quit (QMP quit, bounded by Config.StopTimeout and
-// ctx), kills it otherwise, waits for it, closes QMP, removes guest.sock
-// and releases the uid. console.log is kept. Idempotent; after an error it
-// can be called again.
+// ctx), kills it through its pidfd otherwise, waits for it, closes QMP,
+// removes the sockets and the adoption record and releases the uid.
+// console.log is kept. Idempotent; after an error it can be called again.
 func (i *instance) Stop(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()
 	if i.stopped {
 		return nil
 	}
-	if i.cmd != nil {
+	if i.detached.Load() {
+		return errors.New("microvm: stop: instance detached")
+	}
+	if i.pidfd != nil {
 		select {
 		case <-i.done:
 		default:
@@ -130,7 +174,7 @@ func (i *instance) Stop(ctx context.Context) error {
 			select {
 			case <-i.done:
 			default:
-				_ = syscall.Kill(i.pid, syscall.SIGKILL)
+				_ = signalPidfd(i.pidfd, syscall.SIGKILL)
 			}
 		}
 		select {
@@ -139,11 +183,25 @@ func (i *instance) Stop(ctx context.Context) error {
 			return fmt.Errorf("microvm: stop: qemu %d did not exit: %w", i.pid, ctx.Err())
 		}
 		i.wg.Wait()
+		_ = i.pidfd.Close()
+		i.pidfd = nil
+	}
+	if i.console != nil {
+		// QEMU's end closed with QEMU: the copy ends at EOF.
+		select {
+		case <-i.copied:
+		case <-ctx.Done():
+		}
+		_ = i.console.Close()
+		<-i.copied
+		i.console = nil
 	}
 	if i.qmp != nil {
 		_ = i.qmp.Close()
 	}
 	_ = os.Remove(i.socket)
+	_ = os.Remove(i.qmpPath)
+	_ = os.Remove(filepath.Join(i.dir, RecordName))
 	i.uid.release()
 	if i.log != nil {
 		_ = i.log.Close()

@@ -72,6 +72,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(kvmHelperEnv) != "" {
 		os.Exit(kvmOpenHelper())
 	}
+	if os.Getenv(starterEnv) != "" {
+		os.Exit(vmStarter())
+	}
 	os.Exit(m.Run())
 }
 

@@ -49,8 +49,11 @@
 // # Activation directory (Spec.Dir)
 //
 //	guest.sock   the agent channel's listening socket (removed by Stop)
+//	qmp.sock     QEMU's QMP listening socket, mode 0600 (removed by Stop)
+//	vm.json      the adoption state (adopt.go; removed by Stop)
 //	console.log  the guest's serial console and QEMU's messages, capped at
-//	             4 MiB (kept; Start errors quote its tail)
+//	             4 MiB, while the process that started QEMU runs (kept;
+//	             Start errors quote its tail)
 //
 // # Host side of the channel
 //
@@ -60,9 +63,10 @@
 // listener's credentials (what a client reads with SO_PEERCRED) are
 // QEMU's, the listener lives in QEMU's descriptor table and the substrate
 // closes its copy: spaced-host can tie the socket to InitPID() exactly as
-// it ties the ns substrate's socket to the agent. QEMU is controlled over
-// QMP on one end of a socketpair (the other end is QEMU's fd 4): no QMP
-// socket exists in the file system.
+// it ties the ns substrate's socket to the agent. QMP is set up the same
+// way on qmp.sock (QEMU's fd 4), which only root can reach: QEMU accepts
+// one client at a time and the next once it goes, so the worker process
+// that adopts a running QEMU connects again (adopt.go).
 //
 // # Least privilege
 //
@@ -82,8 +86,9 @@
 // directory. No mount or pid namespace: QEMU under its own uid, its
 // seccomp filter and no host devices is the boundary that matters, and a
 // namespace set-up would add a re-exec like the ns substrate's for little.
-// QEMU dies with the hosting process (parent-death signal) and is forked
-// from one dedicated locked OS thread for that reason.
+// A sandbox's QEMU outlives the worker process (a session of its own, no
+// parent-death signal; see adopt.go); probe and template QEMUs die with it
+// (parent-death signal, forked from one dedicated locked OS thread).
 //
 // # Pause, state and restore
 //
@@ -136,9 +141,10 @@ import (
 
 // Names of the entries of an activation directory.
 const (
-	SocketName = "guest.sock"
-	ConsoleLog = "console.log"
-	maxLogSize = 4 << 20
+	SocketName    = "guest.sock"
+	QMPSocketName = "qmp.sock"
+	ConsoleLog    = "console.log"
+	maxLogSize    = 4 << 20
 )
 
 // Descriptor numbers in QEMU (ExtraFiles order); the migration stream
@@ -178,8 +184,8 @@ type Substrate struct {
 	imgMu sync.Mutex
 	sums  map[fileKey][32]byte
 
-	// spawner starts QEMU: its parent-death signal is tied to the forking
-	// thread.
+	// spawner starts QEMU: the parent-death signal of probes and
+	// templates is tied to the forking thread.
 	spawner spawner.Spawner
 }
 
@@ -291,8 +297,9 @@ func (s *Substrate) Name() string { return identity.SubstrateMicroVM }
 // when none works (see Unavailable).
 func (s *Substrate) Accel() string { return s.accel }
 
-// Close stops the spawner thread; running VMs are killed by their
-// parent-death signal, so Stop them first. Start fails afterwards.
+// Close stops the spawner thread and template builds (their QEMUs die);
+// sandboxes' VMs keep running (Stop or Detach them). Start fails
+// afterwards.
 func (s *Substrate) Close() error {
 	s.closeTemplates()
 	s.spawner.Close()
@@ -305,17 +312,6 @@ func (s *Substrate) Close() error {
 // message; there is no network namespace on the host.
 func (s *Substrate) Capabilities() substrate.Capabilities {
 	return substrate.Capabilities{SavesState: true, Activation: true}
-}
-
-func validateSpec(spec *substrate.Spec) error {
-	if err := spec.Validate(identity.SubstrateMicroVM, SocketName); err != nil {
-		return err
-	}
-	// The environment travels as a script the init sources.
-	if _, err := agentEnvScript(spec.AgentEnv); err != nil {
-		return err
-	}
-	return validateLimits(spec.Limits)
 }
 
 // Start activates spec (see the package doc) and returns once QEMU runs
@@ -388,7 +384,8 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 	}
 	inst := &instance{
 		s: s, route: spec.Route, dir: spec.Dir, socket: filepath.Join(spec.Dir, SocketName),
-		imageID: imgID, shape: l.shape, lim: lim, done: make(chan struct{}),
+		qmpPath: filepath.Join(spec.Dir, QMPSocketName), imageID: imgID, shape: l.shape, accel: s.accel,
+		done: make(chan struct{}),
 	}
 	fail := func(err error) (*instance, error) {
 		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -422,8 +419,8 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 	if err != nil {
 		return fail(err)
 	}
-	defer lf.closeAll()
-	extra := []*os.File{lf.listener, lf.qmpChild, lf.kernel, lf.initrd, lf.env}
+	defer lf.close()
+	extra := []*os.File{lf.listener, lf.qmpListener, lf.kernel, lf.initrd, lf.env}
 	if state != nil {
 		l.incomingFD = fdAgent + len(extra)
 		extra = append(extra, state)
@@ -432,24 +429,39 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 		l.ramFD = fdAgent + len(extra)
 		extra = append(extra, l.ram)
 	}
+	// QEMU writes its console into a pipe this process copies into
+	// console.log (capped); the pipe breaks when this process is gone.
+	consoleR, consoleW, err := os.Pipe()
+	if err != nil {
+		return fail(err)
+	}
+	inst.console, inst.copied = consoleR, make(chan struct{})
+	go inst.copyConsole() // owned: Stop and Detach wait for it
 	cmd := &exec.Cmd{
 		Path:       s.cfg.QEMUPath,
 		Args:       append([]string{"qemu-system-x86_64"}, s.qemuArgs(l)...),
 		Env:        []string{},
 		Dir:        "/",
 		Stdin:      nil,
-		Stdout:     inst.log,
-		Stderr:     inst.log,
+		Stdout:     consoleW,
+		Stderr:     consoleW,
 		ExtraFiles: extra,
-		WaitDelay:  2 * time.Second,
 		SysProcAttr: &syscall.SysProcAttr{
 			Credential: cred,
-			Pdeathsig:  syscall.SIGKILL,
-			Setsid:     true,
+			// A session of its own: signals to the worker's process group
+			// or terminal do not reach QEMU.
+			Setsid: true,
 		},
 	}
+	if templateRAM != nil {
+		// A template is the substrate's own: it dies with this process.
+		// A sandbox's QEMU outlives it, to be adopted by the next one.
+		cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
+	}
 	var startErr error
-	if err := s.spawner.Do(func() { startErr = cmd.Start() }); err != nil {
+	err = s.spawner.Do(func() { startErr = cmd.Start() })
+	consoleW.Close() // QEMU holds its copy: EOF comes when QEMU exits
+	if err != nil {
 		return fail(fmt.Errorf("microvm: %w", err))
 	}
 	if startErr != nil {
@@ -457,14 +469,41 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 	}
 	inst.cmd = cmd
 	inst.pid = cmd.Process.Pid
+	if lease != nil {
+		// The uid stays QEMU's for as long as QEMU lives, whether or not
+		// this process does.
+		if err := lease.l.Bind(inst.pid); err != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			inst.cmd = nil
+			return fail(err)
+		}
+	}
+	if inst.pidfd, err = openPidfd(inst.pid); err != nil {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		inst.cmd = nil
+		return fail(err)
+	}
 	inst.wg.Add(1)
-	go inst.wait()
-	lf.close() // QEMU holds its copies; the listener must be QEMU's alone
+	go inst.watch()
+	lf.close() // QEMU holds its copies; the listeners must be QEMU's alone
 	if state != nil {
 		state.Close()
 	}
-	q, err := newQMP(ctx, lf.qmp)
-	lf.qmp = nil // the client owns it now
+	id, err := identify(inst.pidfd, inst.pid)
+	if err != nil {
+		return fail(fmt.Errorf("qemu %d: %w", inst.pid, err))
+	}
+	id.Leased = lease != nil
+	if err := inst.record(id); err != nil {
+		return fail(err)
+	}
+	conn, err := dialQMP(ctx, inst.qmpPath, nil)
+	if err != nil {
+		return fail(err)
+	}
+	q, err := newQMP(ctx, conn)
 	if err != nil {
 		return fail(err)
 	}

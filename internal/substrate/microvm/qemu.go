@@ -3,6 +3,7 @@
 package microvm
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -14,6 +15,9 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/substrate"
 )
 
 // QEMU's command line and the files it is handed as descriptors (see the
@@ -78,6 +82,18 @@ func (s *Substrate) qemuCredential(accel string) (*syscall.Credential, *uidLease
 		cred.Groups = []uint32{s.cfg.KVMGroup}
 	}
 	return cred, lease, nil
+}
+
+// validateSpec makes the substrate-wide checks and this substrate's own.
+func validateSpec(spec *substrate.Spec) error {
+	if err := spec.Validate(identity.SubstrateMicroVM, SocketName); err != nil {
+		return err
+	}
+	// The environment travels as a script the init sources.
+	if _, err := agentEnvScript(spec.AgentEnv); err != nil {
+		return err
+	}
+	return validateLimits(spec.Limits)
 }
 
 // agentEnvScript renders env as "export NAME='value'" lines for the init
@@ -160,7 +176,9 @@ func (s *Substrate) qemuArgs(l launch) []string {
 		"-device", "virtio-serial-device,max_ports=2",
 		"-chardev", "socket,id=agent,fd=" + strconv.Itoa(fdAgent) + ",server=on,wait=off",
 		"-device", "virtserialport,chardev=agent,name=" + PortName,
-		"-chardev", "socket,id=qmp,fd=" + strconv.Itoa(fdQMP),
+		// A listener, like the agent's: QEMU accepts the next QMP client once
+		// one goes, so the worker that adopts this QEMU connects again.
+		"-chardev", "socket,id=qmp,fd=" + strconv.Itoa(fdQMP) + ",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
 		"-sandbox", qemuSandbox,
 		"-msg", "timestamp=on",
@@ -192,19 +210,18 @@ func (s *Substrate) qemuArgs(l launch) []string {
 
 func procFD(n int) string { return "/proc/self/fd/" + strconv.Itoa(n) }
 
-// launchFiles are what QEMU inherits (listener, qmpChild, kernel, initrd,
-// env: its fds 3 to 7) and the substrate's end of the QMP socketpair.
+// launchFiles are what QEMU inherits (listener, qmpListener, kernel,
+// initrd, env: its fds 3 to 7).
 type launchFiles struct {
-	listener, qmpChild, kernel, initrd, env *os.File
-	qmp                                     *net.UnixConn
-	once                                    sync.Once
+	listener, qmpListener, kernel, initrd, env *os.File
+	once                                       sync.Once
 }
 
-// close closes the inherited files (QEMU keeps its own copies) and, unless
-// taken, the QMP connection. Idempotent.
+// close closes the inherited files (QEMU keeps its own copies).
+// Idempotent.
 func (lf *launchFiles) close() {
 	lf.once.Do(func() {
-		for _, f := range []*os.File{lf.listener, lf.qmpChild, lf.kernel, lf.initrd, lf.env} {
+		for _, f := range []*os.File{lf.listener, lf.qmpListener, lf.kernel, lf.initrd, lf.env} {
 			if f != nil {
 				f.Close()
 			}
@@ -212,42 +229,47 @@ func (lf *launchFiles) close() {
 	})
 }
 
-func (lf *launchFiles) closeAll() {
-	lf.close()
-	if lf.qmp != nil {
-		lf.qmp.Close()
+// listenUnix binds and listens on a new socket at path (replacing a stale
+// one) for QEMU to inherit. The socket file is the substrate's, mode 0600
+// in the 0700 activation directory: QEMU, under its own uid, reaches it
+// only through the inherited descriptor.
+func listenUnix(path string) (*os.File, error) {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("stale socket: %w", err)
 	}
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	f := os.NewFile(uintptr(fd), "listener:"+path)
+	if err := unix.Bind(fd, &unix.SockaddrUnix{Name: path}); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("bind %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		f.Close()
+		return nil, err
+	}
+	if err := unix.Listen(fd, 16); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
 }
 
-// openLaunchFiles binds the agent channel's listener at inst.socket and
-// opens everything else QEMU inherits.
+// openLaunchFiles binds the agent channel's and QMP's listeners in the
+// activation directory and opens everything else QEMU inherits.
 func (s *Substrate) openLaunchFiles(inst *instance, imgPath string, env []byte) (_ *launchFiles, err error) {
 	lf := &launchFiles{}
 	defer func() {
 		if err != nil {
-			lf.closeAll()
+			lf.close()
 		}
 	}()
-	if err := os.Remove(inst.socket); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("stale socket: %w", err)
-	}
-	lfd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
+	if lf.listener, err = listenUnix(inst.socket); err != nil {
 		return nil, err
 	}
-	lf.listener = os.NewFile(uintptr(lfd), "guest-listener")
-	if err := unix.Bind(lfd, &unix.SockaddrUnix{Name: inst.socket}); err != nil {
-		return nil, fmt.Errorf("bind %s: %w", inst.socket, err)
-	}
-	if err := unix.Listen(lfd, 16); err != nil {
-		return nil, err
-	}
-	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return nil, err
-	}
-	lf.qmpChild = os.NewFile(uintptr(pair[1]), "qmp-qemu")
-	if lf.qmp, err = fileConn(os.NewFile(uintptr(pair[0]), "qmp")); err != nil {
+	if lf.qmpListener, err = listenUnix(inst.qmpPath); err != nil {
 		return nil, err
 	}
 	if lf.kernel, err = os.Open(s.cfg.KernelPath); err != nil {
@@ -273,18 +295,38 @@ func (s *Substrate) openLaunchFiles(inst *instance, imgPath string, env []byte) 
 	return lf, nil
 }
 
-// fileConn turns f (a connected Unix socket) into a *net.UnixConn; f is
-// closed (the conn has its own descriptor).
-func fileConn(f *os.File) (*net.UnixConn, error) {
-	c, err := net.FileConn(f)
-	f.Close()
+// dialQMP connects to the QMP listener at path. With owner set it checks
+// that the listener is the one that QEMU listens on: QEMU calls listen()
+// on the descriptor it inherits, so a client's SO_PEERCRED names QEMU and
+// nothing else can have taken the path's place. (Right after the launch
+// QEMU may not have called it yet; the substrate made the socket then.)
+func dialQMP(ctx context.Context, path string, owner *procID) (*net.UnixConn, error) {
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", path)
 	if err != nil {
+		return nil, fmt.Errorf("qmp: %w", err)
+	}
+	uc := c.(*net.UnixConn)
+	if owner == nil {
+		return uc, nil
+	}
+	raw, err := uc.SyscallConn()
+	if err != nil {
+		uc.Close()
 		return nil, err
 	}
-	uc, ok := c.(*net.UnixConn)
-	if !ok {
-		c.Close()
-		return nil, errors.New("microvm: qmp: not a unix socket")
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) { cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) }); err != nil {
+		cerr = err
+	}
+	if cerr != nil {
+		uc.Close()
+		return nil, fmt.Errorf("qmp: peer credentials: %w", cerr)
+	}
+	if int(cred.Pid) != owner.PID || cred.Uid != owner.UID {
+		uc.Close()
+		return nil, fmt.Errorf("qmp: %s is served by pid %d uid %d, not qemu %d uid %d", path, cred.Pid, cred.Uid, owner.PID, owner.UID)
 	}
 	return uc, nil
 }

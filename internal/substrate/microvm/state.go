@@ -128,7 +128,7 @@ func (i *instance) SaveState(ctx context.Context, w io.Writer) (int64, error) {
 	}
 	hdr, err := stateHeader{
 		Version: stateVersion, ImageID: i.imageID, Shape: i.shape,
-		CPU: machineFor(i.s.accel, 0).cpu, Accel: i.s.accel, SavedAt: time.Now().UTC(),
+		CPU: machineFor(i.accel, 0).cpu, Accel: i.accel, SavedAt: time.Now().UTC(),
 	}.marshal()
 	if err != nil {
 		return 0, err
