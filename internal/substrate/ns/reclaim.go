@@ -47,33 +47,13 @@ func (s *Substrate) Reclaim(ctx context.Context, route identity.Route, dir strin
 // existingCgroup is the cgroup createCgroup made for name, as far as its
 // directories exist (remove kills their tasks and deletes them).
 func existingCgroup(l *cgroupLayout, parent, name string) *cgroup {
-	cg := &cgroup{v2: l.v2}
-	add := func(dir string, freezer bool) {
-		if _, err := os.Stat(dir); err != nil {
-			return
-		}
-		cg.dirs = append(cg.dirs, dir)
-		if freezer {
-			cg.freezerDirs = append(cg.freezerDirs, dir)
+	var gs []groupDir
+	for _, g := range l.groups(parent, name) {
+		if _, err := os.Stat(g.dir); err == nil {
+			gs = append(gs, g)
 		}
 	}
-	if l.v2 {
-		add(filepath.Join(l.unified, parent, name), true)
-		add(filepath.Join(l.unified, parent, agentGroupPrefix+name), true)
-		return cg
-	}
-	seen := map[string]bool{}
-	for _, c := range l.v1Used() {
-		mnt := l.v1[c]
-		if seen[mnt] {
-			continue
-		}
-		seen[mnt] = true
-		freezer := l.v1["freezer"] == mnt
-		add(filepath.Join(mnt, parent, name), freezer)
-		add(filepath.Join(mnt, parent, agentGroupPrefix+name), freezer)
-	}
-	return cg
+	return cgroupOf(l.v2, gs)
 }
 
 // loopBacking returns a loop device (/dev/loopN) attached to img, or "".
