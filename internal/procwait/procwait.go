@@ -28,7 +28,8 @@ import (
 //
 // Only the caller may reap cmd's process.
 func Wait(cmd *exec.Cmd) error {
-	exited(cmd.Process.Pid)
+	ch, _ := Exited(cmd.Process.Pid)
+	<-ch
 	return cmd.Wait()
 }
 
@@ -97,8 +98,12 @@ func hasExited(pid int) bool {
 	return err != nil || info.Signo != 0
 }
 
-// exited returns once the child pid has exited.
-func exited(pid int) {
+// Exited returns a channel closed once the child pid has exited (it is
+// left for the caller to reap) and a stop that unregisters the child
+// instead (the channel then never closes): a caller that lets go of a
+// child which outlives it (an ns sandbox handed to the next worker
+// process) holds no goroutine for it. Only one waiter per pid.
+func Exited(pid int) (<-chan struct{}, func()) {
 	done := make(chan struct{})
 	mu.Lock()
 	waiters[pid] = done
@@ -110,5 +115,12 @@ func exited(pid int) {
 	// Registered first, then probed: an exit before the registration is
 	// seen here, one after it raises a SIGCHLD the watcher sees.
 	probe()
-	<-done
+	stop := func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if waiters[pid] == done {
+			delete(waiters, pid)
+		}
+	}
+	return done, stop
 }
