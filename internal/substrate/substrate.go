@@ -189,6 +189,19 @@ type Reclaimer interface {
 	Reclaim(ctx context.Context, route identity.Route, dir string) error
 }
 
+// Sweeper is implemented by substrates whose instances outlive the
+// process that started them and can be listed without a record (ns: the
+// cgroups under its parent, which belongs to one worker). A worker calls
+// Sweep at start, before it starts or adopts anything: an instance started
+// but never recorded (the worker died between the start and the record's
+// write), or anything else a crash left, would otherwise run on unseen.
+// Sweep offers keep the name of each instance it finds,
+// "<SandboxID>-<ActivationID>" of its route, and ends (like Reclaim) each
+// one keep rejects, keeping its files; swept counts them.
+type Sweeper interface {
+	Sweep(ctx context.Context, keep func(cgroupName string) bool) (swept int, err error)
+}
+
 // Adopter is implemented by substrates whose instances outlive the
 // process that started them: nothing ties a sandbox's life to its
 // worker's, so a worker binary can be restarted or upgraded (or crash)
