@@ -181,10 +181,10 @@ type Capabilities struct {
 }
 
 // Reclaimer is implemented by substrates whose instances can outlive the
-// process that started them (a paused ns sandbox's frozen tasks survive
-// their init's parent-death signal): after a worker restart, Reclaim ends
-// what is left of route's activation in dir and releases what it held,
-// keeping its files. Idempotent; nothing left is not an error.
+// process that started them (ns sandboxes do): after a worker restart,
+// Reclaim ends what is left of route's activation in dir (an instance
+// that is not adopted) and releases what it held, keeping its files.
+// Idempotent; nothing left is not an error.
 type Reclaimer interface {
 	Reclaim(ctx context.Context, route identity.Route, dir string) error
 }

@@ -2,10 +2,11 @@
 
 package ns
 
-// Reclaiming an activation whose worker process died: its sandbox init
-// had a parent-death signal, but a paused sandbox's frozen tasks do not
-// die until thawed, and they keep its mount namespace, so its layer disk
-// stays mounted. Its files are kept (a recovery archives them).
+// Reclaiming an activation whose worker process died and that is not to
+// be adopted: its sandbox may still run (a claimed init has no
+// parent-death signal; a paused sandbox's tasks are frozen), and its
+// tasks keep its mount namespace, so its layer disk stays mounted. Its
+// files are kept (a recovery archives them).
 
 import (
 	"context"
@@ -42,18 +43,6 @@ func (s *Substrate) Reclaim(ctx context.Context, route identity.Route, dir strin
 		dev := loopBacking(img)
 		return dev == "", nil
 	})
-}
-
-// existingCgroup is the cgroup createCgroup made for name, as far as its
-// directories exist (remove kills their tasks and deletes them).
-func existingCgroup(l *cgroupLayout, parent, name string) *cgroup {
-	var gs []groupDir
-	for _, g := range l.groups(parent, name) {
-		if _, err := os.Stat(g.dir); err == nil {
-			gs = append(gs, g)
-		}
-	}
-	return cgroupOf(l.v2, gs)
 }
 
 // loopBacking returns a loop device (/dev/loopN) attached to img, or "".
