@@ -210,6 +210,12 @@ func (s *Substrate) adopt(ctx context.Context, spec substrate.Spec, state []byte
 	case validateLimits(st.Limits) != nil:
 		return nil, fmt.Errorf("state limits: %w", validateLimits(st.Limits))
 	}
+	s.liveMu.Lock()
+	live := s.live[name]
+	s.liveMu.Unlock()
+	if live {
+		return nil, fmt.Errorf("cgroup %s is already run by this substrate", name)
+	}
 
 	// The init: a pidfd first, then its start time, so that a pid reused
 	// by another process cannot pass; every /proc/<pid> read below is of
@@ -354,7 +360,14 @@ func (s *Substrate) reopenLog(pid int, pipe fileID, path string) (*cappedWriter,
 		s.cfg.Logger.Debug("ns: adopted sandbox's output is not logged", "pid", pid, "err", err)
 		return w, nil
 	}
-	fd, err := unix.Open(fmt.Sprintf("/proc/%d/fd/2", pid), unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	// Checked before it is opened too: opening is not free of effects for
+	// every kind of file (a terminal, a FIFO).
+	link := fmt.Sprintf("/proc/%d/fd/2", pid)
+	var lst unix.Stat_t
+	if err := unix.Stat(link, &lst); err != nil || lst.Dev != pipe.Dev || lst.Ino != pipe.Ino || lst.Mode&unix.S_IFMT != unix.S_IFIFO {
+		return fail(fmt.Errorf("fd 2 is not the recorded pipe (%v)", err))
+	}
+	fd, err := unix.Open(link, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return fail(err)
 	}

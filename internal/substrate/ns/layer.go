@@ -117,6 +117,9 @@ func (s *Substrate) acquireLayer(dir string, size int64) (release func() error, 
 		if err := s.waitDiskFree(img); err != nil {
 			return nil, err
 		}
+		if err := waitUnattached(img); err != nil {
+			return nil, err
+		}
 		if ref.disk, err = openDisk(img); err != nil {
 			return nil, err
 		}
@@ -206,6 +209,25 @@ func (s *Substrate) waitDiskFree(img string) error {
 	}
 	delete(s.lastLoop, img)
 	return nil
+}
+
+// waitUnattached waits until no loop device is attached to img, which
+// waitDiskFree does not know of when another process attached it: a
+// sandbox of a previous worker process still running (not adopted yet,
+// or being reclaimed), or its file system still ending. Mounting the image
+// again then would make a second file system on the same blocks.
+func waitUnattached(img string) error {
+	deadline := time.Now().Add(diskFreeWait)
+	for {
+		loop := loopBacking(img)
+		if loop == "" {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("ns: disk quota: %s is attached to %s by a sandbox this process does not hold; refusing to mount it twice", img, loop)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // loopBacks reports whether loop device dev (/dev/loopN) is attached to
