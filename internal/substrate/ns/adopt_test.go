@@ -212,6 +212,42 @@ func TestAdopt(t *testing.T) {
 	}
 }
 
+// A sandbox paused when its worker let go of it is adopted paused, and
+// resumes.
+func TestAdoptPaused(t *testing.T) {
+	cfg := adoptConfig(t, Config{})
+	s1 := newSub(t, cfg)
+	inst, spec := startOn(t, s1)
+	ctx := context.Background()
+	if err := inst.Pause(ctx); err != nil {
+		t.Fatal(err)
+	}
+	state := inst.AdoptState()
+	inst.Detach()
+	s2 := newSub(t, cfg)
+	a := adopt(t, s2, spec, state)
+	t.Cleanup(func() { stopAndCheck(t, a) })
+	if !a.Paused() {
+		t.Fatal("a sandbox adopted while frozen reports not paused")
+	}
+	if err := a.Resume(ctx); err != nil {
+		t.Fatal(err)
+	}
+	mustOK(t, a, 0, "true")
+	if a.Paused() {
+		t.Fatal("Paused() after Resume")
+	}
+}
+
+func mustStart(t *testing.T, pid int) uint64 {
+	t.Helper()
+	st, err := procStart(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
 func waitFor(t *testing.T, ok func() bool, what string) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
@@ -224,9 +260,16 @@ func waitFor(t *testing.T, ok func() bool, what string) {
 }
 
 // Adopt refuses, changing nothing, whatever is not the recorded
-// activation: each case below passes every check but its own.
+// activation: each case below passes every check but its own (without a
+// user namespace; with one, the uid range's owner tag refuses another
+// pid too).
 func TestAdoptRejects(t *testing.T) {
-	cfg := adoptConfig(t, Config{})
+	t.Run("userns", func(t *testing.T) { testAdoptRejects(t, Config{}) })
+	t.Run("no-userns", func(t *testing.T) { testAdoptRejects(t, Config{NoUserNamespaces: true}) })
+}
+
+func testAdoptRejects(t *testing.T, cfg Config) {
+	cfg = adoptConfig(t, cfg)
 	s1 := newSub(t, cfg)
 	inst, spec := startOn(t, s1)
 	mustOK(t, inst, 1000, bgSleep)
@@ -247,13 +290,19 @@ func TestAdoptRejects(t *testing.T) {
 		return b
 	}
 	// A process of the sandbox that is not its init, with its own start
-	// time: the background sleep (in the user group, another executable).
+	// time, moved into the init's groups: only its executable differs.
 	b, _ := os.ReadFile(filepath.Join(userDir, "cgroup.procs"))
 	other, _ := strconv.Atoi(strings.Fields(string(b))[0])
 	otherStart, err := procStart(other)
 	if err != nil {
 		t.Fatal(err)
 	}
+	if err := inst.cg.add(other); err != nil {
+		t.Fatal(err)
+	}
+	// Another sandbox's init: the same executable, other groups.
+	o, _ := startOn(t, s1)
+	t.Cleanup(func() { stopAndCheck(t, o) })
 	socket := filepath.Join(spec.Dir, SocketName)
 	cases := []struct {
 		name  string
@@ -265,7 +314,8 @@ func TestAdoptRejects(t *testing.T) {
 		{name: "malformed", state: []byte("{")},
 		{name: "unknown field", state: []byte(`{"v":1,"x":1}`)},
 		{name: "version", state: edit(func(c *adoptState) { c.V = 2 })},
-		{name: "another pid", state: edit(func(c *adoptState) { c.PID, c.Start = other, otherStart })},
+		{name: "another executable", state: edit(func(c *adoptState) { c.PID, c.Start = other, otherStart })},
+		{name: "another sandbox's init", state: edit(func(c *adoptState) { c.PID, c.Start = o.pid, mustStart(t, o.pid) })},
 		{name: "wrong start time", state: edit(func(c *adoptState) { c.Start++ })},
 		{name: "another activation", state: state, spec: func() substrate.Spec {
 			sp := spec
