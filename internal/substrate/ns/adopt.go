@@ -230,6 +230,13 @@ func (s *Substrate) adopt(ctx context.Context, spec substrate.Spec, state []byte
 			pidfd.Close()
 		}
 	}()
+	if pidfdExited(pfd) {
+		// Reaped when it is this process's child after all (a sandbox
+		// detached and adopted again in one process); else ECHILD.
+		var info unix.Siginfo
+		_ = unix.Waitid(unix.P_PIDFD, pfd, &info, unix.WEXITED|unix.WNOHANG, nil)
+		return nil, fmt.Errorf("init %d has exited", st.PID)
+	}
 	if start, err := procStart(st.PID); err != nil || start != st.Start {
 		return nil, fmt.Errorf("pid %d is not the recorded init (start time %d, recorded %d; %v)", st.PID, start, st.Start, err)
 	}
@@ -295,8 +302,7 @@ func (i *instance) watchPidfd() {
 	}
 	exited := false
 	err = rc.Read(func(fd uintptr) bool {
-		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-		if n, _ := unix.Poll(pfd, 0); n > 0 && pfd[0].Revents&unix.POLLIN != 0 {
+		if pidfdExited(int(fd)) {
 			exited = true
 			// Reaped here when the init is this process's child after
 			// all (adopted by the process that started it); otherwise
@@ -309,6 +315,14 @@ func (i *instance) watchPidfd() {
 	if err == nil && exited {
 		close(i.done)
 	}
+}
+
+// pidfdExited reports whether the process of pidfd has exited (a pidfd
+// is readable once it has, zombie or reaped).
+func pidfdExited(pidfd int) bool {
+	p := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+	n, _ := unix.Poll(p, 0)
+	return n > 0 && p[0].Revents&(unix.POLLIN|unix.POLLHUP) != 0
 }
 
 // pidfdAlive reports whether the process of pidfd still runs.

@@ -360,23 +360,39 @@ func testAdoptRejects(t *testing.T, cfg Config) {
 		t.Fatalf("adopted pid %d, want %d", a.pid, pid)
 	}
 
-	// An init that has died (and was reaped) is refused; Done of an
-	// adopted instance closes when its init exits.
-	b2, spec2 := startOn(t, s1)
-	state2, pid2 := b2.AdoptState(), b2.pid
-	b2.Detach()
-	if err := syscall.Kill(pid2, syscall.SIGKILL); err != nil {
-		t.Fatal(err)
-	}
-	var ws syscall.WaitStatus
-	if _, err := syscall.Wait4(pid2, &ws, 0, nil); err != nil { // this process is its parent
-		t.Fatal(err)
-	}
-	if _, err := s2.Adopt(context.Background(), spec2, state2); !errors.Is(err, substrate.ErrNotAdoptable) {
-		t.Fatalf("Adopt of a dead init: %v, want ErrNotAdoptable", err)
-	}
-	if err := s2.Reclaim(context.Background(), spec2.Route, spec2.Dir); err != nil {
-		t.Fatal(err)
+	// An init that has died is refused (once reaped, and before: this
+	// process is its parent, and Adopt reaps it); Done of an adopted
+	// instance closes when its init exits.
+	for _, reaped := range []bool{true, false} {
+		b2, spec2 := startOn(t, s1)
+		state2, pid2 := b2.AdoptState(), b2.pid
+		b2.Detach()
+		pfd, err := unix.PidfdOpen(pid2, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := syscall.Kill(pid2, syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, func() bool { return pidExited(pfd) }, "death of a detached init")
+		unix.Close(pfd)
+		if reaped {
+			var ws syscall.WaitStatus
+			if _, err := syscall.Wait4(pid2, &ws, 0, nil); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := s2.Adopt(context.Background(), spec2, state2); !errors.Is(err, substrate.ErrNotAdoptable) {
+			t.Fatalf("Adopt of a dead init (reaped %v): %v, want ErrNotAdoptable", reaped, err)
+		} else {
+			t.Logf("refused: %v", err)
+		}
+		if err := syscall.Kill(pid2, 0); err != syscall.ESRCH {
+			t.Fatalf("dead init %d not reaped: %v", pid2, err)
+		}
+		if err := s2.Reclaim(context.Background(), spec2.Route, spec2.Dir); err != nil {
+			t.Fatal(err)
+		}
 	}
 
 	c3, spec3 := startOn(t, s1)
