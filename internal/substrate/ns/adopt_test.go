@@ -374,7 +374,7 @@ func testAdoptRejects(t *testing.T, cfg Config) {
 		if err := syscall.Kill(pid2, syscall.SIGKILL); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, func() bool { return pidExited(pfd) }, "death of a detached init")
+		waitFor(t, func() bool { return pidfdExited(pfd) }, "death of a detached init")
 		unix.Close(pfd)
 		if reaped {
 			var ws syscall.WaitStatus
@@ -498,11 +498,4 @@ func runHelper() int {
 	_ = out.Encode(rep)
 	_, _ = os.Stdin.Read(make([]byte, 1)) // until killed
 	return 0
-}
-
-// pidExited reports whether the process of pidfd has exited.
-func pidExited(pidfd int) bool {
-	p := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
-	n, _ := unix.Poll(p, 0)
-	return n > 0
 }

@@ -85,10 +85,10 @@ func TestWorkerDeath(t *testing.T) {
 		t.Fatal(err)
 	}
 	cmd.Wait()
-	waitFor(t, func() bool { return pidExited(fds["warm"]) }, "death of the unclaimed warm init with its worker")
+	waitFor(t, func() bool { return pidfdExited(fds["warm"]) }, "death of the unclaimed warm init with its worker")
 	time.Sleep(500 * time.Millisecond)
 	for _, name := range []string{"kept", "lost"} {
-		if pidExited(fds[name]) {
+		if pidfdExited(fds[name]) {
 			t.Fatalf("the %s sandbox died with its worker", name)
 		}
 	}
@@ -107,8 +107,8 @@ func TestWorkerDeath(t *testing.T) {
 	if swept != 2 || len(offered) != 3 || !slices.Contains(offered, keptName) || !slices.Contains(offered, lostName) {
 		t.Fatalf("swept %d, offered %v", swept, offered)
 	}
-	waitFor(t, func() bool { return pidExited(fds["lost"]) }, "death of the unrecorded sandbox swept")
-	if pidExited(fds["kept"]) {
+	waitFor(t, func() bool { return pidfdExited(fds["lost"]) }, "death of the unrecorded sandbox swept")
+	if pidfdExited(fds["kept"]) {
 		t.Fatal("Sweep ended the recorded sandbox")
 	}
 	if cg := existingCgroup(s.cgroups, cfg.CgroupParent, lostName); len(cg.dirs) != 0 {
