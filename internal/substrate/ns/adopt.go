@@ -210,12 +210,20 @@ func (s *Substrate) adopt(ctx context.Context, spec substrate.Spec, state []byte
 	case validateLimits(st.Limits) != nil:
 		return nil, fmt.Errorf("state limits: %w", validateLimits(st.Limits))
 	}
+	// Reserved (as live) until it is adopted or refused, so two Adopts of
+	// one sandbox cannot both succeed.
 	s.liveMu.Lock()
 	live := s.live[name]
+	s.live[name] = true
 	s.liveMu.Unlock()
 	if live {
 		return nil, fmt.Errorf("cgroup %s is already run by this substrate", name)
 	}
+	defer func() {
+		if err != nil {
+			s.setLive(name, false)
+		}
+	}()
 
 	// The init: a pidfd first, then its start time, so that a pid reused
 	// by another process cannot pass; every /proc/<pid> read below is of
@@ -279,7 +287,6 @@ func (s *Substrate) adopt(ctx context.Context, spec substrate.Spec, state []byte
 		done: make(chan struct{}), detach: make(chan struct{}), copied: make(chan struct{})}
 	inst.state, _ = json.Marshal(st)
 	inst.log, inst.logR = s.reopenLog(st.PID, st.Log, filepath.Join(spec.Dir, LogName))
-	s.setLive(name, true)
 	inst.wg.Add(1)
 	go inst.watchPidfd()
 	if inst.logR != nil {

@@ -156,6 +156,9 @@ func TestAdopt(t *testing.T) {
 			if string(a.AdoptState()) != string(state) {
 				t.Fatalf("adopted state %s, want %s", a.AdoptState(), state)
 			}
+			if _, err := s2.Adopt(context.Background(), spec, state); !errors.Is(err, substrate.ErrNotAdoptable) {
+				t.Fatalf("a second Adopt of one sandbox: %v, want ErrNotAdoptable", err)
+			}
 			mustOK(t, a, 0, "kill -0 $(cat /tmp/bg)")
 			// The init's output reaches the log again.
 			if a.logR == nil {
