@@ -39,6 +39,9 @@ var (
 	// watching is true while the watcher goroutine runs; it ends when no
 	// child is waited for.
 	watching bool
+	// kick wakes the watcher after a stop, so it ends at once when that
+	// was the last child waited for.
+	kick = make(chan struct{}, 1)
 )
 
 // backstop re-probes the registered children this often even without a
@@ -58,6 +61,7 @@ func watch() {
 		select {
 		case <-ch:
 		case <-t.C:
+		case <-kick:
 		}
 		if probe() == 0 {
 			mu.Lock()
@@ -117,9 +121,13 @@ func Exited(pid int) (<-chan struct{}, func()) {
 	probe()
 	stop := func() {
 		mu.Lock()
-		defer mu.Unlock()
 		if waiters[pid] == done {
 			delete(waiters, pid)
+		}
+		mu.Unlock()
+		select {
+		case kick <- struct{}{}:
+		default:
 		}
 	}
 	return done, stop

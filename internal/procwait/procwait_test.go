@@ -143,6 +143,18 @@ func TestExitedStop(t *testing.T) {
 	if err := cmd.Wait(); err != nil {
 		t.Fatal(err)
 	}
+	// Nothing waited for: the watcher has ended (well before its backstop).
+	for deadline := time.Now().Add(backstop / 2); ; time.Sleep(10 * time.Millisecond) {
+		mu.Lock()
+		w := watching
+		mu.Unlock()
+		if !w {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the watcher runs on with nothing to wait for")
+		}
+	}
 	cmd = exec.Command("true")
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
