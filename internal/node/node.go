@@ -109,8 +109,11 @@ func (c Config) Validate() error {
 // snapshot store. Close it after its workers have stopped.
 type Host struct {
 	cfg   Config
-	ns    *ns.Substrate
 	snaps *snapshot.Local
+
+	// ns holds each worker's ns substrate (NS), by worker id.
+	nsMu sync.Mutex
+	ns   map[string]*ns.Substrate
 
 	vmOnce  sync.Once
 	vmReady chan vmResult // nil: no microvm configured
@@ -125,14 +128,14 @@ type vmResult struct {
 
 // Open validates cfg, starts opening the microvm substrate in the
 // background (its accelerator probe boots guests, seconds under TCG, while
-// the caller starts the rest) and opens the ns substrate and the
-// snapshot store.
+// the caller starts the rest) and opens the snapshot store. Each worker's
+// ns substrate is opened with the worker (NS).
 func Open(cfg Config) (_ *Host, err error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	h := &Host{cfg: cfg}
+	h := &Host{cfg: cfg, ns: map[string]*ns.Substrate{}}
 	if cfg.VMKernelDir != "" {
 		prewarm := ""
 		if cfg.VMPrewarm {
@@ -155,12 +158,35 @@ func Open(cfg Config) (_ *Host, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("node: snapshot store: %w", err)
 	}
-	h.ns, err = ns.New(ns.Config{StateDir: filepath.Join(cfg.DataDir, "ns"), InitPath: NSInitPath(cfg.BinDir), Logger: cfg.Logger,
-		NoUserNamespaces: cfg.NSNoUserNamespaces, NoDiskQuota: cfg.NSNoDiskQuota})
-	if err != nil {
-		return nil, fmt.Errorf("node: ns substrate: %w", err)
-	}
 	return h, nil
+}
+
+// NSCgroupParent is the cgroup parent of worker workerID's ns sandboxes.
+// Every worker has its own: at start a worker ends whatever runs under
+// its parent that it has no record of (ns.Substrate.Sweep), which must
+// never be another worker's sandboxes (space up runs several workers on
+// one host).
+func NSCgroupParent(workerID string) string { return ns.DefaultCgroupParent + "/" + workerID }
+
+// NS returns the ns substrate of worker workerID, opened on first use
+// (the same one for every later call: a worker run again in this process
+// finds its sandboxes there). The workers of a host share its state dir
+// (templates, layer disk images) and differ in their cgroup parent
+// (NSCgroupParent).
+func (h *Host) NS(workerID string) (*ns.Substrate, error) {
+	h.nsMu.Lock()
+	defer h.nsMu.Unlock()
+	if sub := h.ns[workerID]; sub != nil {
+		return sub, nil
+	}
+	sub, err := ns.New(ns.Config{StateDir: filepath.Join(h.cfg.DataDir, "ns"), CgroupParent: NSCgroupParent(workerID),
+		InitPath: NSInitPath(h.cfg.BinDir), Logger: h.cfg.Logger,
+		NoUserNamespaces: h.cfg.NSNoUserNamespaces, NoDiskQuota: h.cfg.NSNoDiskQuota})
+	if err != nil {
+		return nil, fmt.Errorf("node: ns substrate of worker %s: %w", workerID, err)
+	}
+	h.ns[workerID] = sub
+	return sub, nil
 }
 
 // waitVM waits for the microvm substrate once; it logs what became of it.
@@ -189,22 +215,23 @@ func (h *Host) waitVM() {
 }
 
 // Substrates waits for the microvm substrate and returns the substrates
-// workers run, ns first. With VMRequired, a microvm substrate that failed
-// to open is its error.
-func (h *Host) Substrates() ([]substrate.Substrate, error) {
+// worker workerID runs, its ns substrate (NS) first. With VMRequired, a
+// microvm substrate that failed to open is its error.
+func (h *Host) Substrates(workerID string) ([]substrate.Substrate, error) {
 	h.waitVM()
 	if h.vmErr != nil && h.cfg.VMRequired {
 		return nil, fmt.Errorf("node: microvm substrate: %w", h.vmErr)
 	}
-	subs := []substrate.Substrate{h.ns}
+	nsSub, err := h.NS(workerID)
+	if err != nil {
+		return nil, err
+	}
+	subs := []substrate.Substrate{nsSub}
 	if h.vm != nil {
 		subs = append(subs, h.vm)
 	}
 	return subs, nil
 }
-
-// NS is the ns substrate.
-func (h *Host) NS() *ns.Substrate { return h.ns }
 
 // VM waits for the microvm substrate and returns it, or nil when there is
 // none (no guest kernel configured, or it failed to open).
@@ -223,9 +250,12 @@ func (h *Host) Config() Config { return h.cfg }
 // Close closes the substrates. The workers over them must have stopped.
 func (h *Host) Close() error {
 	h.waitVM()
-	if h.ns != nil {
-		h.ns.Close()
+	h.nsMu.Lock()
+	for _, sub := range h.ns {
+		sub.Close()
 	}
+	h.ns = map[string]*ns.Substrate{}
+	h.nsMu.Unlock()
 	if h.vm != nil {
 		h.vm.Close()
 	}
@@ -262,7 +292,7 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 	subs := d.Substrates
 	if subs == nil {
 		var err error
-		if subs, err = h.Substrates(); err != nil {
+		if subs, err = h.Substrates(wc.ID); err != nil {
 			return nil, err
 		}
 	}

@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 func TestConfigDefaultsAndValidate(t *testing.T) {
@@ -40,5 +42,34 @@ func TestNSInitPath(t *testing.T) {
 	}
 	if p := NSInitPath(dir); p != filepath.Join(dir, "space-nsinit") {
 		t.Fatalf("NSInitPath = %q", p)
+	}
+}
+
+// Every worker gets an ns substrate of its own (its own cgroup parent,
+// which its Sweep owns); asking again gives the same one.
+func TestNSPerWorker(t *testing.T) {
+	testenv.RequireRoot(t, "the ns substrate needs root and cgroups")
+	h, err := Open(Config{DataDir: t.TempDir(), SnapshotDir: t.TempDir(), NSNoDiskQuota: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	a, err := h.NS("w1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := h.NS("w2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if again, _ := h.NS("w1"); again != a || a == b {
+		t.Fatalf("w1 %p (again %p), w2 %p", a, again, b)
+	}
+	if p := NSCgroupParent("w1"); p != "space/w1" {
+		t.Fatalf("NSCgroupParent = %q", p)
+	}
+	subs, err := h.Substrates("w2")
+	if err != nil || len(subs) == 0 || subs[0] != substrate.Substrate(b) {
+		t.Fatalf("Substrates(w2) = %v, %v", subs, err)
 	}
 }

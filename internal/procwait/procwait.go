@@ -28,7 +28,8 @@ import (
 //
 // Only the caller may reap cmd's process.
 func Wait(cmd *exec.Cmd) error {
-	exited(cmd.Process.Pid)
+	ch, _ := Exited(cmd.Process.Pid)
+	<-ch
 	return cmd.Wait()
 }
 
@@ -38,6 +39,9 @@ var (
 	// watching is true while the watcher goroutine runs; it ends when no
 	// child is waited for.
 	watching bool
+	// kick wakes the watcher after a stop, so it ends at once when that
+	// was the last child waited for.
+	kick = make(chan struct{}, 1)
 )
 
 // backstop re-probes the registered children this often even without a
@@ -57,6 +61,7 @@ func watch() {
 		select {
 		case <-ch:
 		case <-t.C:
+		case <-kick:
 		}
 		if probe() == 0 {
 			mu.Lock()
@@ -97,8 +102,12 @@ func hasExited(pid int) bool {
 	return err != nil || info.Signo != 0
 }
 
-// exited returns once the child pid has exited.
-func exited(pid int) {
+// Exited returns a channel closed once the child pid has exited (it is
+// left for the caller to reap) and a stop that unregisters the child
+// instead (the channel then never closes): a caller that lets go of a
+// child which outlives it (an ns sandbox handed to the next worker
+// process) holds no goroutine for it. Only one waiter per pid.
+func Exited(pid int) (<-chan struct{}, func()) {
 	done := make(chan struct{})
 	mu.Lock()
 	waiters[pid] = done
@@ -110,5 +119,16 @@ func exited(pid int) {
 	// Registered first, then probed: an exit before the registration is
 	// seen here, one after it raises a SIGCHLD the watcher sees.
 	probe()
-	<-done
+	stop := func() {
+		mu.Lock()
+		if waiters[pid] == done {
+			delete(waiters, pid)
+		}
+		mu.Unlock()
+		select {
+		case kick <- struct{}{}:
+		default:
+		}
+	}
+	return done, stop
 }

@@ -123,3 +123,49 @@ func TestWaitHoldsNoDescriptor(t *testing.T) {
 		t.Fatalf("%d descriptors while waiting for %d children (%d before)", during, n, before)
 	}
 }
+
+// A stopped watch never fires, and the watcher goroutine ends once no
+// child is waited for.
+func TestExitedStop(t *testing.T) {
+	cmd := exec.Command("sleep", "0.2")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	ch, stop := Exited(cmd.Process.Pid)
+	stop()
+	stop()
+	time.Sleep(400 * time.Millisecond)
+	select {
+	case <-ch:
+		t.Fatal("a stopped watch fired")
+	default:
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	// Nothing waited for: the watcher has ended (well before its backstop).
+	for deadline := time.Now().Add(backstop / 2); ; time.Sleep(10 * time.Millisecond) {
+		mu.Lock()
+		w := watching
+		mu.Unlock()
+		if !w {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the watcher runs on with nothing to wait for")
+		}
+	}
+	cmd = exec.Command("true")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	ch, _ = Exited(cmd.Process.Pid)
+	select {
+	case <-ch:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no exit seen")
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatal(err)
+	}
+}

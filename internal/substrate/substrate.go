@@ -181,12 +181,25 @@ type Capabilities struct {
 }
 
 // Reclaimer is implemented by substrates whose instances can outlive the
-// process that started them (a paused ns sandbox's frozen tasks survive
-// their init's parent-death signal): after a worker restart, Reclaim ends
-// what is left of route's activation in dir and releases what it held,
-// keeping its files. Idempotent; nothing left is not an error.
+// process that started them (ns sandboxes do): after a worker restart,
+// Reclaim ends what is left of route's activation in dir (an instance
+// that is not adopted) and releases what it held, keeping its files.
+// Idempotent; nothing left is not an error.
 type Reclaimer interface {
 	Reclaim(ctx context.Context, route identity.Route, dir string) error
+}
+
+// Sweeper is implemented by substrates whose instances outlive the
+// process that started them and can be listed without a record (ns: the
+// cgroups under its parent, which belongs to one worker). A worker calls
+// Sweep at start, before it starts or adopts anything: an instance started
+// but never recorded (the worker died between the start and the record's
+// write), or anything else a crash left, would otherwise run on unseen.
+// Sweep offers keep the name of each instance it finds,
+// "<SandboxID>-<ActivationID>" of its route, and ends (like Reclaim) each
+// one keep rejects, keeping its files; swept counts them.
+type Sweeper interface {
+	Sweep(ctx context.Context, keep func(cgroupName string) bool) (swept int, err error)
 }
 
 // Adopter is implemented by substrates whose instances outlive the
@@ -224,16 +237,6 @@ type Adoptable interface {
 	// leaves it running, to be adopted by the next process. The instance
 	// must not be used afterwards; Done is not closed by it.
 	Detach()
-}
-
-// Sweeper is implemented by substrates that can find their running
-// sandboxes without a record: at a worker's start, Sweep ends (like
-// Reclaimer) every sandbox of this substrate's worker whose name
-// ("<sandbox>-<activation>") keep rejects: one started by a worker that
-// died before it recorded it, or any leftover of a crash. It returns how
-// many it ended.
-type Sweeper interface {
-	Sweep(ctx context.Context, keep func(name string) bool) (swept int, err error)
 }
 
 // Availability is implemented by substrates whose usability depends on

@@ -384,8 +384,12 @@ func (lp *lcPlat) newExtraWorker(t *testing.T, np *nodeProxy, stateDir string) *
 	t.Helper()
 	gate := &gatedWatch{inner: node.SandboxWatch(lp.st), open: make(chan struct{})}
 	// ns only, as w4 always ran: the host's microvm substrate stays with the platform's workers.
+	nsSub, err := lp.host.NS(extraID)
+	if err != nil {
+		t.Fatal(err)
+	}
 	w, err := lp.host.NewWorker(node.WorkerConfig{ID: extraID, StateDir: stateDir},
-		node.WorkerDeps{Store: lp.st, Registrar: proxyRegistrar{lp.st, np.srv.URL}, Sandboxes: gate, Substrates: []substrate.Substrate{lp.host.NS()}})
+		node.WorkerDeps{Store: lp.st, Registrar: proxyRegistrar{lp.st, np.srv.URL}, Sandboxes: gate, Substrates: []substrate.Substrate{nsSub}})
 	if err != nil {
 		t.Fatalf("worker %s: %v", extraID, err)
 	}

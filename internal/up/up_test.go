@@ -28,7 +28,7 @@ import (
 	filesystempb "github.com/spacesbx/space/api/envd/filesystem"
 	"github.com/spacesbx/space/api/envd/filesystem/filesystempbconnect"
 	"github.com/spacesbx/space/api/spacev1"
-	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/testenv"
 	"github.com/spacesbx/space/sdk"
 )
@@ -244,14 +244,15 @@ func tamper(t *testing.T, tok string) string {
 }
 
 // cgroupValue reads a cgroup file of the sandbox's activation from the
-// host side (v1: per controller; v2: unified).
+// host side (v1: per controller; v2: unified), under the cgroup parent of
+// whichever worker runs it (node.NSCgroupParent).
 func cgroupValue(t *testing.T, sandboxID, controller, file string) string {
 	t.Helper()
-	base := filepath.Join("/sys/fs/cgroup", controller, ns.DefaultCgroupParent)
+	base := filepath.Join("/sys/fs/cgroup", controller)
 	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err == nil {
-		base = filepath.Join("/sys/fs/cgroup", ns.DefaultCgroupParent)
+		base = "/sys/fs/cgroup"
 	}
-	dirs, _ := filepath.Glob(filepath.Join(base, sandboxID+"-*"))
+	dirs, _ := filepath.Glob(filepath.Join(base, node.NSCgroupParent("*"), sandboxID+"-*"))
 	if len(dirs) != 1 {
 		t.Fatalf("cgroup of %s under %s: found %v", sandboxID, base, dirs)
 	}

@@ -152,97 +152,64 @@ type cgroup struct {
 // createCgroup creates <parent>/<name> and <parent>/agent.<name> in every
 // needed hierarchy and applies lim. On error it removes what it created.
 func createCgroup(l *cgroupLayout, parent, name string, lim substrate.Limits) (_ *cgroup, err error) {
-	cg := &cgroup{v2: l.v2}
+	gs := l.groups(parent, name)
+	made := &cgroup{v2: l.v2}
 	defer func() {
 		if err != nil {
-			_ = cg.remove(context.Background())
+			_ = made.remove(context.Background())
 		}
 	}()
-	mkdir := func(dir string) error {
-		if err := os.Mkdir(dir, 0o755); err != nil {
-			return fmt.Errorf("ns: create cgroup: %w", err)
-		}
-		cg.dirs = append(cg.dirs, dir)
-		return nil
-	}
 	if l.v2 {
 		if err := enableV2Controllers(l.unified, parent); err != nil {
 			return nil, err
 		}
-		dir := filepath.Join(l.unified, parent, name)
-		adir := filepath.Join(l.unified, parent, agentGroupPrefix+name)
-		for _, g := range []struct {
-			dir  string
-			pids int64
-		}{{dir, lim.Pids}, {adir, agentPids}} {
-			if err := mkdir(g.dir); err != nil {
-				return nil, err
-			}
-			writes := [][2]string{
-				{"memory.max", strconv.FormatInt(lim.MemoryBytes, 10)},
-				{"memory.swap.max", "0"},
-				{"pids.max", strconv.FormatInt(g.pids, 10)},
-				{"cpu.max", fmt.Sprintf("%d 100000", lim.CPUMillis*100)},
-			}
-			for _, w := range writes {
-				if err := writeCgroupFile(g.dir, w[0], w[1]); err != nil {
-					if w[0] == "memory.swap.max" && errors.Is(err, os.ErrNotExist) {
-						continue // kernel without swap accounting: no swap to limit
-					}
-					return nil, err
-				}
+	}
+	for _, g := range gs {
+		if !l.v2 {
+			// Nested parents need nothing copied: cpuset, the one v1
+			// controller whose new groups start empty, is not used.
+			if err := os.MkdirAll(filepath.Dir(g.dir), 0o755); err != nil {
+				return nil, fmt.Errorf("ns: create cgroup parent: %w", err)
 			}
 		}
-		cg.userDir, cg.initDirs, cg.freezerDirs = dir, []string{adir}, []string{dir, adir}
-		return cg, nil
-	}
-	// v1: one group per distinct mount; the mount of pids gets the agent's
-	// group too (with whatever else is co-mounted with pids).
-	mounts := map[string][]string{} // mount -> controllers
-	var order []string
-	for _, c := range l.v1Used() {
-		mnt := l.v1[c]
-		if _, ok := mounts[mnt]; !ok {
-			order = append(order, mnt)
+		if err := os.Mkdir(g.dir, 0o755); err != nil {
+			return nil, fmt.Errorf("ns: create cgroup: %w", err)
 		}
-		mounts[mnt] = append(mounts[mnt], c)
-	}
-	for _, mnt := range order {
-		if err := os.MkdirAll(filepath.Join(mnt, parent), 0o755); err != nil {
-			return nil, fmt.Errorf("ns: create cgroup parent: %w", err)
+		made.dirs = append(made.dirs, g.dir)
+		glim := lim
+		if g.agent {
+			glim.Pids = agentPids
 		}
-		ctrls := mounts[mnt]
-		dir := filepath.Join(mnt, parent, name)
-		if err := mkdir(dir); err != nil {
+		if l.v2 {
+			err = applyV2(g.dir, glim)
+		} else {
+			err = applyV1(g.dir, g.ctrls, glim)
+		}
+		if err != nil {
 			return nil, err
-		}
-		if err := applyV1(dir, ctrls, lim); err != nil {
-			return nil, err
-		}
-		hasFreezer := slices.Contains(ctrls, "freezer")
-		if hasFreezer {
-			cg.freezerDirs = append(cg.freezerDirs, dir)
-		}
-		if !slices.Contains(ctrls, "pids") {
-			cg.initDirs = append(cg.initDirs, dir)
-			continue
-		}
-		cg.userDir = dir
-		adir := filepath.Join(mnt, parent, agentGroupPrefix+name)
-		if err := mkdir(adir); err != nil {
-			return nil, err
-		}
-		alim := lim
-		alim.Pids = agentPids
-		if err := applyV1(adir, ctrls, alim); err != nil {
-			return nil, err
-		}
-		cg.initDirs = append(cg.initDirs, adir)
-		if hasFreezer {
-			cg.freezerDirs = append(cg.freezerDirs, adir)
 		}
 	}
-	return cg, nil
+	return cgroupOf(l.v2, gs), nil
+}
+
+// applyV2 writes lim to the v2 group dir (on v2 the agent's group repeats
+// the sandbox's memory and cpu limits).
+func applyV2(dir string, lim substrate.Limits) error {
+	writes := [][2]string{
+		{"memory.max", strconv.FormatInt(lim.MemoryBytes, 10)},
+		{"memory.swap.max", "0"},
+		{"pids.max", strconv.FormatInt(lim.Pids, 10)},
+		{"cpu.max", fmt.Sprintf("%d 100000", lim.CPUMillis*100)},
+	}
+	for _, w := range writes {
+		if err := writeCgroupFile(dir, w[0], w[1]); err != nil {
+			if w[0] == "memory.swap.max" && errors.Is(err, os.ErrNotExist) {
+				continue // kernel without swap accounting: no swap to limit
+			}
+			return err
+		}
+	}
+	return nil
 }
 
 // applyV1 writes lim for the v1 controllers ctrls of the group dir.
@@ -284,7 +251,9 @@ func (cg *cgroup) openUserProcs() (*os.File, error) {
 }
 
 // enableV2Controllers makes memory, pids and cpu available to children of
-// root/parent, enabling them on the root only where missing.
+// root/parent: a controller reaches a group only when every group above
+// it enables it for its children, so it is enabled (where missing) on the
+// root and on each group down to parent.
 func enableV2Controllers(root, parent string) error {
 	want := []string{"memory", "pids", "cpu"}
 	avail, err := os.ReadFile(filepath.Join(root, "cgroup.controllers"))
@@ -296,11 +265,14 @@ func enableV2Controllers(root, parent string) error {
 			return fmt.Errorf("ns: cgroup v2 controller %q is not available", c)
 		}
 	}
-	pdir := filepath.Join(root, parent)
-	if err := os.MkdirAll(pdir, 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Join(root, parent), 0o755); err != nil {
 		return fmt.Errorf("ns: create cgroup parent: %w", err)
 	}
-	for _, dir := range []string{root, pdir} {
+	dirs := []string{root}
+	for _, c := range strings.Split(parent, "/") {
+		dirs = append(dirs, filepath.Join(dirs[len(dirs)-1], c))
+	}
+	for _, dir := range dirs {
 		cur, err := os.ReadFile(filepath.Join(dir, "cgroup.subtree_control"))
 		if err != nil {
 			return err

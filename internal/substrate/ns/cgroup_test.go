@@ -92,3 +92,39 @@ func TestCgroupV2FreezeKill(t *testing.T) {
 		t.Fatalf("group still exists: %v", err)
 	}
 }
+
+// A nested cgroup parent on v2: memory, pids and cpu are enabled for the
+// children of the root and of every group down to the parent (a fake
+// hierarchy: this checks the walk, the kernel the rest).
+func TestEnableV2ControllersNested(t *testing.T) {
+	root := t.TempDir()
+	write := func(rel, s string) {
+		t.Helper()
+		if err := os.MkdirAll(filepath.Join(root, filepath.Dir(rel)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(root, rel), []byte(s), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("cgroup.controllers", "cpuset cpu io memory pids\n")
+	write("cgroup.subtree_control", "cpu memory pids\n")
+	write("space/cgroup.subtree_control", "memory\n")
+	write("space/w1/cgroup.subtree_control", "")
+	if err := enableV2Controllers(root, "space/w1"); err != nil {
+		t.Fatal(err)
+	}
+	for rel, want := range map[string]string{
+		"cgroup.subtree_control":          "cpu memory pids\n", // complete: not written
+		"space/cgroup.subtree_control":    "+pids +cpu",
+		"space/w1/cgroup.subtree_control": "+memory +pids +cpu",
+	} {
+		if b, _ := os.ReadFile(filepath.Join(root, rel)); string(b) != want {
+			t.Errorf("%s = %q, want %q", rel, b, want)
+		}
+	}
+	write("cgroup.controllers", "cpu memory\n")
+	if err := enableV2Controllers(root, "space/w1"); err == nil || !strings.Contains(err.Error(), "pids") {
+		t.Fatalf("a missing controller: %v", err)
+	}
+}

@@ -54,9 +54,13 @@ type Config struct {
 	StateDir string
 	// CgroupParent is the cgroup (relative to the root of each hierarchy)
 	// under which sandbox groups are created: <parent>/<sandbox>-<activation>.
-	// A single path component of letters, digits, '-', '_' or '.'.
-	// Default "space". The parent itself is created on demand and left in
-	// place (empty) so concurrent starts never race its removal.
+	// One or more '/'-separated components of letters, digits, '-', '_'
+	// or '.' (none starting with '.'), e.g. "space/w1". Default "space".
+	// The parent (and the groups above it) is created on demand and left
+	// in place (empty) so concurrent starts never race its removal. Sweep
+	// ends whatever it finds directly under the parent, so every process
+	// that runs sandboxes on a host needs a parent of its own (a worker:
+	// space/<worker id>, as internal/node sets it).
 	CgroupParent string
 	// Limits are the defaults for zero Spec.Limits fields. Zero fields
 	// here take DefaultMemoryBytes, DefaultPids, DefaultCPUMillis and
@@ -150,8 +154,8 @@ func (c Config) Validate() error {
 	if c.StateDir == "" || !filepath.IsAbs(c.StateDir) {
 		return fmt.Errorf("ns: StateDir must be an absolute path, got %q", c.StateDir)
 	}
-	if c.CgroupParent != "" && !validComponent(c.CgroupParent) {
-		return fmt.Errorf("ns: CgroupParent %q must be one path component of [A-Za-z0-9._-]", c.CgroupParent)
+	if c.CgroupParent != "" && !validCgroupParent(c.CgroupParent) {
+		return fmt.Errorf("ns: CgroupParent %q must be '/'-separated path components of [A-Za-z0-9._-]", c.CgroupParent)
 	}
 	if c.UsrDir != "" && !filepath.IsAbs(c.UsrDir) {
 		return fmt.Errorf("ns: UsrDir must be absolute, got %q", c.UsrDir)
@@ -205,6 +209,24 @@ func mergeLimits(l, def substrate.Limits) substrate.Limits {
 		l.DiskBytes = def.DiskBytes
 	}
 	return l
+}
+
+// maxCgroupParentDepth bounds CgroupParent's components.
+const maxCgroupParentDepth = 8
+
+// validCgroupParent reports whether p is a relative path of safe
+// components (no empty, "." or ".." ones).
+func validCgroupParent(p string) bool {
+	parts := strings.Split(p, "/")
+	if len(parts) > maxCgroupParentDepth {
+		return false
+	}
+	for _, c := range parts {
+		if !validComponent(c) {
+			return false
+		}
+	}
+	return true
 }
 
 // validComponent reports whether s is a safe single path component.

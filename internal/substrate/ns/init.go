@@ -190,6 +190,13 @@ func runInit() error {
 		"SPACE_CGROUP_FD=" + strconv.Itoa(agentCgroupFD),
 	}
 	env = append(env, cfg.Env...)
+	// Claimed: from now on the sandbox outlives the worker that started
+	// it (a restart or an upgrade re-adopts it, adopt.go). Until here the
+	// parent-death signal stays: an init nobody recorded (a warm one, one
+	// whose start was cut short) must die with its worker.
+	if err := unix.Prctl(unix.PR_SET_PDEATHSIG, 0, 0, 0, 0); err != nil {
+		return fmt.Errorf("clear the parent-death signal: %w", err)
+	}
 	report("ok")
 	err = unix.Exec(agentMount, []string{"spaced-guest"}, env)
 	return fmt.Errorf("exec %s: %w", agentMount, err)

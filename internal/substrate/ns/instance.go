@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,8 +14,9 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spacesbx/space/internal/identity"
-	"github.com/spacesbx/space/internal/procwait"
 	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/substrate/uidlease"
 )
@@ -29,9 +31,26 @@ type instance struct {
 	dir    string
 	socket string
 	cg     *cgroup
-	cmd    *exec.Cmd
+	// cgName names the groups (<parent>/<cgName>, warm.go renames them).
+	cgName string
 	pid    int
+	// The init is watched through cmd (a child this process started; its
+	// exit seen by procwait, stopWatch unregisters it) or, adopted, through
+	// pidfd (adopt.go).
+	cmd       *exec.Cmd
+	stopWatch func()
+	pidfd     *os.File
+	// log caps the init's output, which reaches it through the pipe logR
+	// (copied until copied is closed).
 	log    *cappedWriter
+	logR   *os.File
+	copied chan struct{}
+	// logPipe is the pipe's identity (the next worker opens it again).
+	logPipe fileID
+	// detach ends the watchers (Detach).
+	detach chan struct{}
+	// state is AdoptState's (adopt.go), set once Start or Adopt returns.
+	state []byte
 
 	wg   sync.WaitGroup
 	done chan struct{}
@@ -65,11 +84,60 @@ func (i *instance) Done() <-chan struct{} { return i.done }
 // instance runs.
 func (i *instance) LayerDir() string { return i.s.LayerDir(i.dir) }
 
-func (i *instance) wait() {
+// wait closes done once the init (this process's child) has exited and
+// is reaped; no thread is held per sandbox. Detach ends it early.
+func (i *instance) wait(exited <-chan struct{}) {
 	defer i.wg.Done()
-	_ = procwait.Wait(i.cmd) // no thread held per sandbox
-	close(i.done)
+	select {
+	case <-exited:
+		_ = i.cmd.Wait()
+		close(i.done)
+	case <-i.detach:
+	}
 }
+
+// copyLog copies the init's output to its capped log until the pipe's
+// writers are gone or logR is closed (Stop, Detach).
+func (i *instance) copyLog() {
+	defer i.wg.Done()
+	defer close(i.copied)
+	_, _ = io.Copy(i.log, i.logR)
+}
+
+// hasInit reports whether an init process belongs to the instance.
+func (i *instance) hasInit() bool { return i.cmd != nil || i.pidfd != nil }
+
+// kill sends SIGKILL to the init: through its pidfd when adopted (the
+// init is not this process's child, so its pid could be reused once it
+// is gone), else by pid (an unreaped child's pid is not reused).
+func (i *instance) kill() {
+	if i.pidfd != nil {
+		if rc, err := i.pidfd.SyscallConn(); err == nil {
+			_ = rc.Control(func(fd uintptr) { _ = unix.PidfdSendSignal(int(fd), unix.SIGKILL, nil, 0) })
+		}
+		return
+	}
+	if i.cmd != nil {
+		_ = syscall.Kill(i.pid, syscall.SIGKILL)
+	}
+}
+
+// endLog waits a little for the init's output to drain once its writers
+// are gone, then stops copying.
+func (i *instance) endLog() {
+	if i.logR == nil {
+		return
+	}
+	select {
+	case <-i.copied:
+	case <-time.After(logDrainWait):
+	}
+	_ = i.logR.Close()
+	<-i.copied
+}
+
+// logDrainWait bounds how long Stop waits for the init's last output.
+const logDrainWait = 2 * time.Second
 
 // Pause freezes every process of the sandbox.
 //
@@ -144,11 +212,11 @@ func (i *instance) Stop(ctx context.Context) error {
 	if i.stopped {
 		return nil
 	}
-	if i.cmd != nil {
+	if i.hasInit() {
 		select {
 		case <-i.done:
 		default:
-			_ = syscall.Kill(i.pid, syscall.SIGKILL)
+			i.kill()
 		}
 	}
 	var errs []error
@@ -158,16 +226,20 @@ func (i *instance) Stop(ctx context.Context) error {
 			errs = append(errs, err)
 		}
 	}
-	if i.cmd != nil {
+	if i.hasInit() {
 		select {
 		case <-i.done:
 		case <-ctx.Done():
 			return errors.Join(append(errs, fmt.Errorf("ns: stop: init %d did not exit: %w", i.pid, ctx.Err()))...)
 		}
-		i.wg.Wait()
 	}
+	i.endLog()
+	i.wg.Wait()
 	if len(errs) > 0 {
 		return errors.Join(errs...)
+	}
+	if i.pidfd != nil {
+		_ = i.pidfd.Close()
 	}
 	i.cleanupFiles()
 	i.uids.Release() // the init and every process of the range are gone
@@ -181,6 +253,7 @@ func (i *instance) Stop(ctx context.Context) error {
 		_ = i.log.Close()
 	}
 	i.stopped = true
+	i.s.setLive(i.cgName, false)
 	return nil
 }
 

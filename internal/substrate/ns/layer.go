@@ -117,6 +117,9 @@ func (s *Substrate) acquireLayer(dir string, size int64) (release func() error, 
 		if err := s.waitDiskFree(img); err != nil {
 			return nil, err
 		}
+		if err := waitUnattached(img); err != nil {
+			return nil, err
+		}
 		if ref.disk, err = openDisk(img); err != nil {
 			return nil, err
 		}
@@ -208,6 +211,25 @@ func (s *Substrate) waitDiskFree(img string) error {
 	return nil
 }
 
+// waitUnattached waits until no loop device is attached to img, which
+// waitDiskFree does not know of when another process attached it: a
+// sandbox of a previous worker process still running (not adopted yet,
+// or being reclaimed), or its file system still ending. Mounting the image
+// again then would make a second file system on the same blocks.
+func waitUnattached(img string) error {
+	deadline := time.Now().Add(diskFreeWait)
+	for {
+		loop := loopBacking(img)
+		if loop == "" {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("ns: disk quota: %s is attached to %s by a sandbox this process does not hold; refusing to mount it twice", img, loop)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 // loopBacks reports whether loop device dev (/dev/loopN) is attached to
 // the file img.
 func loopBacks(dev, img string) bool {
@@ -287,4 +309,123 @@ func (s *Substrate) layerClone(dir string, usernsFD int) (int, error) {
 	unix.Close(ref.disk.mfd)
 	ref.disk.mfd, ref.disk.dir = -1, mnt
 	return ref.disk.Clone(usernsFD, attrs)
+}
+
+// adoptLayer takes back the writable layer of activation directory dir
+// for an adopted sandbox. A layer disk is mounted in the sandbox's own
+// namespace: its loop device is found (the one whose backing file is
+// dir's image, by device and inode) and mounted again, detached: a block
+// device mounted twice is one superblock, so this is the same file
+// system, never a second one on the same blocks.
+func (s *Substrate) adoptLayer(dir string, st adoptState) (func() error, error) {
+	s.layerMu.Lock()
+	defer s.layerMu.Unlock()
+	ref := s.layers[dir]
+	if !st.Disk {
+		if ref != nil && ref.disk != nil {
+			return nil, fmt.Errorf("layer of %s is held here as a disk; the sandbox's is a directory", dir)
+		}
+		upper := filepath.Join(dir, DiskMountName, diskUpperDir)
+		if fi, err := os.Lstat(upper); err != nil || !fi.IsDir() {
+			return nil, fmt.Errorf("writable layer %s: not a directory (%v)", upper, err)
+		}
+		if ref != nil {
+			ref.refs++
+		} else {
+			s.layers[dir] = &layerRef{refs: 1}
+		}
+		return s.releaser(dir), nil
+	}
+	img := filepath.Join(dir, DiskImageName)
+	loop, dev, err := findLoop(img, st.Loop)
+	if err != nil {
+		return nil, err
+	}
+	if ref != nil {
+		// Held here already (PrepareLayer): only if that is the same
+		// file system.
+		if ref.disk == nil || ref.disk.dev != dev {
+			return nil, fmt.Errorf("layer of %s is held here on another device than the sandbox's %s", dir, loop)
+		}
+		ref.refs++
+		return s.releaser(dir), nil
+	}
+	mfd, err := fsmountExt4(loop)
+	if err != nil {
+		return nil, fmt.Errorf("layer disk %s (%s): %w", img, loop, err)
+	}
+	d := &layerDisk{img: img, dir: fmt.Sprintf("/proc/self/fd/%d/", mfd), loop: loop, dev: dev, mfd: mfd}
+	// The loop device may have been detached and reused between the
+	// lookup and the mount: the mount must be of dir's image still.
+	var rst unix.Stat_t
+	if err := unix.Fstat(mfd, &rst); err != nil || rst.Dev != dev || !loopBacksFile(loop, img) {
+		_ = d.Unmount()
+		return nil, fmt.Errorf("layer disk %s: %s changed while it was mounted (%v)", img, loop, err)
+	}
+	if fi, err := os.Lstat(d.Upper()); err != nil || !fi.IsDir() {
+		_ = d.Unmount()
+		return nil, fmt.Errorf("layer disk %s has no upper dir (%v)", img, err)
+	}
+	s.layers[dir] = &layerRef{disk: d, refs: 1}
+	s.lastLoop[img] = loop
+	return s.releaser(dir), nil
+}
+
+// findLoop returns the loop device attached to the file img (by its
+// device and inode: the path a loop device shows is the one it was
+// attached through, which a spare disk's link no longer is) and the
+// device's number; hint is tried first.
+func findLoop(img, hint string) (string, uint64, error) {
+	cands := []string{}
+	if strings.HasPrefix(hint, "/dev/loop") {
+		cands = append(cands, hint)
+	}
+	ents, err := os.ReadDir("/sys/block")
+	if err != nil {
+		return "", 0, err
+	}
+	for _, e := range ents {
+		if !strings.HasPrefix(e.Name(), "loop") {
+			continue
+		}
+		if _, err := os.Stat(filepath.Join("/sys/block", e.Name(), "loop", "backing_file")); err == nil {
+			cands = append(cands, "/dev/"+e.Name())
+		}
+	}
+	for _, c := range cands {
+		if rdev, ok := loopOf(c, img); ok {
+			return c, rdev, nil
+		}
+	}
+	return "", 0, fmt.Errorf("no loop device backs %s", img)
+}
+
+// loopBacksFile reports whether loop device dev is attached to the file
+// img (by device and inode).
+func loopBacksFile(dev, img string) bool {
+	_, ok := loopOf(dev, img)
+	return ok
+}
+
+// loopOf checks with LOOP_GET_STATUS64 that loop device dev is attached
+// to img and returns the device's number.
+func loopOf(dev, img string) (uint64, bool) {
+	var ist unix.Stat_t
+	if err := unix.Stat(img, &ist); err != nil {
+		return 0, false
+	}
+	fd, err := unix.Open(dev, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return 0, false
+	}
+	defer unix.Close(fd)
+	info, err := unix.IoctlLoopGetStatus64(fd)
+	if err != nil || info.Device != ist.Dev || info.Inode != ist.Ino {
+		return 0, false
+	}
+	var dst unix.Stat_t
+	if err := unix.Fstat(fd, &dst); err != nil || dst.Mode&unix.S_IFMT != unix.S_IFBLK || unix.Major(dst.Rdev) != loopMajor {
+		return 0, false
+	}
+	return dst.Rdev, true
 }

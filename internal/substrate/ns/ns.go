@@ -92,9 +92,13 @@
 //		...
 //	}
 //
-// Sandboxes die with the hosting process (parent-death signal); they are
-// forked from one dedicated locked OS thread that lives until Close, so
-// Go retiring threads never kills them. Stop every instance before Close.
+// Sandboxes outlive the hosting process: a worker restart or upgrade
+// leaves them running and the next process takes them over (Adopt,
+// adopt.go; Sweep ends the ones nobody recorded, sweep.go). Only an init
+// not yet claimed by a Start (a warm one, one being configured) dies with
+// the process (parent-death signal, cleared by the init right before it
+// execs the agent); inits are forked from one dedicated locked OS thread
+// that lives until Close, so Go retiring threads never kills them.
 //
 // # Known limits
 //
@@ -169,6 +173,23 @@ type Substrate struct {
 	warming bool
 	closed  bool
 	warmWG  sync.WaitGroup
+
+	// live names the groups of the inits this substrate runs (started,
+	// warm or adopted): Sweep never ends them.
+	liveMu sync.Mutex
+	live   map[string]bool
+}
+
+// setLive records whether the groups named name belong to an init this
+// substrate runs.
+func (s *Substrate) setLive(name string, on bool) {
+	s.liveMu.Lock()
+	defer s.liveMu.Unlock()
+	if on {
+		s.live[name] = true
+	} else {
+		delete(s.live, name)
+	}
 }
 
 var _ substrate.Substrate = (*Substrate)(nil)
@@ -190,7 +211,8 @@ func New(cfg Config) (*Substrate, error) {
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, err
 	}
-	s := &Substrate{cfg: cfg, cgroups: layout, tmplReady: map[string]bool{}, layers: map[string]*layerRef{}, lastLoop: map[string]string{}}
+	s := &Substrate{cfg: cfg, cgroups: layout, tmplReady: map[string]bool{}, layers: map[string]*layerRef{}, lastLoop: map[string]string{},
+		live: map[string]bool{}}
 	if !cfg.NoDiskQuota {
 		if why := diskQuotaUnsupported(); why != "" {
 			cfg.Logger.Warn("ns: sandboxes run without a disk quota: one sandbox can fill the host's disk", "reason", why)
@@ -212,8 +234,9 @@ func New(cfg Config) (*Substrate, error) {
 // Name returns identity.SubstrateNS.
 func (s *Substrate) Name() string { return identity.SubstrateNS }
 
-// Close stops the spawner thread. Sandboxes still running are killed (their
-// parent-death signal fires), so Stop them first. Start fails afterwards.
+// Close stops the spawner thread and the warm init. Sandboxes still
+// running keep running (a worker restart adopts them: Adopt); Stop or
+// Detach them first. Start fails afterwards.
 func (s *Substrate) Close() error {
 	s.stopWarm() // also waits for a spare disk being made
 	s.stopSpares()
@@ -385,6 +408,9 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	case <-inst.done:
 		return fail(fmt.Errorf("agent exited right after start (see %s)", filepath.Join(spec.Dir, LogName)))
 	default:
+	}
+	if err := s.recordState(inst); err != nil {
+		return fail(err)
 	}
 	s.cfg.Logger.Debug("ns: sandbox started", "route", spec.Route.String(), "pid", inst.pid, "warm", sp.warm, "took", time.Since(t0))
 	s.prewarm(lim)

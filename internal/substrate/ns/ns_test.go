@@ -37,6 +37,9 @@ var (
 
 func TestMain(m *testing.M) {
 	MaybeInit() // the test binary is also the sandbox init
+	if os.Getenv(helperEnv) != "" {
+		os.Exit(runHelper()) // a worker of TestWorkerDeath
+	}
 	os.Exit(testMain(m))
 }
 

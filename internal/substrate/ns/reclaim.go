@@ -2,10 +2,11 @@
 
 package ns
 
-// Reclaiming an activation whose worker process died: its sandbox init
-// had a parent-death signal, but a paused sandbox's frozen tasks do not
-// die until thawed, and they keep its mount namespace, so its layer disk
-// stays mounted. Its files are kept (a recovery archives them).
+// Reclaiming an activation whose worker process died and that is not to
+// be adopted: its sandbox may still run (a claimed init has no
+// parent-death signal; a paused sandbox's tasks are frozen), and its
+// tasks keep its mount namespace, so its layer disk stays mounted. Its
+// files are kept (a recovery archives them).
 
 import (
 	"context"
@@ -42,38 +43,6 @@ func (s *Substrate) Reclaim(ctx context.Context, route identity.Route, dir strin
 		dev := loopBacking(img)
 		return dev == "", nil
 	})
-}
-
-// existingCgroup is the cgroup createCgroup made for name, as far as its
-// directories exist (remove kills their tasks and deletes them).
-func existingCgroup(l *cgroupLayout, parent, name string) *cgroup {
-	cg := &cgroup{v2: l.v2}
-	add := func(dir string, freezer bool) {
-		if _, err := os.Stat(dir); err != nil {
-			return
-		}
-		cg.dirs = append(cg.dirs, dir)
-		if freezer {
-			cg.freezerDirs = append(cg.freezerDirs, dir)
-		}
-	}
-	if l.v2 {
-		add(filepath.Join(l.unified, parent, name), true)
-		add(filepath.Join(l.unified, parent, agentGroupPrefix+name), true)
-		return cg
-	}
-	seen := map[string]bool{}
-	for _, c := range l.v1Used() {
-		mnt := l.v1[c]
-		if seen[mnt] {
-			continue
-		}
-		seen[mnt] = true
-		freezer := l.v1["freezer"] == mnt
-		add(filepath.Join(mnt, parent, name), freezer)
-		add(filepath.Join(mnt, parent, agentGroupPrefix+name), freezer)
-	}
-	return cg
 }
 
 // loopBacking returns a loop device (/dev/loopN) attached to img, or "".

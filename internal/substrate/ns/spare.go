@@ -15,6 +15,8 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+
+	"golang.org/x/sys/unix"
 )
 
 // spareDisk is a mounted, unused layer disk.
@@ -23,12 +25,23 @@ type spareDisk struct {
 	size int64
 }
 
-func (s *Substrate) spareDir() string { return filepath.Join(s.cfg.StateDir, "spare") }
+// spareDir holds this substrate's spare images: one directory per cgroup
+// parent, so the substrates of several workers sharing a StateDir (space
+// up) never clear each other's.
+func (s *Substrate) spareDir() string {
+	return filepath.Join(s.cfg.StateDir, "spare", filepath.FromSlash(s.cfg.CgroupParent))
+}
 
 // clearSpares removes the images a previous process left (their mounts
-// died with it).
+// died with it): the files of spareDir, not the directories of nested
+// cgroup parents' substrates.
 func (s *Substrate) clearSpares() {
-	_ = os.RemoveAll(s.spareDir())
+	ents, _ := os.ReadDir(s.spareDir())
+	for _, e := range ents {
+		if e.Type().IsRegular() {
+			_ = os.Remove(filepath.Join(s.spareDir(), e.Name()))
+		}
+	}
 }
 
 // prewarmDisk makes a spare disk of size in the background unless one
@@ -113,15 +126,25 @@ func (s *Substrate) takeSpare(dir string, size int64) *layerDisk {
 		return nil
 	}
 	img := filepath.Join(dir, DiskImageName)
-	// A link, not a rename: dir's image must not exist already.
-	if err := os.Link(sp.disk.img, img); err != nil {
+	// A rename that never replaces dir's image: the loop device shows the
+	// path it was attached through as long as that name is the file's
+	// (after a link and an unlink it would show the spare's name,
+	// "(deleted)", and loopBacks, which Reclaim and the next mount's wait
+	// rely on, would no longer see the disk). A link where the file
+	// system cannot rename without replacing.
+	err := unix.Renameat2(unix.AT_FDCWD, sp.disk.img, unix.AT_FDCWD, img, unix.RENAME_NOREPLACE)
+	if errors.Is(err, unix.EINVAL) {
+		if err = os.Link(sp.disk.img, img); err == nil {
+			_ = os.Remove(sp.disk.img)
+		}
+	}
+	if err != nil {
 		if !errors.Is(err, os.ErrExist) {
 			s.cfg.Logger.Debug("ns: spare layer disk not taken", "err", err)
 		}
 		sp.discard()
 		return nil
 	}
-	_ = os.Remove(sp.disk.img)
 	sp.disk.img = img
 	return sp.disk
 }

@@ -12,7 +12,7 @@ import (
 )
 
 // TestSpareDisk: after a start, a layer disk is made ahead of time; the
-// next new activation directory takes it (its image linked there, the
+// next new activation directory takes it (its image moved there, the
 // spare's name gone), with nothing of another sandbox in it, and Close
 // leaves no spare image behind.
 func TestSpareDisk(t *testing.T) {
@@ -40,6 +40,15 @@ func TestSpareDisk(t *testing.T) {
 	}
 	if _, err := os.Stat(spareImg); !os.IsNotExist(err) {
 		t.Fatalf("the spare's image is still at %s (not taken): %v", spareImg, err)
+	}
+	// Its loop device names the activation's image (what Reclaim and the
+	// next mount's wait look for), not the spare's old name.
+	s.layerMu.Lock()
+	loop := s.layers[spec.Dir].disk.Device()
+	s.layerMu.Unlock()
+	if img := filepath.Join(spec.Dir, DiskImageName); !loopBacks(loop, img) || loopBacking(img) != loop {
+		b, _ := os.ReadFile(filepath.Join("/sys/block", filepath.Base(loop), "loop", "backing_file"))
+		t.Fatalf("%s backs %q, not %s", loop, b, img)
 	}
 	upper := s.LayerDir(spec.Dir)
 	if _, err := os.Stat(filepath.Join(upper, "root/f")); !os.IsNotExist(err) {

@@ -70,16 +70,17 @@ func (s *Substrate) ensureTemplate(name string) (string, error) {
 		_ = os.RemoveAll(tmp)
 		return "", fmt.Errorf("ns: build template %s: %w", name, err)
 	}
-	// Move an outdated template aside, then swap the new one in. Sandboxes
-	// still running on the old lower layer keep their open references.
+	// Move an outdated template aside, then swap the new one in. The old
+	// one is kept: sandboxes of the previous worker binary (adopted after
+	// an upgrade, adopt.go) still have it as their overlay's lower layer,
+	// which follows the rename but not a removal of its files. A template
+	// is about a megabyte; one is left per template version.
 	if _, err := os.Lstat(dir); err == nil {
-		old := fmt.Sprintf("%s.old-%d", dir, os.Getpid())
-		_ = os.RemoveAll(old)
+		old := fmt.Sprintf("%s.old-%s", dir, randHex(8))
 		if err := os.Rename(dir, old); err != nil {
 			_ = os.RemoveAll(tmp)
 			return "", err
 		}
-		defer os.RemoveAll(old)
 	}
 	if err := os.Rename(tmp, dir); err != nil {
 		_ = os.RemoveAll(tmp)

@@ -5,6 +5,7 @@ package ns
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -68,10 +69,23 @@ func TestTemplateBase(t *testing.T) {
 	if _, err := os.Lstat(filepath.Join(dir, "stale")); !os.IsNotExist(err) {
 		t.Error("old template not replaced")
 	}
+	// The outdated template is kept aside whole (an adopted sandbox may
+	// still have it as its lower layer); nothing else is left.
 	ents, _ := os.ReadDir(filepath.Dir(dir))
+	kept := 0
 	for _, e := range ents {
-		if e.Name() != TemplateBase && e.Name() != ".lock" {
+		switch {
+		case e.Name() == TemplateBase || e.Name() == ".lock":
+		case strings.HasPrefix(e.Name(), TemplateBase+".old-"):
+			kept++
+			if _, err := os.Lstat(filepath.Join(filepath.Dir(dir), e.Name(), "stale")); err != nil {
+				t.Errorf("outdated template not kept whole: %v", err)
+			}
+		default:
 			t.Errorf("leftover %s in templates dir", e.Name())
 		}
+	}
+	if kept != 1 {
+		t.Errorf("%d outdated templates kept, want 1", kept)
 	}
 }

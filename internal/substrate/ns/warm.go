@@ -34,6 +34,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacesbx/space/internal/procwait"
 	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/substrate/uidlease"
 )
@@ -64,7 +65,8 @@ type spawned struct {
 // its configuration. Its output goes to logf (nil: kept until claim). On
 // error nothing is left (logf is closed).
 func (s *Substrate) spawn(name string, lim substrate.Limits, logf *os.File) (_ *spawned, err error) {
-	inst := &instance{s: s, done: make(chan struct{}), lim: lim, log: &cappedWriter{f: logf, left: maxLogSize}}
+	inst := &instance{s: s, done: make(chan struct{}), detach: make(chan struct{}), copied: make(chan struct{}),
+		lim: lim, log: &cappedWriter{f: logf, left: maxLogSize}, cgName: name}
 	defer func() {
 		if err != nil {
 			sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -74,7 +76,25 @@ func (s *Substrate) spawn(name string, lim substrate.Limits, logf *os.File) (_ *
 			}
 		}
 	}()
+	// Live before the groups exist: a concurrent Sweep never ends them.
+	s.setLive(name, true)
 	if inst.cg, err = createCgroup(s.cgroups, s.cfg.CgroupParent, name, lim); err != nil {
+		return nil, err
+	}
+	// The init's output goes through a pipe of this process's own (not
+	// exec.Cmd's, whose copying cannot be stopped): Detach closes the
+	// reading end and the next worker opens the pipe again (adopt.go).
+	outR, outW, err := os.Pipe()
+	if err != nil {
+		return nil, fmt.Errorf("ns: %w", err)
+	}
+	defer outW.Close()
+	defer func() {
+		if inst.logR == nil { // not handed to the copier
+			outR.Close()
+		}
+	}()
+	if inst.logPipe, err = fileIDOf(outW); err != nil {
 		return nil, err
 	}
 	// The configuration travels over a socket so that descriptors (the
@@ -136,10 +156,9 @@ func (s *Substrate) spawn(name string, lim substrate.Limits, logf *os.File) (_ *
 		Path:        "/proc/self/fd/" + strconv.Itoa(initBinaryFD),
 		Args:        []string{initArg0},
 		Env:         []string{},
-		Stdout:      inst.log,
-		Stderr:      inst.log,
+		Stdout:      outW,
+		Stderr:      outW,
 		ExtraFiles:  []*os.File{cfgR, userProcs, stW, initBin}, // fds 3, 4, 5 and 6
-		WaitDelay:   2 * time.Second,
 		SysProcAttr: attr,
 	}
 	var startErr error
@@ -163,12 +182,24 @@ func (s *Substrate) spawn(name string, lim substrate.Limits, logf *os.File) (_ *
 	}
 	inst.cmd = cmd
 	inst.pid = cmd.Process.Pid
-	inst.wg.Add(1)
-	go inst.wait()
+	exited, stopWatch := procwait.Exited(inst.pid)
+	inst.stopWatch = stopWatch
+	inst.logR = outR
+	inst.wg.Add(2)
+	go inst.wait(exited)
+	go inst.copyLog()
 	cfgR.Close()
 	stW.Close()
 	userProcs.Close()
 	initBin.Close()
+	outW.Close()
+	if inst.uids != nil {
+		// The range stays leased while the init lives, whether or not
+		// this process does (uidlease).
+		if err := inst.uids.Bind(inst.pid); err != nil {
+			return nil, fmt.Errorf("ns: %w", err)
+		}
+	}
 
 	// Into the cgroups before the init does anything.
 	if err := inst.cg.add(inst.pid); err != nil {
@@ -265,7 +296,9 @@ func (sp *spawned) claim(name, logPath string) error {
 			cg.userDir = nd
 		}
 	}
-	sp.name = name
+	sp.inst.s.setLive(sp.name, false)
+	sp.inst.s.setLive(name, true)
+	sp.name, sp.inst.cgName = name, name
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return err
