@@ -181,7 +181,12 @@ func currentRoute(ctx context.Context, p *Platform, id string) (identity.Route, 
 // process of its agent cgroup.
 func AgentPID(r identity.Route) (int, error) {
 	name := "agent." + r.SandboxID + "-" + r.ActivationID
-	for _, pat := range []string{"/sys/fs/cgroup/pids/*/" + name, "/sys/fs/cgroup/unified/*/" + name, "/sys/fs/cgroup/*/" + name} {
+	// Under a worker's parent (space/<worker>/) or a flat one (space/).
+	var pats []string
+	for _, depth := range []string{"*/*/", "*/"} {
+		pats = append(pats, "/sys/fs/cgroup/pids/"+depth+name, "/sys/fs/cgroup/unified/"+depth+name, "/sys/fs/cgroup/"+depth+name)
+	}
+	for _, pat := range pats {
 		dirs, _ := filepath.Glob(pat)
 		for _, d := range dirs {
 			b, err := os.ReadFile(filepath.Join(d, "cgroup.procs"))

@@ -87,6 +87,8 @@ type Platform struct {
 	cleanup func()
 	stopped bool
 	stopErr error
+	// keep: its sandboxes outlive it, so Stop keeps Dir (their data).
+	keep bool
 }
 
 // StartPlatform starts `space up` (RequirePlatform's tier) and stops it
@@ -135,7 +137,7 @@ func LaunchPlatform(o PlatformOptions) (_ *Platform, err error) {
 			return nil, err
 		}
 	}
-	p := &Platform{BinDir: bin, APIKey: o.APIKey, Dir: o.Dir, cleanup: cleanup}
+	p := &Platform{BinDir: bin, APIKey: o.APIKey, Dir: o.Dir, cleanup: cleanup, keep: o.KeepSandboxes}
 	defer func() {
 		if err != nil && p.Cmd == nil {
 			p.cleanup()
@@ -220,8 +222,9 @@ func (p *Platform) Env() []string {
 }
 
 // Stop interrupts space up and waits for it. A non-zero exit is an error
-// (and Dir stays for its log); after a clean exit Dir is removed. Stop
-// is idempotent.
+// (and Dir stays for its log); after a clean exit Dir is removed, unless
+// the sandboxes outlive the platform (KeepSandboxes: the next platform on
+// Dir adopts them). Stop is idempotent.
 func (p *Platform) Stop() error {
 	if p.stopped {
 		return p.stopErr
@@ -231,7 +234,7 @@ func (p *Platform) Stop() error {
 	err := p.Cmd.Wait() // reports the cancellation itself; the exit status tells how it ended
 	if code := p.Cmd.ProcessState.ExitCode(); code != 0 {
 		p.stopErr = fmt.Errorf("space up exited with %d after SIGINT (%v); log %s", code, err, p.LogPath)
-	} else {
+	} else if !p.keep {
 		os.RemoveAll(p.Dir)
 	}
 	p.cleanup()
