@@ -22,6 +22,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
@@ -157,6 +158,7 @@ func (l *Local) Put(ctx context.Context, id string, r io.Reader) (int64, error) 
 	if err != nil {
 		return fail(err)
 	}
+	crashpoint.Hit(crashpoint.PutWritten)
 	if err := f.Sync(); err != nil {
 		return fail(err)
 	}
