@@ -55,3 +55,27 @@ func TestReaperRecoversLostExecution(t *testing.T) {
 		return len(lost) == 0
 	})
 }
+
+// A lost execution of a sandbox killed meanwhile (the crash cut the kill
+// between its record and the worker's teardown) is torn down on its
+// worker before its marker goes: nothing else would remove the worker's
+// record and files of it.
+func TestReaperTearsDownLostExecutionOfKilledSandbox(t *testing.T) {
+	e, _, _, lg, id := twoWorkers(t, nil)
+	rec := e.record(id)
+	// The kill as a crash left it: the record killed, then (at the
+	// worker's restart) the execution reported lost.
+	if r := e.api("DELETE", "/sandboxes/"+id, nil); r.Code != http.StatusNoContent {
+		t.Fatalf("kill: %d", r.Code)
+	}
+	lg.reset()
+	ctx := context.Background()
+	if err := e.st.PutLost(ctx, rec.Route); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() bool {
+		lost, _ := e.st.ListLost(ctx)
+		return len(lost) == 0
+	})
+	expectEvents(t, lg.all(), "w1 teardown g1")
+}

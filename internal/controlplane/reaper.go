@@ -2,6 +2,7 @@ package controlplane
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -123,6 +124,18 @@ func (s *Server) lostExecutions(ctx context.Context, entries []store.SandboxEntr
 		}
 		if ok && r.Route == l && r.Op != nil {
 			continue // an operation holds it; look again when it ends
+		}
+		if !ok || r.State.Terminal() || r.Route.Generation > l.Generation {
+			// Nothing will recover it: the worker's record and files of
+			// that execution go now (a kill or a move whose teardown or
+			// retire the crash cut off would leave them for good).
+			if u, alive := s.liveWorker(ctx, l.WorkerID); alive {
+				if err := s.node.teardown(ctx, u, l); err != nil && !errors.Is(err, errdefs.ErrConflict) {
+					s.log.Warn("reaper: teardown of a lost execution nothing recovers failed; retried on the next pass",
+						"sandbox", l.SandboxID, "generation", l.Generation, "worker", l.WorkerID, "err", err)
+					continue
+				}
+			}
 		}
 		if err := s.st.DeleteLost(ctx, l); err != nil {
 			s.log.Debug("reaper: dropping a lost-execution marker failed", "sandbox", l.SandboxID, "err", err)
