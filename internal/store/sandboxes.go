@@ -57,6 +57,9 @@ type LifecycleOp struct {
 	StartedAt time.Time    `json:"started_at"`
 	// Target is the requested target worker, if any.
 	Target string `json:"target,omitempty"`
+	// Owner is the control plane instance running the operation
+	// (RegisterControlPlane); empty in records written before owners.
+	Owner string `json:"owner,omitempty"`
 }
 
 // SandboxRecord is the control plane's durable record of one sandbox.
