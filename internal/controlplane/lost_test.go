@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"testing"
+	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/store"
@@ -78,4 +79,45 @@ func TestReaperTearsDownLostExecutionOfKilledSandbox(t *testing.T) {
 		return len(lost) == 0
 	})
 	expectEvents(t, lg.all(), "w1 teardown g1")
+}
+
+// An operation whose control plane died (its registration is gone) is
+// released at once, not after its deadline: a sandbox it found running
+// is thawed on its worker and runs again; one it found paused stays
+// paused; an operation of a live control plane is left alone.
+func TestReaperReleasesOrphanedOperation(t *testing.T) {
+	e, _, _, lg, id := twoWorkers(t, nil)
+	ctx := context.Background()
+	live, err := e.st.RegisterControlPlane(ctx, "cp-live", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer live.Close()
+	hold := func(owner string, from, state store.SandboxState) {
+		t.Helper()
+		if _, _, err := e.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
+			r.State = state
+			r.Op = &store.LifecycleOp{ID: "op-" + owner, Kind: "pause", From: from, StartedAt: e.clock.Now().UTC(), Owner: owner}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	hold("cp-live", store.StateRunning, store.StatePausing)
+	time.Sleep(3 * e.srv.cfg.ReapInterval)
+	if r := e.record(id); r.Op == nil || r.State != store.StatePausing {
+		t.Fatalf("the operation of a live control plane was released: %s %+v", r.State, r.Op)
+	}
+	lg.reset()
+	hold("cp-dead", store.StateRunning, store.StatePausing)
+	waitFor(t, func() bool { return e.record(id).Op == nil })
+	if r := e.record(id); r.State != store.StateRunning {
+		t.Fatalf("after releasing an orphaned pause of a running sandbox: %s", r.State)
+	}
+	expectEvents(t, lg.all(), "w1 resume g1")
+	hold("cp-dead", store.StatePaused, store.StateSnapshotting)
+	waitFor(t, func() bool { return e.record(id).Op == nil })
+	if r := e.record(id); r.State != store.StatePaused {
+		t.Fatalf("after releasing an orphaned snapshot of a paused sandbox: %s", r.State)
+	}
 }

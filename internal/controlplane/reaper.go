@@ -48,6 +48,7 @@ func (s *Server) reapOnce(sem chan struct{}) {
 	now := s.now()
 	staleCreate := 2*s.cfg.InstallTimeout + 30*time.Second
 	lost := s.lostExecutions(ctx, entries)
+	orphaned := s.orphans(ctx, entries)
 	for _, e := range entries {
 		r := e.Record
 		switch {
@@ -55,8 +56,8 @@ func (s *Server) reapOnce(sem chan struct{}) {
 			s.spawnRecoverLost(sem, r.ID, r.Route)
 		case r.State == store.StateRunning && r.AutoPause && !r.EndAt.After(now):
 			s.spawnAutoPause(sem, r.ID)
-		case r.Op != nil && now.Sub(r.Op.StartedAt) > s.opDeadline():
-			s.spawnRecover(sem, r.ID, r.Op.ID)
+		case r.Op != nil && (orphaned[r.ID] || now.Sub(r.Op.StartedAt) > s.opDeadline()):
+			s.spawnRecover(sem, r.ID, r.Op.ID, orphaned[r.ID])
 		case (r.State == store.StateRunning || r.State == store.StatePaused) && !r.EndAt.After(now):
 			s.spawnKill(sem, r.ID, "timeout", func(cur store.SandboxRecord) error {
 				if cur.EndAt.After(s.now()) {
@@ -171,9 +172,35 @@ func (s *Server) spawnRecoverLost(sem chan struct{}, id string, lost identity.Ro
 	})
 }
 
-// spawnRecover releases a record held by an operation past its deadline.
-func (s *Server) spawnRecover(sem chan struct{}, id, opID string) {
-	s.spawnReap(sem, id, "lifecycle step", func(ctx context.Context) error { return s.recoverOp(ctx, id, opID) })
+// spawnRecover releases a record held by an operation past its deadline,
+// or by one whose control plane died.
+func (s *Server) spawnRecover(sem chan struct{}, id, opID string, orphaned bool) {
+	s.spawnReap(sem, id, "lifecycle step", func(ctx context.Context) error { return s.recoverOp(ctx, id, opID, orphaned) })
+}
+
+// orphans returns the sandboxes held by an operation of another control
+// plane instance that is no longer registered: it died (a crash of space
+// up, of space-api) with the operation in flight, and nobody would release
+// the record before the operation's deadline, minutes later.
+func (s *Server) orphans(ctx context.Context, entries []store.SandboxEntry) map[string]bool {
+	var live map[string]bool
+	out := map[string]bool{}
+	for _, e := range entries {
+		op := e.Record.Op
+		if op == nil || op.Owner == "" || op.Owner == s.instance {
+			continue
+		}
+		if live == nil {
+			var err error
+			if live, err = s.st.ControlPlanes(ctx); err != nil {
+				return nil // unknown: the deadline still applies
+			}
+		}
+		if !live[op.Owner] {
+			out[e.Record.ID] = true
+		}
+	}
+	return out
 }
 
 // spawnReap runs fn for sandbox id on the reaper's pool (sem), at most
