@@ -121,3 +121,35 @@ func TestReaperReleasesOrphanedOperation(t *testing.T) {
 		t.Fatalf("after releasing an orphaned snapshot of a paused sandbox: %s", r.State)
 	}
 }
+
+// A create whose control plane died (the record stays creating; its
+// client got no answer) is killed at once and its install torn down, not
+// after the stale-create bound; a live control plane's create is not.
+func TestReaperKillsOrphanedCreate(t *testing.T) {
+	e, _, _, lg, id := twoWorkers(t, nil)
+	ctx := context.Background()
+	live, err := e.st.RegisterControlPlane(ctx, "cp-live", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer live.Close()
+	creating := func(creator string) {
+		t.Helper()
+		if _, _, err := e.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
+			r.State, r.Creator = store.StateCreating, creator
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	creating("cp-live")
+	time.Sleep(3 * e.srv.cfg.ReapInterval)
+	if r := e.record(id); r.State != store.StateCreating {
+		t.Fatalf("the create of a live control plane was ended: %s", r.State)
+	}
+	lg.reset()
+	creating("cp-dead")
+	waitFor(t, func() bool { return e.record(id).State == store.StateKilled })
+	waitFor(t, func() bool { return len(lg.all()) > 0 })
+	expectEvents(t, lg.all(), "w1 teardown g1")
+}

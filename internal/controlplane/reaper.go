@@ -65,7 +65,7 @@ func (s *Server) reapOnce(sem chan struct{}) {
 				}
 				return nil
 			})
-		case r.State == store.StateCreating && now.Sub(r.CreatedAt) > staleCreate:
+		case r.State == store.StateCreating && (orphaned[r.ID] || now.Sub(r.CreatedAt) > staleCreate):
 			s.spawnKill(sem, r.ID, "stuck in creating", func(cur store.SandboxRecord) error {
 				if cur.State != store.StateCreating {
 					return fmt.Errorf("%w: create finished", errdefs.ErrConflict)
@@ -178,16 +178,23 @@ func (s *Server) spawnRecover(sem chan struct{}, id, opID string, orphaned bool)
 	s.spawnReap(sem, id, "lifecycle step", func(ctx context.Context) error { return s.recoverOp(ctx, id, opID, orphaned) })
 }
 
-// orphans returns the sandboxes held by an operation of another control
-// plane instance that is no longer registered: it died (a crash of space
-// up, of space-api) with the operation in flight, and nobody would release
-// the record before the operation's deadline, minutes later.
+// orphans returns the sandboxes held by an operation (or a create) of
+// another control plane instance that is no longer registered: it died (a
+// crash of space up, of space-api) with the operation in flight, and nobody
+// would release the record before the operation's deadline, minutes later
+// (a create that never finishes is killed: its client got no sandbox).
 func (s *Server) orphans(ctx context.Context, entries []store.SandboxEntry) map[string]bool {
 	var live map[string]bool
 	out := map[string]bool{}
 	for _, e := range entries {
-		op := e.Record.Op
-		if op == nil || op.Owner == "" || op.Owner == s.instance {
+		owner := e.Record.Creator
+		if e.Record.State != store.StateCreating {
+			owner = ""
+			if e.Record.Op != nil {
+				owner = e.Record.Op.Owner
+			}
+		}
+		if owner == "" || owner == s.instance {
 			continue
 		}
 		if live == nil {
@@ -196,7 +203,7 @@ func (s *Server) orphans(ctx context.Context, entries []store.SandboxEntry) map[
 				return nil // unknown: the deadline still applies
 			}
 		}
-		if !live[op.Owner] {
+		if !live[owner] {
 			out[e.Record.ID] = true
 		}
 	}

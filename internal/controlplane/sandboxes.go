@@ -141,7 +141,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		ID: newSandboxID(), TeamID: c.TeamID, KeyID: c.KeyID, TemplateID: p.Template,
 		Metadata: p.Metadata, EnvVars: p.EnvVars, State: store.StateCreating,
 		CPUCount: p.Spec.CPUCount, MemoryMB: p.Spec.MemoryMB, DiskSizeMB: p.Spec.DiskSizeMB,
-		AutoPause: p.AutoPause, CreatedAt: now, EndAt: now.Add(p.Timeout),
+		AutoPause: p.AutoPause, CreatedAt: now, EndAt: now.Add(p.Timeout), Creator: s.instance,
 	}
 	if p.Secure {
 		rec.AccessToken = randHex(32)

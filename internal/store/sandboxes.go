@@ -93,7 +93,11 @@ type SandboxRecord struct {
 	DiskSizeMB  int       `json:"disk_size_mb,omitempty"`
 	AutoPause   bool      `json:"auto_pause,omitempty"`
 	CreatedAt   time.Time `json:"created_at"`
-	StartedAt   time.Time `json:"started_at,omitzero"`
+	// Creator is the control plane instance that ran the create
+	// (RegisterControlPlane); the reaper reads it while the record is
+	// creating.
+	Creator   string    `json:"creator,omitempty"`
+	StartedAt time.Time `json:"started_at,omitzero"`
 	// EndAt is when the sandbox times out.
 	EndAt time.Time `json:"end_at"`
 	// EndedAt is when it was killed or failed.
