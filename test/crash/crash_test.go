@@ -132,7 +132,7 @@ func TestCrashPoints(t *testing.T) {
 // sandbox is one the scenario tracks and what was acknowledged about it.
 type sandbox struct {
 	id, token string
-	role      string // a (running), b (paused), c (killed), d (the create)
+	role      string            // a (running), b (paused), c (killed), d (the create)
 	acked     bool              // its create returned
 	killed    bool              // its kill returned
 	files     map[string]string // acknowledged writes: path -> content
