@@ -244,6 +244,7 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 		writeError: deps.WriteError, onLost: deps.OnLost,
 	}
 	m.reclaimLost()
+	m.removeUnrecorded()
 	return m, nil
 }
 
