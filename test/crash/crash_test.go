@@ -275,6 +275,15 @@ func runScenario(t *testing.T, sc scenario) []string {
 	for _, l := range settled(func() []string { return h.leaks(nil) }) {
 		violation("leak after killing every sandbox: %s", l)
 	}
+	if len(violations) > 0 {
+		var notable []string
+		for _, line := range strings.Split(p2.Log(), "\n") {
+			if strings.Contains(line, "level=WARN") || strings.Contains(line, "level=ERROR") {
+				notable = append(notable, line)
+			}
+		}
+		t.Logf("warnings and errors of space up after the restart:\n%s", strings.Join(notable, "\n"))
+	}
 	return violations
 }
 
