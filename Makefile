@@ -17,7 +17,7 @@ STATICCHECK_VERSION ?= v0.8.2
 
 CMDS := space space-api space-edge space-node spaced-host netgtw space-nsinit
 
-.PHONY: all build run test test-unit bench density check fuzz e2e-deps deps vm-deps sandbox-deps clean churn
+.PHONY: all build run test test-unit bench density check fuzz e2e-deps deps vm-deps sandbox-deps clean churn crash
 
 all: build
 
@@ -88,6 +88,12 @@ density: build
 ## churn: 10 minutes of random pause/resume/migrate of 20 sandboxes on 3 workers under client load
 churn: build
 	SPACE_BIN_DIR=$(BIN) SPACE_CHURN_DURATION=10m $(GO) test -run TestChurn -count=1 -timeout 30m -v ./internal/up/
+
+## crash: the long crash-point pass (make test runs a short one): space up
+## killed at every point of internal/crashpoint, twice, the second round at
+## random places in archives; the invariants must hold with 0 violations
+crash: build
+	SPACE_BIN_DIR=$(BIN) SPACE_CRASH_LONG=1 $(GO) test -run TestCrashPoints -count=1 -timeout 90m -v ./test/crash/
 
 ## fuzz: a short run of every fuzz target in the module (FUZZTIME each)
 FUZZTIME ?= 10s

@@ -13,6 +13,7 @@ import (
 	"syscall"
 
 	"github.com/spacesbx/space/internal/controlplane"
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -30,6 +31,13 @@ func main() {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "space-api:", err)
 		os.Exit(2)
+	}
+	if spec := os.Getenv(crashpoint.EnvVar); spec != "" {
+		if err := crashpoint.Arm(spec); err != nil {
+			fmt.Fprintf(os.Stderr, "space-api: %s: %v\n", crashpoint.EnvVar, err)
+			os.Exit(2)
+		}
+		log.Warn("crash point armed: this process kills itself there (crash-point tests only)", "point", spec)
 	}
 	if err := run(log, *addr, *dataDir, *etcd, *apiKey, *edgeKey, *domain); err != nil {
 		fmt.Fprintln(os.Stderr, "space-api:", err)

@@ -15,6 +15,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/store"
@@ -62,6 +63,13 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
 		return 2
+	}
+	if spec := getenv(crashpoint.EnvVar); spec != "" {
+		if err := crashpoint.Arm(spec); err != nil {
+			fmt.Fprintf(stderr, "space-node: %s: %v\n", crashpoint.EnvVar, err)
+			return 2
+		}
+		log.Warn("crash point armed: this process kills itself there (crash-point tests only)", "point", spec)
 	}
 	if short := worker.PidBudget(*capacity); short != "" {
 		log.Warn("host task limits below capacity: sandboxes past them fail to start", "capacity", *capacity, "limits", short)

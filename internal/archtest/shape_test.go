@@ -27,7 +27,7 @@ var layer = map[string]int{
 	"internal/identity":   1,
 	"internal/atomicfile": 1, "internal/procwait": 1, "internal/procid": 1,
 	"internal/vmchan": 1, "internal/substrate/uidlease": 1, "internal/substrate/spawner": 1,
-	"internal/guest/cgexec": 1, "internal/logsetup": 1,
+	"internal/guest/cgexec": 1, "internal/logsetup": 1, "internal/crashpoint": 1,
 	// 2: contracts built on identity, envd connect stubs.
 	"api/spacev1": 2, "internal/capability": 2,
 	"api/envd/filesystem/filesystempbconnect": 2, "api/envd/process/processpbconnect": 2,

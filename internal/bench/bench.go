@@ -66,6 +66,10 @@ type Config struct {
 	// IsoStarts raw ns starts and IsoIdle idle sandboxes per isolation
 	// mode (user namespaces and disk quota on or off; isolation.go).
 	IsoStarts, IsoIdle int
+	// Readopt live sandboxes are held by a `space up` that is killed and
+	// started again: the time until they all serve again (0: not
+	// measured; readopt.go).
+	Readopt int
 	// Log receives progress (default stderr); platform logs at Error only.
 	Log io.Writer
 }
@@ -78,7 +82,7 @@ func DefaultConfig() Config {
 		CreateWarmup: 2, Creates: 50, RawEvery: 2, CreateClients: 8, CreatesPerClient: 10,
 		MemSandboxes: 10, MemSettle: 2 * time.Second,
 		VM:     VMConfig{Creates: 5, NSPerVM: 2, BootBudget: 100 * time.Second, Rounds: 5, Snapshots: 2, Moves: 3},
-		VMIdle: 50, IsoStarts: 40, IsoIdle: 10,
+		VMIdle: 50, IsoStarts: 40, IsoIdle: 10, Readopt: 100,
 	}
 }
 
@@ -90,7 +94,7 @@ func QuickConfig() Config {
 		CreateWarmup: 1, Creates: 5, RawEvery: 2, CreateClients: 8, CreatesPerClient: 2,
 		MemSandboxes: 2, MemSettle: 500 * time.Millisecond,
 		VM:     VMConfig{Creates: 1, NSPerVM: 1, Rounds: 1, Snapshots: 1, Moves: 1},
-		VMIdle: 2, IsoStarts: 3, IsoIdle: 2,
+		VMIdle: 2, IsoStarts: 3, IsoIdle: 2, Readopt: 3,
 	}
 }
 
@@ -114,7 +118,10 @@ type Report struct {
 	VMIdleErr error
 	Iso       IsolationResult
 	IsoErr    error
-	Took      time.Duration
+	// Readopt is the restart of a worker holding live sandboxes.
+	Readopt    ReadoptResult
+	ReadoptErr error
+	Took       time.Duration
 }
 
 // Run measures everything and writes the table and notes to out. A figure
@@ -201,6 +208,10 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	rep.Iso, rep.IsoErr = MeasureIsolation(ctx, filepath.Join(root, "iso"), cfg.BinDir, plog, cfg.IsoStarts, cfg.IsoIdle, cfg.MemSettle)
 
 	measureLifeAndVM(ctx, cfg, root, plog, progress, &rep, true)
+	if cfg.Readopt > 0 {
+		progress("restart: %d live sandboxes, space up killed and started again", cfg.Readopt)
+		rep.Readopt, rep.ReadoptErr = MeasureReadopt(ctx, cfg.BinDir, platformDir(root, "readopt"), cfg.Readopt)
+	}
 	rep.Took = time.Since(t0)
 	progress("done")
 	fmt.Fprintln(out)
@@ -209,7 +220,7 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	}
 	fmt.Fprintln(out)
 	fmt.Fprint(out, rep.Notes())
-	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.IsoErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr)
+	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.IsoErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr, rep.ReadoptErr)
 }
 
 // runIsolationOnly measures only the isolation section (-only isolation).

@@ -384,3 +384,23 @@ func TestIsolationRows(t *testing.T) {
 		t.Fatalf("platform rows: %+v", rows)
 	}
 }
+
+// The re-adoption figure measures a real restart: every sandbox serves
+// its file again, and the time is the restarted process's.
+func TestMeasureReadopt(t *testing.T) {
+	testenv.RequirePlatform(t)
+	binDir := testenv.RequireBinDir(t)
+	root, err := os.MkdirTemp("", "readopt-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(root)
+	res, err := MeasureReadopt(context.Background(), binDir, root, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.N != 3 || len(res.Create) != 3 || res.Serving < res.Ready || res.Ready <= 0 {
+		t.Fatalf("result %+v", res)
+	}
+	t.Logf("%+v", res.Rows())
+}

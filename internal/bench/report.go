@@ -72,6 +72,11 @@ func (r *Report) Rows() []Row {
 	} else {
 		rows = append(rows, r.Life.Rows(lifecycleLayers)...)
 	}
+	if r.ReadoptErr != nil {
+		fail("worker start to serving again (re-adoption)", r.ReadoptErr)
+	} else if r.Readopt.N > 0 {
+		rows = append(rows, r.Readopt.Rows()...)
+	}
 	if r.VMErr != nil {
 		fail("microvm (base-vm) vs ns (base)", r.VMErr)
 	} else {

@@ -67,7 +67,7 @@ func (s *Server) opDeadline() time.Duration {
 // ownership check.
 func (s *Server) beginOp(ctx context.Context, id, team, kind string, to store.SandboxState, target string,
 	allow func(store.SandboxRecord) error) (store.SandboxRecord, *store.LifecycleOp, error) {
-	op := &store.LifecycleOp{ID: randHex(8), Kind: kind, StartedAt: s.now().UTC(), Target: target}
+	op := &store.LifecycleOp{ID: randHex(8), Kind: kind, StartedAt: s.now().UTC(), Target: target, Owner: s.instance}
 	rec, _, err := s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
 		switch {
 		case (team != "" && r.TeamID != team) || r.State.Terminal():
@@ -179,16 +179,43 @@ func (s *Server) waitSettled(ctx context.Context, id string, max time.Duration) 
 }
 
 // recoverOp releases a record whose operation overran opDeadline (its
-// control plane crashed or lost the store): the sandbox becomes paused on
-// its published route (no capability is issued for a paused sandbox; a
-// resume thaws or restores it), and an unpublished install is torn down.
-func (s *Server) recoverOp(ctx context.Context, id, opID string) error {
+// control plane lost the store, or died and its worker is gone too): the
+// sandbox becomes paused on its published route (no capability is issued
+// for a paused sandbox; a resume thaws or restores it), and an unpublished
+// install is torn down. An operation whose control plane died (orphaned:
+// its registration is gone) is released at once instead, as soon as the
+// published route's worker is registered: a sandbox the operation found
+// running is thawed there and runs again (when its processes died with
+// that worker, the lost-execution recovery takes it from there), one found
+// paused stays paused.
+func (s *Server) recoverOp(ctx context.Context, id, opID string, orphaned bool) error {
+	back := store.StatePaused
+	if orphaned {
+		rec, _, err := s.st.GetSandbox(ctx, id)
+		if err != nil {
+			return err
+		}
+		if rec.Op == nil || rec.Op.ID != opID {
+			return fmt.Errorf("%w: operation ended", errdefs.ErrConflict)
+		}
+		u, alive := s.liveWorker(ctx, rec.Route.WorkerID)
+		if !alive && s.now().Sub(rec.Op.StartedAt) <= s.opDeadline() {
+			return fmt.Errorf("%w: worker %s of the orphaned operation is not registered (yet)", errdefs.ErrUnavailable, rec.Route.WorkerID)
+		}
+		if alive && rec.Op.From == store.StateRunning {
+			if err := s.node.resume(ctx, u, rec.Route); err == nil || executionLost(err) {
+				back = store.StateRunning
+			} else {
+				s.log.Warn("thawing after an orphaned operation failed; the sandbox stays paused", "sandbox", id, "err", err)
+			}
+		}
+	}
 	var pending *identity.Route
 	rec, _, err := s.st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error {
 		if r.Op == nil || r.Op.ID != opID {
 			return fmt.Errorf("%w: operation ended", errdefs.ErrConflict)
 		}
-		if s.now().Sub(r.Op.StartedAt) <= s.opDeadline() {
+		if !orphaned && s.now().Sub(r.Op.StartedAt) <= s.opDeadline() {
 			return fmt.Errorf("%w: operation within its deadline", errdefs.ErrConflict)
 		}
 		now := s.now().UTC()
@@ -198,15 +225,23 @@ func (s *Server) recoverOp(ctx context.Context, id, opID string) error {
 		}
 		r.PendingRoute = nil
 		r.Op = nil
-		r.State = store.StatePaused
-		r.EndAt = now.Add(s.cfg.MaxTimeout)
-		setExec(r, r.Route, execPaused, now)
+		r.State = back
+		if back == store.StateRunning {
+			setExec(r, r.Route, execRunning, now)
+		} else {
+			r.EndAt = now.Add(s.cfg.MaxTimeout)
+			setExec(r, r.Route, execPaused, now)
+		}
 		return nil
 	})
 	if err != nil {
 		return err
 	}
-	s.log.Warn("lifecycle operation overran its deadline; sandbox left paused", "sandbox", id, "op_id", opID,
+	why := "lifecycle operation overran its deadline"
+	if orphaned {
+		why = "lifecycle operation's control plane is gone"
+	}
+	s.log.Warn(why+"; record released", "sandbox", id, "op_id", opID, "state", back,
 		"generation", rec.Route.Generation, "worker", rec.Route.WorkerID)
 	if pending != nil {
 		if u, ok := s.liveWorker(ctx, pending.WorkerID); ok {

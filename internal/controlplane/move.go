@@ -11,6 +11,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/store"
@@ -117,6 +118,7 @@ func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.Li
 	if err := m.reserve(w); err != nil {
 		return m.giveUp(err, nil)
 	}
+	crashpoint.Hit(crashpoint.MoveReserved)
 	resp, err := m.installTarget(w)
 	if err != nil {
 		now := s.now().UTC()
@@ -126,9 +128,11 @@ func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.Li
 			m.keepSnapshot(r)
 		})
 	}
+	crashpoint.Hit(crashpoint.MoveInstalled)
 	if err := m.publish(w, resp, timeout, autoPause); err != nil {
 		return m.rec, nil, fmt.Errorf("%s sandbox %s: %w", op.Kind, m.id, err)
 	}
+	crashpoint.Hit(crashpoint.MovePublished)
 	m.retireOld()
 	return m.rec, m.response(), nil
 }

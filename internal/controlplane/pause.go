@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -80,6 +81,7 @@ func (s *Server) pauseSandbox(ctx context.Context, id, team string, check func(s
 		}
 		return fmt.Errorf("pause sandbox %s: %w", id, err)
 	}
+	crashpoint.Hit(crashpoint.PauseFrozen)
 	now := s.now().UTC()
 	_, err = s.finishOp(ctx, id, op, func(r *store.SandboxRecord) {
 		r.State = store.StatePaused

@@ -2,6 +2,7 @@ package controlplane
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -47,6 +48,7 @@ func (s *Server) reapOnce(sem chan struct{}) {
 	now := s.now()
 	staleCreate := 2*s.cfg.InstallTimeout + 30*time.Second
 	lost := s.lostExecutions(ctx, entries)
+	orphaned := s.orphans(ctx, entries)
 	for _, e := range entries {
 		r := e.Record
 		switch {
@@ -54,8 +56,8 @@ func (s *Server) reapOnce(sem chan struct{}) {
 			s.spawnRecoverLost(sem, r.ID, r.Route)
 		case r.State == store.StateRunning && r.AutoPause && !r.EndAt.After(now):
 			s.spawnAutoPause(sem, r.ID)
-		case r.Op != nil && now.Sub(r.Op.StartedAt) > s.opDeadline():
-			s.spawnRecover(sem, r.ID, r.Op.ID)
+		case r.Op != nil && (orphaned[r.ID] || now.Sub(r.Op.StartedAt) > s.opDeadline()):
+			s.spawnRecover(sem, r.ID, r.Op.ID, orphaned[r.ID])
 		case (r.State == store.StateRunning || r.State == store.StatePaused) && !r.EndAt.After(now):
 			s.spawnKill(sem, r.ID, "timeout", func(cur store.SandboxRecord) error {
 				if cur.EndAt.After(s.now()) {
@@ -63,7 +65,7 @@ func (s *Server) reapOnce(sem chan struct{}) {
 				}
 				return nil
 			})
-		case r.State == store.StateCreating && now.Sub(r.CreatedAt) > staleCreate:
+		case r.State == store.StateCreating && (orphaned[r.ID] || now.Sub(r.CreatedAt) > staleCreate):
 			s.spawnKill(sem, r.ID, "stuck in creating", func(cur store.SandboxRecord) error {
 				if cur.State != store.StateCreating {
 					return fmt.Errorf("%w: create finished", errdefs.ErrConflict)
@@ -124,6 +126,18 @@ func (s *Server) lostExecutions(ctx context.Context, entries []store.SandboxEntr
 		if ok && r.Route == l && r.Op != nil {
 			continue // an operation holds it; look again when it ends
 		}
+		if !ok || r.State.Terminal() || r.Route.Generation > l.Generation {
+			// Nothing will recover it: the worker's record and files of
+			// that execution go now (a kill or a move whose teardown or
+			// retire the crash cut off would leave them for good).
+			if u, alive := s.liveWorker(ctx, l.WorkerID); alive {
+				if err := s.node.teardown(ctx, u, l); err != nil && !errors.Is(err, errdefs.ErrConflict) {
+					s.log.Warn("reaper: teardown of a lost execution nothing recovers failed; retried on the next pass",
+						"sandbox", l.SandboxID, "generation", l.Generation, "worker", l.WorkerID, "err", err)
+					continue
+				}
+			}
+		}
 		if err := s.st.DeleteLost(ctx, l); err != nil {
 			s.log.Debug("reaper: dropping a lost-execution marker failed", "sandbox", l.SandboxID, "err", err)
 		}
@@ -158,9 +172,42 @@ func (s *Server) spawnRecoverLost(sem chan struct{}, id string, lost identity.Ro
 	})
 }
 
-// spawnRecover releases a record held by an operation past its deadline.
-func (s *Server) spawnRecover(sem chan struct{}, id, opID string) {
-	s.spawnReap(sem, id, "lifecycle step", func(ctx context.Context) error { return s.recoverOp(ctx, id, opID) })
+// spawnRecover releases a record held by an operation past its deadline,
+// or by one whose control plane died.
+func (s *Server) spawnRecover(sem chan struct{}, id, opID string, orphaned bool) {
+	s.spawnReap(sem, id, "lifecycle step", func(ctx context.Context) error { return s.recoverOp(ctx, id, opID, orphaned) })
+}
+
+// orphans returns the sandboxes held by an operation (or a create) of
+// another control plane instance that is no longer registered: it died (a
+// crash of space up, of space-api) with the operation in flight, and nobody
+// would release the record before the operation's deadline, minutes later
+// (a create that never finishes is killed: its client got no sandbox).
+func (s *Server) orphans(ctx context.Context, entries []store.SandboxEntry) map[string]bool {
+	var live map[string]bool
+	out := map[string]bool{}
+	for _, e := range entries {
+		owner := e.Record.Creator
+		if e.Record.State != store.StateCreating {
+			owner = ""
+			if e.Record.Op != nil {
+				owner = e.Record.Op.Owner
+			}
+		}
+		if owner == "" || owner == s.instance {
+			continue
+		}
+		if live == nil {
+			var err error
+			if live, err = s.st.ControlPlanes(ctx); err != nil {
+				return nil // unknown: the deadline still applies
+			}
+		}
+		if !live[owner] {
+			out[e.Record.ID] = true
+		}
+	}
+	return out
 }
 
 // spawnReap runs fn for sandbox id on the reaper's pool (sem), at most

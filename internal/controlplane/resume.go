@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -100,6 +101,7 @@ func (s *Server) resumeSandbox(ctx context.Context, id, team string, o resumeOpt
 			s.abortOp(ctx, id, op, store.StatePaused)
 			return rec, nil, fmt.Errorf("resume sandbox %s: %w", id, err)
 		default:
+			crashpoint.Hit(crashpoint.ResumeThawed)
 			now := s.now().UTC()
 			rec, err = s.finishOp(ctx, id, op, func(r *store.SandboxRecord) {
 				r.State = store.StateRunning

@@ -11,6 +11,7 @@ import (
 
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -140,7 +141,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		ID: newSandboxID(), TeamID: c.TeamID, KeyID: c.KeyID, TemplateID: p.Template,
 		Metadata: p.Metadata, EnvVars: p.EnvVars, State: store.StateCreating,
 		CPUCount: p.Spec.CPUCount, MemoryMB: p.Spec.MemoryMB, DiskSizeMB: p.Spec.DiskSizeMB,
-		AutoPause: p.AutoPause, CreatedAt: now, EndAt: now.Add(p.Timeout),
+		AutoPause: p.AutoPause, CreatedAt: now, EndAt: now.Add(p.Timeout), Creator: s.instance,
 	}
 	if p.Secure {
 		rec.AccessToken = randHex(32)
@@ -181,6 +182,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 			lastErr = err
 			break
 		}
+		crashpoint.Hit(crashpoint.CreateRecorded)
 		log := s.log.With("sandbox", rec.ID, "generation", rec.Route.Generation, "worker", w.ID)
 		tRecord := time.Now()
 		resp, err := s.node.install(ctx, w.NodeURL, spacev1.InstallRequest{
@@ -195,6 +197,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 			}
 			continue
 		}
+		crashpoint.Hit(crashpoint.CreateInstalled)
 		tInstall := time.Now()
 		started := s.now().UTC()
 		rec.State = store.StateRunning
@@ -284,6 +287,7 @@ func (s *Server) killSandbox(ctx context.Context, id, team, reason string, check
 		}
 		return err
 	}
+	crashpoint.Hit(crashpoint.KillMarked)
 	log := s.log.With("sandbox", id, "generation", rec.Route.Generation, "worker", rec.Route.WorkerID)
 	log.Info("sandbox killed", "reason", reason)
 	if rec.Route.WorkerID != "" {

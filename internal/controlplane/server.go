@@ -45,7 +45,17 @@ type Server struct {
 
 	reapMu  sync.Mutex
 	reaping map[string]bool
+
+	// instance names this control plane's lifecycle operations
+	// (LifecycleOp.Owner); reg keeps it registered while it runs, so an
+	// operation whose owner died is released at once (reaper.go).
+	instance string
+	reg      *store.Registration
 }
+
+// instanceTTL is how long a dead control plane's registration outlives it:
+// its operations in flight are released that long after it died.
+const instanceTTL = 5 * time.Second
 
 // New loads (or creates) the signing key, publishes its verification key in
 // the store's bundle, stores the bootstrap API key's hash and starts the
@@ -96,6 +106,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		return nil, fmt.Errorf("controlplane: store bootstrap api key: %w", err)
 	}
 
+	s.instance = "cp-" + randHex(8)
+	if s.reg, err = s.st.RegisterControlPlane(ctx, s.instance, instanceTTL); err != nil {
+		return nil, fmt.Errorf("controlplane: %w", err)
+	}
 	s.handler = s.routes()
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.reapNow = make(chan struct{}, 1)
@@ -164,9 +178,11 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 // Close stops the timeout loop and waits for kills in flight. The store is
 // the caller's to close afterwards.
 func (s *Server) Close() error {
+	var err error
 	s.closeOnce.Do(func() {
 		s.cancel()
 		s.wg.Wait()
+		err = s.reg.Close()
 	})
-	return nil
+	return err
 }

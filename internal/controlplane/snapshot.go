@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -98,6 +99,7 @@ func (s *Server) snapshotSandbox(ctx context.Context, id, team, name string) (st
 	}
 	snapID := newSnapshotID()
 	sresp, serr := s.node.snapshot(ctx, nodeURL, rec.Route, snapID)
+	crashpoint.Hit(crashpoint.SnapshotArchived)
 	back := op.From
 	if wasRunning {
 		if err := s.node.resume(ctx, nodeURL, rec.Route); err != nil {

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
@@ -94,12 +95,14 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	if ad, ok := newAct.inst.(substrate.Adoptable); ok {
 		rec.Adopt = ad.AdoptState()
 	}
+	crashpoint.Hit(crashpoint.InstallActivated)
 	t0 := time.Now()
 	if err := m.store.put(rec); err != nil {
 		m.stopActivation(newAct, "persist failed")
 		return spacev1.InstallResponse{}, fmt.Errorf("install %s: persist record: %w", r.SandboxID, err)
 	}
 	tm.persist = time.Since(t0)
+	crashpoint.Hit(crashpoint.InstallPersisted)
 	log.Debug(InstallTimingMsg, "substrate", tm.substrate, "bridge", tm.bridge, "gateway", tm.gateway, "persist", tm.persist,
 		"total", time.Since(tStart))
 	m.mu.Lock()
@@ -317,6 +320,7 @@ func (m *Manager) Teardown(ctx context.Context, route identity.Route) error {
 	if act != nil {
 		m.stopActivation(act, "teardown")
 	}
+	crashpoint.Hit(crashpoint.TeardownStopped)
 	if err := m.store.delete(route.SandboxID); err != nil {
 		m.mu.Lock()
 		m.records[route.SandboxID] = rec // as persisted

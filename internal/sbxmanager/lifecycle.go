@@ -41,6 +41,7 @@ package sbxmanager
 import (
 	"context"
 	"fmt"
+	"os"
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
@@ -237,6 +238,17 @@ func (m *Manager) retireLocked(route identity.Route) (bool, error) {
 	m.mu.Unlock()
 	if act != nil {
 		m.stopActivation(act, "retired")
+	}
+	// Its files are superseded by the execution that replaced it (a move
+	// publishes only after the new one restored them), and nothing else
+	// removes them: the record stays as a tombstone and a kill tears down
+	// the sandbox's current execution on its own worker. Left, the layer
+	// (a disk image up to the quota) outlived the sandbox. Leftovers that
+	// could not be ended at start may still hold it: those stay.
+	if !m.unreclaimed[route.SandboxID] {
+		if err := os.RemoveAll(rec.Dir); err != nil {
+			m.log.Warn("removing a retired execution's files", "sandbox", route.SandboxID, "err", err)
+		}
 	}
 	if retired {
 		m.log.Info("execution retired", "sandbox", route.SandboxID, "generation", route.Generation, "execution", route.ExecutionID)

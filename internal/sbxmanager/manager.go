@@ -252,6 +252,7 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 		writeError: deps.WriteError, onLost: deps.OnLost,
 	}
 	m.adoptAll()
+	m.removeUnrecorded()
 	return m, nil
 }
 

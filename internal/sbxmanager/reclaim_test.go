@@ -69,3 +69,34 @@ func TestUnreclaimedExecutionIsNotRecovered(t *testing.T) {
 		m.Close()
 	}
 }
+
+// An activation directory no record names (the process died in an install
+// before persisting its record) is removed at start; recorded ones stay.
+func TestUnrecordedActivationIsRemovedAtStart(t *testing.T) {
+	f := newFixture(t)
+	f.install(t, route("sbxa", 1))
+	f.m.Close()
+	rec, ok := f.m.records["sbxa"]
+	if !ok {
+		t.Fatal("no record of sbxa")
+	}
+	if err := os.MkdirAll(rec.Dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	cut := activationDir(f.dir, route("sbxb", 1))
+	if err := os.MkdirAll(filepath.Join(cut, "upper"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	m, err := New(Config{WorkerID: "w1", StateDir: f.dir, SpacedHostPath: spacedHost, AgentPath: "/nonexistent", EnvdVersion: "0.5.7"},
+		Deps{Substrates: []substrate.Substrate{&reclaimingSubstrate{}}, WriteError: writeTestError, Verifier: f.m.ver})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if _, err := os.Stat(cut); !os.IsNotExist(err) {
+		t.Errorf("the unrecorded activation %s is still there: %v", cut, err)
+	}
+	if _, err := os.Stat(rec.Dir); err != nil {
+		t.Errorf("the recorded activation's files went: %v", err)
+	}
+}

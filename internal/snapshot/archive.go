@@ -16,6 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
@@ -237,6 +238,7 @@ func Archive(ctx context.Context, dir string, w io.Writer, opts ArchiveOptions) 
 		}
 		st.Entries++
 		if f == nil {
+			crashpoint.Hit(crashpoint.ArchiveEntry)
 			return nil
 		}
 		if hdr.Typeflag == tar.TypeReg {
@@ -253,6 +255,7 @@ func Archive(ctx context.Context, dir string, w io.Writer, opts ArchiveOptions) 
 		}
 		st.Bytes += hdr.Size
 		st.Logical += s.Size
+		crashpoint.Hit(crashpoint.ArchiveEntry)
 		return nil
 	})
 	if err != nil {

@@ -20,6 +20,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
@@ -129,6 +130,7 @@ func Restore(ctx context.Context, r io.Reader, dir string, opts RestoreOptions) 
 			}
 			return st, fmt.Errorf("snapshot: restore %q: %w", hdr.Name, err)
 		}
+		crashpoint.Hit(crashpoint.RestoreEntry)
 	}
 	// Directory times last, deepest first: creating children moved them.
 	x.closeParent()

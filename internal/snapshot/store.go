@@ -22,6 +22,9 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
@@ -80,9 +83,30 @@ var _ Store = (*Local)(nil)
 
 const tmpPrefix = ".tmp-"
 
+// lockedSuffix ends the names of temporaries whose writer holds an flock
+// on them while it writes.
+const lockedSuffix = ".locked"
+
+// abandoned reports whether p is a locked-writer temporary that no
+// process holds: its writer died.
+func abandoned(p string) bool {
+	if !strings.HasSuffix(p, lockedSuffix) {
+		return false
+	}
+	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	return unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) == nil
+}
+
 // NewLocal opens (creating it 0700 if needed) a local snapshot directory
-// and removes temporary files that crashed writers left more than an hour
-// ago.
+// and removes the temporary files crashed writers left: a writer holds an
+// flock on its temporary file until it is renamed or removed, so one that
+// nobody holds is a dead writer's (another process sharing the directory
+// may be writing the others). Older temporaries without a lock holder go
+// too; a temporary from before writers locked goes after an hour.
 func NewLocal(dir string) (*Local, error) {
 	if dir == "" {
 		return nil, fmt.Errorf("snapshot: %w: empty directory", errdefs.ErrInvalid)
@@ -102,8 +126,11 @@ func NewLocal(dir string) (*Local, error) {
 		if !strings.HasPrefix(e.Name(), tmpPrefix) {
 			continue
 		}
-		if fi, err := e.Info(); err == nil && time.Since(fi.ModTime()) > time.Hour {
-			_ = os.Remove(filepath.Join(abs, e.Name()))
+		p := filepath.Join(abs, e.Name())
+		if abandoned(p) {
+			_ = os.Remove(p)
+		} else if fi, err := e.Info(); err == nil && time.Since(fi.ModTime()) > time.Hour && !strings.HasSuffix(e.Name(), lockedSuffix) {
+			_ = os.Remove(p)
 		}
 	}
 	return &Local{dir: abs}, nil
@@ -143,10 +170,17 @@ func (l *Local) Put(ctx context.Context, id string, r io.Reader) (int64, error) 
 	}
 	var rnd [8]byte
 	rand.Read(rnd[:])
-	tmp := filepath.Join(l.dir, tmpPrefix+id+"-"+hex.EncodeToString(rnd[:]))
+	tmp := filepath.Join(l.dir, tmpPrefix+id+"-"+hex.EncodeToString(rnd[:])+lockedSuffix)
 	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
 		return 0, fmt.Errorf("snapshot: put %s: %w", id, err)
+	}
+	// Held until the file is closed: the lock tells a restarted process
+	// (NewLocal) that this temporary has a live writer. A crash releases it.
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		os.Remove(tmp)
+		return 0, fmt.Errorf("snapshot: put %s: lock temporary: %w", id, err)
 	}
 	fail := func(err error) (int64, error) {
 		f.Close()
@@ -157,19 +191,19 @@ func (l *Local) Put(ctx context.Context, id string, r io.Reader) (int64, error) 
 	if err != nil {
 		return fail(err)
 	}
+	crashpoint.Hit(crashpoint.PutWritten)
 	if err := f.Sync(); err != nil {
 		return fail(err)
 	}
-	if err := f.Close(); err != nil {
-		os.Remove(tmp)
-		return 0, fmt.Errorf("snapshot: put %s: %w", id, err)
-	}
 	if err := ctx.Err(); err != nil {
-		os.Remove(tmp)
-		return 0, fmt.Errorf("snapshot: put %s: %w", id, err)
+		return fail(err)
 	}
+	// Renamed while still locked: an unlocked temporary may be removed by
+	// a process opening the directory at that moment.
 	if err := os.Rename(tmp, dst); err != nil {
-		os.Remove(tmp)
+		return fail(err)
+	}
+	if err := f.Close(); err != nil {
 		return 0, fmt.Errorf("snapshot: put %s: %w", id, err)
 	}
 	if err := syncDir(l.dir); err != nil {

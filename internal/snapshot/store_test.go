@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
@@ -133,4 +135,34 @@ func FuzzValidateID(f *testing.F) {
 			t.Fatalf("accepted %q", id)
 		}
 	})
+}
+
+// A temporary whose writer died (nobody holds its lock) is removed when a
+// process opens the directory again; one a live writer holds is not.
+func TestNewLocalRemovesDeadWritersTemporaries(t *testing.T) {
+	dir := t.TempDir()
+	dead := filepath.Join(dir, tmpPrefix+"snap-a-00"+lockedSuffix)
+	live := filepath.Join(dir, tmpPrefix+"snap-b-01"+lockedSuffix)
+	legacy := filepath.Join(dir, tmpPrefix+"snap-c-02") // an unlocked writer's: kept for an hour
+	for _, p := range []string{dead, live, legacy} {
+		if err := os.WriteFile(p, []byte("partial"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f, err := os.Open(live)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := NewLocal(dir); err != nil {
+		t.Fatal(err)
+	}
+	for p, want := range map[string]bool{dead: false, live: true, legacy: true} {
+		if _, err := os.Stat(p); (err == nil) != want {
+			t.Errorf("%s: exists %v, want %v", filepath.Base(p), err == nil, want)
+		}
+	}
 }

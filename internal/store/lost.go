@@ -10,14 +10,21 @@ import (
 	"github.com/spacesbx/space/internal/identity"
 )
 
-// lostPrefix holds, per sandbox, an execution a worker found without its
-// processes when it started (its record and files are on that worker's
-// disk): the control plane recovers it as a new execution and deletes the
-// marker.
+// lostPrefix holds, per execution (lost/<sandbox>/<execution>), an
+// execution a worker found without its processes when it started (its
+// record and files are on that worker's disk): the control plane recovers
+// it as a new execution, or tears it down when nothing will, and deletes
+// the marker. One sandbox can have several: a move cut by a crash leaves
+// the old execution on one worker and the unpublished new one on another,
+// and each worker reports its own (keyed by sandbox alone, the second
+// report replaced the first and the published execution was never
+// recovered).
 const lostPrefix = prefix + "lost/"
 
-// PutLost records route as lost. A later report for the same sandbox
-// replaces it.
+func lostKey(r identity.Route) string { return lostPrefix + r.SandboxID + "/" + r.ExecutionID }
+
+// PutLost records route as lost. A later report of the same execution
+// (another activation) replaces it.
 func (s *Store) PutLost(ctx context.Context, route identity.Route) error {
 	if err := route.Validate(); err != nil {
 		return fmt.Errorf("store: put lost: %w", err)
@@ -26,7 +33,7 @@ func (s *Store) PutLost(ctx context.Context, route identity.Route) error {
 	if err != nil {
 		return fmt.Errorf("store: encode lost route: %w", err)
 	}
-	if _, err := s.cli.Put(ctx, lostPrefix+route.SandboxID, string(data)); err != nil {
+	if _, err := s.cli.Put(ctx, lostKey(route), string(data)); err != nil {
 		return wrapErr("put lost", err)
 	}
 	return nil
@@ -62,15 +69,17 @@ func (s *Store) WatchLost(ctx context.Context, fn func()) error {
 }
 
 // DeleteLost removes the marker of route, unless it names another
-// execution meanwhile (a newer report is kept).
+// activation of that execution meanwhile (a newer report is kept). A
+// marker of the former layout (keyed by sandbox) naming route goes too.
 func (s *Store) DeleteLost(ctx context.Context, route identity.Route) error {
 	data, err := json.Marshal(route)
 	if err != nil {
 		return fmt.Errorf("store: encode lost route: %w", err)
 	}
-	k := lostPrefix + route.SandboxID
-	if _, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.Value(k), "=", string(data))).Then(clientv3.OpDelete(k)).Commit(); err != nil {
-		return wrapErr("delete lost", err)
+	for _, k := range []string{lostKey(route), lostPrefix + route.SandboxID} {
+		if _, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.Value(k), "=", string(data))).Then(clientv3.OpDelete(k)).Commit(); err != nil {
+			return wrapErr("delete lost", err)
+		}
 	}
 	return nil
 }

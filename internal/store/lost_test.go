@@ -24,16 +24,31 @@ func TestLostMarkers(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// Two executions of one sandbox (a move cut by a crash: each worker
+	// reports its own) are two markers.
 	got, err := s.ListLost(ctx)
-	if err != nil || len(got) != 2 {
+	if err != nil || len(got) != 3 {
 		t.Fatalf("list: %v %+v", err, got)
 	}
-	// Deleting the older report leaves the newer one.
+	// A re-report of an execution with another activation replaces its
+	// marker, and deleting the older report leaves the newer one.
+	r2b := r2
+	r2b.ActivationID = "a2b"
+	if err := s.PutLost(ctx, r2b); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.DeleteLost(ctx, r2); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.ListLost(ctx); len(got) != 3 {
+		t.Fatalf("an older activation's delete removed the newer marker: %+v", got)
+	}
+	r2 = r2b
 	if err := s.DeleteLost(ctx, r1); err != nil {
 		t.Fatal(err)
 	}
 	if got, _ := s.ListLost(ctx); len(got) != 2 {
-		t.Fatalf("an older route's delete removed the newer marker: %+v", got)
+		t.Fatalf("after deleting one execution's marker: %+v", got)
 	}
 	if err := s.DeleteLost(ctx, r2); err != nil {
 		t.Fatal(err)

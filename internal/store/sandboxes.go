@@ -57,6 +57,9 @@ type LifecycleOp struct {
 	StartedAt time.Time    `json:"started_at"`
 	// Target is the requested target worker, if any.
 	Target string `json:"target,omitempty"`
+	// Owner is the control plane instance running the operation
+	// (RegisterControlPlane); empty in records written before owners.
+	Owner string `json:"owner,omitempty"`
 }
 
 // SandboxRecord is the control plane's durable record of one sandbox.
@@ -90,7 +93,11 @@ type SandboxRecord struct {
 	DiskSizeMB  int       `json:"disk_size_mb,omitempty"`
 	AutoPause   bool      `json:"auto_pause,omitempty"`
 	CreatedAt   time.Time `json:"created_at"`
-	StartedAt   time.Time `json:"started_at,omitzero"`
+	// Creator is the control plane instance that ran the create
+	// (RegisterControlPlane); the reaper reads it while the record is
+	// creating.
+	Creator   string    `json:"creator,omitempty"`
+	StartedAt time.Time `json:"started_at,omitzero"`
 	// EndAt is when the sandbox times out.
 	EndAt time.Time `json:"end_at"`
 	// EndedAt is when it was killed or failed.

@@ -40,11 +40,12 @@ var ErrClosed = errdefs.Message(errdefs.ErrUnavailable, "store closed")
 
 // Key layout.
 const (
-	prefix          = "/space/"
-	workersPrefix   = prefix + "workers/"
-	sandboxesPrefix = prefix + "sandboxes/"
-	apiKeysPrefix   = prefix + "apikeys/"
-	bundleKey       = prefix + "bundle"
+	prefix              = "/space/"
+	workersPrefix       = prefix + "workers/"
+	sandboxesPrefix     = prefix + "sandboxes/"
+	apiKeysPrefix       = prefix + "apikeys/"
+	bundleKey           = prefix + "bundle"
+	controlPlanesPrefix = prefix + "controlplanes/"
 )
 
 // Defaults.

@@ -20,17 +20,19 @@ import (
 // raises very short leases to its own minimum (about 2 s on defaults).
 const MinWorkerTTL = time.Second
 
-// Registration keeps a worker's entry alive under an etcd lease. A goroutine
-// it owns renews the lease; if the lease is lost (etcd unreachable for longer
-// than the TTL) it registers again. Close revokes the lease, which removes the
-// entry at once.
+// Registration keeps an entry (a worker's, a control plane's) alive under
+// an etcd lease. A goroutine it owns renews the lease; if the lease is lost
+// (etcd unreachable for longer than the TTL) it registers again. Close
+// revokes the lease, which removes the entry at once.
 type Registration struct {
 	s   *Store
 	ttl time.Duration
 	log *slog.Logger
+	key string
 
 	mu    sync.Mutex
-	w     spacev1.Worker
+	w     spacev1.Worker // a worker's entry (Update)
+	val   []byte         // the entry as stored
 	lease clientv3.LeaseID
 
 	ctx       context.Context
@@ -65,10 +67,17 @@ func (s *Store) RegisterWorker(ctx context.Context, w spacev1.Worker, ttl time.D
 	if w.Since.IsZero() {
 		w.Since = time.Now().UTC()
 	}
+	b, _ := json.Marshal(w)
+	return s.register(ctx, workerKey(w.ID), b, w, ttl, s.log.With("worker", w.ID))
+}
+
+// register puts val under key with a lease of ttl kept alive by the
+// returned Registration.
+func (s *Store) register(ctx context.Context, key string, val []byte, w spacev1.Worker, ttl time.Duration, log *slog.Logger) (*Registration, error) {
 	rctx, cancel := context.WithCancel(context.Background())
 	r := &Registration{
-		s: s, ttl: ttl, w: w, ctx: rctx, cancel: cancel, done: make(chan struct{}),
-		log: s.log.With("worker", w.ID),
+		s: s, ttl: ttl, w: w, key: key, val: val, ctx: rctx, cancel: cancel, done: make(chan struct{}),
+		log: log,
 	}
 	ch, err := r.register(ctx)
 	if err != nil {
@@ -84,21 +93,20 @@ func (r *Registration) register(ctx context.Context) (<-chan *clientv3.LeaseKeep
 	secs := int64((r.ttl + time.Second - 1) / time.Second)
 	g, err := r.s.cli.Grant(ctx, secs)
 	if err != nil {
-		return nil, wrapErr("grant worker lease", err)
+		return nil, wrapErr("grant registration lease", err)
 	}
 	r.mu.Lock()
-	w := r.w
+	val := r.val
 	r.lease = g.ID
 	r.mu.Unlock()
-	b, _ := json.Marshal(w)
-	if _, err := r.s.cli.Put(ctx, workerKey(w.ID), string(b), clientv3.WithLease(g.ID)); err != nil {
+	if _, err := r.s.cli.Put(ctx, r.key, string(val), clientv3.WithLease(g.ID)); err != nil {
 		r.revoke(g.ID)
-		return nil, wrapErr("put worker", err)
+		return nil, wrapErr("put registration", err)
 	}
 	ch, err := r.s.cli.KeepAlive(r.ctx, g.ID)
 	if err != nil {
 		r.revoke(g.ID)
-		return nil, wrapErr("keep worker lease alive", err)
+		return nil, wrapErr("keep registration lease alive", err)
 	}
 	return ch, nil
 }
@@ -112,7 +120,7 @@ func (r *Registration) run(ch <-chan *clientv3.LeaseKeepAliveResponse) {
 		if r.ctx.Err() != nil {
 			return
 		}
-		r.log.Warn("worker lease lost; registering again")
+		r.log.Warn("registration lease lost; registering again")
 		retry.Reset()
 		for {
 			if !sleepCtx(r.ctx, retry.NextBackOff()) {
@@ -128,7 +136,7 @@ func (r *Registration) run(ch <-chan *clientv3.LeaseKeepAliveResponse) {
 			if r.ctx.Err() != nil {
 				return
 			}
-			r.log.Warn("worker registration failed; retrying", "err", err)
+			r.log.Warn("registration failed; retrying", "err", err)
 		}
 	}
 }
@@ -144,14 +152,15 @@ func (r *Registration) Update(ctx context.Context, w spacev1.Worker) error {
 	if w.Since.IsZero() {
 		w.Since = r.w.Since
 	}
-	r.w = w
-	lease := r.lease
-	r.mu.Unlock()
 	if err := validateWorker(w); err != nil {
+		r.mu.Unlock()
 		return fmt.Errorf("store: update worker: %w", err)
 	}
 	b, _ := json.Marshal(w)
-	if _, err := r.s.cli.Put(ctx, workerKey(w.ID), string(b), clientv3.WithLease(lease)); err != nil {
+	r.w, r.val = w, b
+	lease := r.lease
+	r.mu.Unlock()
+	if _, err := r.s.cli.Put(ctx, r.key, string(b), clientv3.WithLease(lease)); err != nil {
 		return wrapErr("update worker", err)
 	}
 	return nil
@@ -175,7 +184,7 @@ func (r *Registration) revoke(id clientv3.LeaseID) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if _, err := r.s.cli.Revoke(ctx, id); err != nil {
-		return wrapErr("revoke worker lease", err)
+		return wrapErr("revoke registration lease", err)
 	}
 	return nil
 }

@@ -322,3 +322,29 @@ func RequireBinDir(t testing.TB) string {
 	}
 	return d
 }
+
+// WaitExit waits up to d for space up to end by itself (a crash test's
+// armed point kills it) and keeps Dir, as Kill does. It returns how space
+// up ended; when it is still running after d, it is killed and the error
+// says so. Stop after WaitExit does nothing.
+func (p *Platform) WaitExit(d time.Duration) (*os.ProcessState, error) {
+	if p.stopped {
+		return p.Cmd.ProcessState, p.stopErr
+	}
+	p.stopped = true
+	defer p.cleanup()
+	defer p.cancel()
+	done := make(chan struct{})
+	go func() { // owned: ends when space up does (it is killed below otherwise)
+		_ = p.Cmd.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return p.Cmd.ProcessState, nil
+	case <-time.After(d):
+		_ = p.Cmd.Process.Kill()
+		<-done
+		return p.Cmd.ProcessState, fmt.Errorf("space up still ran %v later; killed", d)
+	}
+}

@@ -295,3 +295,5 @@ func TestSandboxInitDeathIsRecovered(t *testing.T) {
 	}
 	t.Logf("sandbox served again %.2fs after its init was killed, as generation %d", time.Since(killed).Seconds(), after.Route.Generation)
 }
+
+func jsonDecode(res *http.Response, v any) error { return json.NewDecoder(res.Body).Decode(v) }
