@@ -207,8 +207,8 @@ func TestRestartWith20Sandboxes(t *testing.T) {
 			}
 		}
 	}
-	t.Logf("after kill -9 of the worker process and a restart: %d executions re-adopted (audit: %d adopted), %d recovered as new executions, %d retired, %d reclaimed; %d/%d running sandboxes kept their generation, all 20 served %.1fs after the restart",
-		readopted, adopted, recovered, retired, reclaimed, readopted, servedAgain, servedAfter.Seconds())
+	t.Logf("after kill -9 of the worker process and a restart: %d executions re-adopted by the workers (the moves' targets included), %d recovered as new executions, %d retired, %d reclaimed; %d/%d running servers kept their generation and pid, all 20 sandboxes served %.1fs after the restart",
+		adopted, recovered, retired, reclaimed, readopted, servedAgain, servedAfter.Seconds())
 }
 
 // startServer starts a background HTTP server in s that outlives the
