@@ -149,6 +149,8 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 		return runVMOnly(ctx, cfg, out, progress, t0)
 	case "isolation":
 		return runIsolationOnly(ctx, cfg, out, progress, t0)
+	case "restart":
+		return runRestartOnly(ctx, cfg, out, progress, t0)
 	}
 
 	// 1. Capability verification first, while no platform competes for CPU.
@@ -221,6 +223,48 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	fmt.Fprintln(out)
 	fmt.Fprint(out, rep.Notes())
 	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.IsoErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr, rep.ReadoptErr)
+}
+
+// runRestartOnly measures only what a restart costs (-only restart): a
+// worker holding cfg.Readopt live sandboxes killed and started again
+// (re-adoption), and sandboxes whose init died (recovery), each beside
+// the creates of its own run.
+func runRestartOnly(ctx context.Context, cfg Config, out io.Writer, progress func(string, ...any), t0 time.Time) error {
+	root, err := os.MkdirTemp("", "space-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(root)
+	var rows []Row
+	progress("restart: %d live sandboxes, space up killed and started again", cfg.Readopt)
+	if ro, err := MeasureReadopt(ctx, cfg.BinDir, platformDir(root, "readopt"), cfg.Readopt); err != nil {
+		rows = append(rows, Row{Figure: "worker start to serving again (re-adoption)", Value: "error: " + errString(err)})
+	} else {
+		rows = append(rows, ro.Rows()...)
+	}
+	progress("recovery: %d sandboxes whose init is killed", recoveries)
+	p, err := StartPlatform(ctx, cfg.BinDir, platformDir(root, "recovery"), 1, false, discardLogger(cfg.Log))
+	if err != nil {
+		return err
+	}
+	var lr LifecycleResult
+	for range recoveries {
+		c, r, err := measureRecovery(ctx, p)
+		if err != nil {
+			p.Close()
+			return fmt.Errorf("recovery: %w", err)
+		}
+		lr.Create, lr.Recover = append(lr.Create, c), append(lr.Recover, r)
+	}
+	p.Close()
+	rows = append(rows, lr.recoveryRows()...)
+	progress("done")
+	fmt.Fprintln(out)
+	if err := WriteTable(out, rows); err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "\ntook %s\n", time.Since(t0).Round(time.Second))
+	return nil
 }
 
 // runIsolationOnly measures only the isolation section (-only isolation).

@@ -225,9 +225,15 @@ func (r LifecycleResult) Rows(layersMiB []int) []Row {
 		rows = append(rows, Row{fmt.Sprintf("cross-worker resume p99, %d MiB layer (ms)", mib),
 			fmt.Sprintf("%.1f", Percentile(m, 99)), "", "", "", NotJudged})
 	}
-	if rc, cr := ms(r.Recover), ms(r.Create); len(rc) > 0 {
-		rows = append(rows, Row{fmt.Sprintf("recovery after the sandbox's init died p50, n=%d (ms)", len(rc)),
-			fmt.Sprintf("%.1f", Median(rc)), fmt.Sprintf("%.1f create p50", Median(cr)), ratio(Median(rc), Median(cr)), "", NotJudged})
+	return append(rows, r.recoveryRows()...)
+}
+
+// recoveryRows renders the recovery figure beside the creates of its run.
+func (r LifecycleResult) recoveryRows() []Row {
+	rc, cr := ms(r.Recover), ms(r.Create)
+	if len(rc) == 0 {
+		return nil
 	}
-	return rows
+	return []Row{{fmt.Sprintf("recovery after the sandbox's init died p50, n=%d (ms)", len(rc)),
+		fmt.Sprintf("%.1f", Median(rc)), fmt.Sprintf("%.1f create p50", Median(cr)), ratio(Median(rc), Median(cr)), "", NotJudged}}
 }
