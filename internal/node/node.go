@@ -8,6 +8,8 @@
 package node
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"log/slog"
 	"os"
@@ -161,12 +163,20 @@ func Open(cfg Config) (_ *Host, err error) {
 	return h, nil
 }
 
-// NSCgroupParent is the cgroup parent of worker workerID's ns sandboxes.
-// Every worker has its own: at start a worker ends whatever runs under
-// its parent that it has no record of (ns.Substrate.Sweep), which must
-// never be another worker's sandboxes (space up runs several workers on
-// one host).
-func NSCgroupParent(workerID string) string { return ns.DefaultCgroupParent + "/" + workerID }
+// NSCgroupParent is the cgroup parent of the ns sandboxes of worker
+// workerID on data dir dataDir. Every worker has its own: at start a
+// worker ends whatever runs under its parent that it has no record of
+// (ns.Substrate.Sweep), which must never be another worker's sandboxes
+// (space up runs several workers on one host, and two platforms on one
+// host both have a worker w1: the data dir's hash tells them apart).
+func NSCgroupParent(dataDir, workerID string) string {
+	abs, err := filepath.Abs(dataDir)
+	if err != nil {
+		abs = dataDir
+	}
+	sum := sha256.Sum256([]byte(abs))
+	return ns.DefaultCgroupParent + "/" + workerID + "." + hex.EncodeToString(sum[:4])
+}
 
 // NS returns the ns substrate of worker workerID, opened on first use
 // (the same one for every later call: a worker run again in this process
@@ -179,7 +189,7 @@ func (h *Host) NS(workerID string) (*ns.Substrate, error) {
 	if sub := h.ns[workerID]; sub != nil {
 		return sub, nil
 	}
-	sub, err := ns.New(ns.Config{StateDir: filepath.Join(h.cfg.DataDir, "ns"), CgroupParent: NSCgroupParent(workerID),
+	sub, err := ns.New(ns.Config{StateDir: filepath.Join(h.cfg.DataDir, "ns"), CgroupParent: NSCgroupParent(h.cfg.DataDir, workerID),
 		InitPath: NSInitPath(h.cfg.BinDir), Logger: h.cfg.Logger,
 		NoUserNamespaces: h.cfg.NSNoUserNamespaces, NoDiskQuota: h.cfg.NSNoDiskQuota})
 	if err != nil {

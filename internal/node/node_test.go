@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/spacesbx/space/internal/errdefs"
@@ -65,8 +66,10 @@ func TestNSPerWorker(t *testing.T) {
 	if again, _ := h.NS("w1"); again != a || a == b {
 		t.Fatalf("w1 %p (again %p), w2 %p", a, again, b)
 	}
-	if p := NSCgroupParent("w1"); p != "space/w1" {
-		t.Fatalf("NSCgroupParent = %q", p)
+	// One worker id on two data dirs (two platforms on one host): two
+	// parents, so one's Sweep never ends the other's sandboxes.
+	if p, q := NSCgroupParent("/a", "w1"), NSCgroupParent("/b", "w1"); p == q || !strings.HasPrefix(p, "space/w1.") {
+		t.Fatalf("NSCgroupParent = %q and %q", p, q)
 	}
 	subs, err := h.Substrates("w2")
 	if err != nil || len(subs) == 0 || subs[0] != substrate.Substrate(b) {

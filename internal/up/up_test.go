@@ -28,7 +28,6 @@ import (
 	filesystempb "github.com/spacesbx/space/api/envd/filesystem"
 	"github.com/spacesbx/space/api/envd/filesystem/filesystempbconnect"
 	"github.com/spacesbx/space/api/spacev1"
-	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/testenv"
 	"github.com/spacesbx/space/sdk"
 )
@@ -252,7 +251,7 @@ func cgroupValue(t *testing.T, sandboxID, controller, file string) string {
 	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err == nil {
 		base = "/sys/fs/cgroup"
 	}
-	dirs, _ := filepath.Glob(filepath.Join(base, node.NSCgroupParent("*"), sandboxID+"-*"))
+	dirs, _ := filepath.Glob(filepath.Join(base, "space", "*", sandboxID+"-*")) // node.NSCgroupParent
 	if len(dirs) != 1 {
 		t.Fatalf("cgroup of %s under %s: found %v", sandboxID, base, dirs)
 	}

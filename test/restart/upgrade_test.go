@@ -120,3 +120,22 @@ func copyBinaries(src, dst string) error {
 	}
 	return nil
 }
+
+// Two platforms on one host (other data dirs, both with a worker w1): the
+// start of one ends nothing of the other's (each worker sweeps only its
+// own cgroup parent of sandboxes it has no record of).
+func TestTwoPlatformsOnOneHostKeepTheirSandboxes(t *testing.T) {
+	testenv.RequirePlatform(t)
+	p1 := testenv.StartPlatform(t, testenv.PlatformOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	s := create(ctx, t, client(t, p1), "first")
+	before := currentRoute(ctx, t, p1, s.ID)
+	p2 := testenv.StartPlatform(t, testenv.PlatformOptions{})
+	assertRuns(ctx, t, create(ctx, t, client(t, p2), "second"))
+	assertRuns(ctx, t, s)
+	// Served by the same execution: not ended and recovered meanwhile.
+	if after := currentRoute(ctx, t, p1, s.ID); after.Route != before.Route {
+		t.Fatalf("the first platform's sandbox runs %+v after the second started, want still %+v", after.Route, before.Route)
+	}
+}

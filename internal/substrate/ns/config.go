@@ -60,7 +60,7 @@ type Config struct {
 	// in place (empty) so concurrent starts never race its removal. Sweep
 	// ends whatever it finds directly under the parent, so every process
 	// that runs sandboxes on a host needs a parent of its own (a worker:
-	// space/<worker id>, as internal/node sets it).
+	// space/<worker id>.<data dir hash>, as internal/node sets it).
 	CgroupParent string
 	// Limits are the defaults for zero Spec.Limits fields. Zero fields
 	// here take DefaultMemoryBytes, DefaultPids, DefaultCPUMillis and
