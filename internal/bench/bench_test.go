@@ -399,8 +399,16 @@ func TestMeasureReadopt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if res.N != 3 || len(res.Create) != 3 || res.Serving < res.Ready || res.Ready <= 0 {
+	if res.N != 3 || len(res.Create) != 3 || len(res.Serving) != readoptRounds || len(res.Ready) != readoptRounds || res.ReadyEmpty <= 0 {
 		t.Fatalf("result %+v", res)
+	}
+	for i := range res.Serving {
+		if res.Serving[i] < res.Ready[i] || res.Ready[i] <= 0 {
+			t.Fatalf("restart %d: ready %v, serving %v", i+1, res.Ready[i], res.Serving[i])
+		}
+	}
+	if res.SameGeneration != 3 {
+		t.Fatalf("%d of 3 sandboxes kept their execution across the restarts, want all (re-adopted)", res.SameGeneration)
 	}
 	t.Logf("%+v", res.Rows())
 }
