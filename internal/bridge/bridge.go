@@ -218,8 +218,8 @@ type Bridge struct {
 	closing  atomic.Bool
 
 	closeOnce sync.Once
-	// manager is the pid of the one process allowed to connect (0: any).
-	manager atomic.Int64
+	// manager is the one process allowed to connect (nil: any).
+	manager atomic.Pointer[managerProc]
 	// verified counts guest connections that passed every check.
 	verified atomic.Uint64
 }
@@ -242,7 +242,15 @@ func New(cfg Config) (*Bridge, error) {
 		return nil, err
 	}
 	b := &Bridge{cfg: cfg, label: cfg.Expected.ExecutionLabel()}
-	b.manager.Store(int64(cfg.ManagerPID))
+	if cfg.ManagerPID > 0 {
+		// Pid and start time: a manager that dies must not be succeeded
+		// by whatever process gets its pid next.
+		st, err := procid.StartTime(cfg.ManagerPID)
+		if err != nil {
+			return nil, fmt.Errorf("bridge: manager %d: %w", cfg.ManagerPID, err)
+		}
+		b.manager.Store(&managerProc{pid: cfg.ManagerPID, start: st})
+	}
 	if err := b.record(); err != nil {
 		b.release()
 		return nil, err
@@ -277,29 +285,43 @@ func New(cfg Config) (*Bridge, error) {
 	return b, nil
 }
 
-// fromManager reports whether c's peer is the manager: the current one,
-// or the one ManagerFile names now (a restarted manager), which then
-// becomes the current one.
+// managerProc names the manager process: pid and start time.
+type managerProc struct {
+	pid   int
+	start uint64
+}
+
+// fromManager reports whether c's peer is the manager: the current one
+// (same pid and start time, checked on every connection), or the one
+// ManagerFile names now (a restarted manager), which then becomes the
+// current one.
 func (b *Bridge) fromManager(c net.Conn) bool {
-	want := b.manager.Load()
-	if want == 0 {
+	cur := b.manager.Load()
+	if cur == nil && b.cfg.ManagerPID == 0 {
 		return true
 	}
 	cred, err := procid.PeerCred(c)
 	if err != nil {
 		return false
 	}
-	if int64(cred.Pid) == want {
-		return true
+	pid := int(cred.Pid)
+	if cur != nil && pid == cur.pid {
+		if st, err := procid.StartTime(pid); err == nil && st == cur.start {
+			return true
+		}
 	}
 	if b.cfg.ManagerFile == "" {
 		return false
 	}
-	pid, err := ReadManagerFile(b.cfg.ManagerFile)
-	if err != nil || pid != int(cred.Pid) {
+	fpid, err := ReadManagerFile(b.cfg.ManagerFile)
+	if err != nil || fpid != pid {
 		return false
 	}
-	b.manager.Store(int64(pid))
+	st, err := procid.StartTime(pid)
+	if err != nil {
+		return false
+	}
+	b.manager.Store(&managerProc{pid: pid, start: st})
 	b.cfg.Logger.Info("bridge: a new manager took over", "manager_pid", pid)
 	return true
 }

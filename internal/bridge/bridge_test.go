@@ -593,4 +593,12 @@ func TestRestartedManagerTakesOverThroughTheManagerFile(t *testing.T) {
 	if err := get(); err != nil {
 		t.Fatalf("the new manager's next connection was refused: %v", err)
 	}
+	// The manager is a pid and a start time, checked on every connection:
+	// a process that got a dead manager's pid is not it.
+	os.Remove(file)
+	cur := e.bridge.manager.Load()
+	e.bridge.manager.Store(&managerProc{pid: cur.pid, start: cur.start + 1})
+	if err := get(); err == nil {
+		t.Fatal("served a peer with the manager's pid but another start time")
+	}
 }

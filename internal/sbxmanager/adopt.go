@@ -75,9 +75,6 @@ func (m *Manager) StartReport() StartReport { return m.startReport }
 // of this file). Called once, from New, before anything is served.
 func (m *Manager) adoptAll() {
 	m.unreclaimed = map[string]bool{}
-	if err := bridge.WriteManagerFile(m.managerFile()); err != nil {
-		m.log.Error("cannot name this manager to running bridges; none is adopted", "err", err)
-	}
 	type result struct {
 		rec record
 		act *activation
@@ -376,5 +373,5 @@ func (m *Manager) Detach() error {
 		m.log.Info("activation left running for the next worker", "sandbox", a.route.SandboxID, "generation", a.route.Generation)
 	}
 	m.watchers.Wait()
-	return errors.Join(m.store.close(), m.audit.close())
+	return m.closeFiles()
 }

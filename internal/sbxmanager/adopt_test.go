@@ -3,6 +3,7 @@ package sbxmanager
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/procid"
 	"github.com/spacesbx/space/internal/substrate"
 )
@@ -255,4 +257,23 @@ func TestFailedAdoption(t *testing.T) {
 			}
 		})
 	}
+}
+
+// One manager per state directory: a second one (a worker started twice
+// on one data dir) would take the first one's bridges and end its
+// sandboxes as unrecorded, so it does not start.
+func TestSecondManagerOnAStateDirIsRefused(t *testing.T) {
+	f := newFixture(t)
+	_, err := New(Config{WorkerID: "w1", StateDir: f.dir, SpacedHostPath: spacedHost, AgentPath: "/nonexistent"},
+		Deps{Substrates: []substrate.Substrate{&fakeSubstrate{}}, WriteError: writeTestError, Verifier: f.m.ver})
+	if !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("second manager on one state dir: %v, want a conflict", err)
+	}
+	f.m.Close()
+	m2, err := New(Config{WorkerID: "w1", StateDir: f.dir, SpacedHostPath: spacedHost, AgentPath: "/nonexistent"},
+		Deps{Substrates: []substrate.Substrate{&fakeSubstrate{}}, WriteError: writeTestError, Verifier: f.m.ver})
+	if err != nil {
+		t.Fatalf("after the first closed: %v", err)
+	}
+	m2.Close()
 }

@@ -223,10 +223,15 @@ func (m *Manager) retireLocked(route identity.Route) (bool, error) {
 		return false, fmt.Errorf("retire %s: %w: installed execution is %s, not %s", route.SandboxID, errdefs.ErrConflict, rec.Route, route)
 	}
 	retired := false
+	var persistErr error
 	if !rec.Retired {
 		rec.Retired = true
 		if err := m.store.put(rec); err != nil { // bbolt commit: fsynced
-			return false, fmt.Errorf("retire %s: persist record: %w", route.SandboxID, err)
+			// Fail closed: the control plane has replaced it, so it
+			// stops being served all the same; only the tombstone is
+			// missing (a restart finds the record live and the control
+			// plane's view retires it again before serving it).
+			persistErr = fmt.Errorf("retire %s: persist record: %w", route.SandboxID, err)
 		}
 		retired = true
 	}
@@ -245,10 +250,13 @@ func (m *Manager) retireLocked(route identity.Route) (bool, error) {
 	// the sandbox's current execution on its own worker. Left, the layer
 	// (a disk image up to the quota) outlived the sandbox. Leftovers that
 	// could not be ended at start may still hold it: those stay.
-	if !m.unreclaimed[route.SandboxID] {
+	if !m.unreclaimed[route.SandboxID] && persistErr == nil {
 		if err := os.RemoveAll(rec.Dir); err != nil {
 			m.log.Warn("removing a retired execution's files", "sandbox", route.SandboxID, "err", err)
 		}
+	}
+	if persistErr != nil {
+		return retired, persistErr
 	}
 	if retired {
 		m.log.Info("execution retired", "sandbox", route.SandboxID, "generation", route.Generation, "execution", route.ExecutionID)

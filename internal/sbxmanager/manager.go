@@ -19,11 +19,13 @@ import (
 	"sort"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/bridge"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
@@ -162,6 +164,8 @@ type Manager struct {
 	log         *slog.Logger
 	// writeError is Deps.WriteError.
 	writeError ErrorWriter
+	// lock is the state directory's flock (lockStateDir).
+	lock *os.File
 
 	mu      sync.RWMutex
 	records map[string]record
@@ -231,25 +235,41 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("sbxmanager: %w", err)
 	}
+	// One manager per state directory: two would take each other's
+	// bridges and end each other's sandboxes as unrecorded.
+	lock, err := lockStateDir(cfg.StateDir)
+	if err != nil {
+		return nil, err
+	}
 	st, err := openRecords(filepath.Join(cfg.StateDir, "records.db"))
 	if err != nil {
+		lock.Close()
 		return nil, fmt.Errorf("sbxmanager: %w", err)
 	}
 	recs, err := st.loadAll()
 	if err != nil {
 		st.close()
+		lock.Close()
 		return nil, fmt.Errorf("sbxmanager: load runtime records: %w", err)
 	}
 	audit, err := openAudit(filepath.Join(cfg.StateDir, "audit.log"), cfg.WorkerID)
 	if err != nil {
 		st.close()
+		lock.Close()
 		return nil, fmt.Errorf("sbxmanager: %w", err)
 	}
 	m := &Manager{
 		cfg: cfg, subs: subs, ver: deps.Verifier, snaps: deps.Snapshots, store: st, audit: audit,
 		metrics: newMetrics(cfg.Registerer), log: cfg.Logger.With("worker", cfg.WorkerID),
 		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{},
-		writeError: deps.WriteError, onLost: deps.OnLost,
+		writeError: deps.WriteError, onLost: deps.OnLost, lock: lock,
+	}
+	// The running bridges accept this process once the manager file
+	// names it; without that every adoption would fail and end live
+	// sandboxes, so the start fails instead and they run on unserved.
+	if err := bridge.WriteManagerFile(m.managerFile()); err != nil {
+		m.closeFiles()
+		return nil, fmt.Errorf("sbxmanager: %w", err)
 	}
 	m.adoptAll()
 	m.removeUnrecorded()
@@ -398,5 +418,27 @@ func (m *Manager) Close() error {
 	}
 	wg.Wait()
 	m.watchers.Wait()
-	return errors.Join(m.store.close(), m.audit.close())
+	return m.closeFiles()
+}
+
+// closeFiles closes the records, the audit log and the state dir's lock.
+func (m *Manager) closeFiles() error {
+	return errors.Join(m.store.close(), m.audit.close(), m.lock.Close())
+}
+
+// lockStateDir takes the state directory's lock (an flock on dir/lock,
+// held for the manager's life), or says that another manager holds it.
+func lockStateDir(dir string) (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(dir, "lock"), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("sbxmanager: state dir lock: %w", err)
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, syscall.EWOULDBLOCK) {
+			return nil, fmt.Errorf("sbxmanager: %w: another worker process runs on %s", errdefs.ErrConflict, dir)
+		}
+		return nil, fmt.Errorf("sbxmanager: state dir lock: %w", err)
+	}
+	return f, nil
 }

@@ -187,6 +187,11 @@ func (r *retirer) retire(ctx context.Context, ev SandboxEvent, installed identit
 func (w *Worker) watchSandboxes(ctx context.Context, r *retirer) {
 	bo := &backoff.ExponentialBackOff{InitialInterval: 100 * time.Millisecond, Multiplier: 2, MaxInterval: 5 * time.Second}
 	for ctx.Err() == nil {
+		// A new watch lists everything again, without Deleted events for
+		// what vanished meanwhile: what the last one knew is forgotten.
+		r.mu.Lock()
+		clear(r.known)
+		r.mu.Unlock()
 		err := w.deps.Sandboxes.WatchSandboxes(ctx, func(ev SandboxEvent) { r.handle(ctx, ev) })
 		if ctx.Err() != nil {
 			return
