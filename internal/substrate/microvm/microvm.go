@@ -414,6 +414,15 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 		return fail(err)
 	}
 	inst.uid = lease
+	if lease != nil {
+		// Until QEMU runs, the uid is this process's: should it die
+		// after QEMU starts but before the lease names QEMU, the tag
+		// names a dead owner and the next Acquire finds QEMU under the
+		// uid (uidlease.rangeInUse) instead of handing it out.
+		if err := lease.l.Bind(os.Getpid()); err != nil {
+			return fail(err)
+		}
+	}
 
 	lf, err := s.openLaunchFiles(inst, imgPath, envScript)
 	if err != nil {

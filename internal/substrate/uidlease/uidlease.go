@@ -64,9 +64,16 @@ func Acquire(dir string, first, count, stride, hint uint32) (*Lease, error) {
 			}
 			return nil, fmt.Errorf("uidlease: lock: %w", err)
 		}
-		if owner, ok := readTag(f); ok && owner.alive() {
-			f.Close() // its sandbox outlived the worker that leased it
-			continue
+		if owner, ok := readTag(f); ok {
+			// A tag is left only by a holder that died. Its owner may
+			// live (a sandbox outlived its worker), or have died after
+			// starting processes of the range the tag does not name (a
+			// VMM started just before its worker died, before the tag
+			// named it): either way the range is in use.
+			if owner.alive() || rangeInUse(id, stride) {
+				f.Close()
+				continue
+			}
 		}
 		if err := f.Truncate(0); err != nil {
 			f.Close()
@@ -155,6 +162,41 @@ func Adopt(dir string, first uint32, pid int) (*Lease, error) {
 		return nil, fmt.Errorf("%w (range %d, pid %d)", ErrNotOwner, first, pid)
 	}
 	return &Lease{first: first, f: f}, nil
+}
+
+// rangeInUse reports whether any process runs with a uid in
+// [first, first+n). It scans /proc, so Acquire asks it only of a range
+// whose holder died without releasing it.
+func rangeInUse(first, n uint32) bool {
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		return true // cannot tell: fail closed
+	}
+	in := func(v string) bool {
+		u, err := strconv.ParseUint(v, 10, 32)
+		return err == nil && u >= uint64(first) && u < uint64(first)+uint64(n)
+	}
+	for _, e := range ents {
+		if e.Name()[0] < '0' || e.Name()[0] > '9' {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/status")
+		if err != nil {
+			continue // gone meanwhile
+		}
+		// Real, effective, saved and file-system uids: any in the range.
+		for _, line := range strings.Split(string(b), "\n") {
+			if rest, ok := strings.CutPrefix(line, "Uid:"); ok {
+				for _, f := range strings.Fields(rest) {
+					if in(f) {
+						return true
+					}
+				}
+				break
+			}
+		}
+	}
+	return false
 }
 
 // tag names one process of one boot.

@@ -4,10 +4,15 @@ package uidlease
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
+	"syscall"
 	"testing"
+
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 func TestAcquireDistinctAndReleased(t *testing.T) {
@@ -92,6 +97,41 @@ func TestMalformedTagIsFree(t *testing.T) {
 	l, err := Acquire(dir, 100000, 1, 65536, 0)
 	if err != nil {
 		t.Fatalf("a malformed tag held the range: %v", err)
+	}
+	l.Release()
+}
+
+// A holder that died after a process of its range started but before the
+// tag named that process (a VMM started just before its worker died)
+// leaves a tag naming a dead owner: the range is still not handed out
+// while any process runs with a uid in it.
+func TestRangeWithAnUnnamedProcessIsNotHandedOut(t *testing.T) {
+	testenv.RequireRoot(t, "a process running as another uid")
+	dir := t.TempDir()
+	const first, stride = 3900000, 16
+	boot, err := bootID()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := fmt.Sprintf("%s %d %d\n", boot, 1<<22-1, 1) // no such process
+	if err := os.WriteFile(filepath.Join(dir, strconv.Itoa(first)), []byte(dead), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("sleep", "60")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: first + 5, Gid: first + 5}}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	if l, err := Acquire(dir, first, 1, stride, 0); err == nil {
+		l.Release()
+		t.Fatal("a range with a process running in it was handed out")
+	}
+	cmd.Process.Kill()
+	cmd.Wait()
+	l, err := Acquire(dir, first, 1, stride, 0)
+	if err != nil {
+		t.Fatalf("the range of a dead owner with nothing running in it: %v", err)
 	}
 	l.Release()
 }
