@@ -122,6 +122,32 @@ type Config struct {
 	// wrapper and join the group before running any code of their own.
 	// Nil: processes start in the agent's own cgroups.
 	UserCgroupProcs *os.File `json:"-"`
+	// Network, when set, is the sandbox's way out: the agent writes
+	// /etc/resolv.conf (nameserver DNS) and adds CACert to the system's
+	// trust store (/etc/ssl/certs/ca-certificates.crt and
+	// /usr/local/share/ca-certificates/space-egress.crt), so HTTPS through
+	// the egress proxy's interception verifies. In VM mode the agent also
+	// configures its NIC (the one with MAC) with Address and a default
+	// route via Gateway; in ns mode the host configures the veth. Applied
+	// at start and again on every activation (a move changes it). Nil:
+	// loopback only (resolv.conf is left as the image has it).
+	Network *NetworkConfig `json:"network,omitempty"`
+}
+
+// NetworkConfig is the guest's side of its egress link.
+type NetworkConfig struct {
+	// Address is the sandbox's address with prefix, e.g. "10.201.0.6/30".
+	Address string `json:"address"`
+	// Gateway is the default route's next hop (the worker's side).
+	Gateway string `json:"gateway"`
+	// DNS is the only resolver the sandbox can reach.
+	DNS string `json:"dns"`
+	// MAC names the NIC to configure in VM mode ("52:54:00:..").
+	MAC string `json:"mac,omitempty"`
+	// MTU of the link; 0 leaves the kernel's default.
+	MTU int `json:"mtu,omitempty"`
+	// CACert is the PEM of the sandbox's egress CA (certificate only).
+	CACert string `json:"ca_cert,omitempty"`
 }
 
 // withDefaults returns a copy of c with zero fields replaced by the

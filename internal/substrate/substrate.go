@@ -11,6 +11,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"time"
@@ -45,6 +47,29 @@ type Spec struct {
 	// Route before anything is served. Substrates whose instances do not
 	// implement StateSaver reject a non-empty RestoreState.
 	RestoreState string
+	// Network is the execution's way out (egress), nil for loopback only.
+	// Substrates with Capabilities.Tap give Network.Tap to their VMM as
+	// the guest's NIC; for the others (Capabilities.Netns) the manager
+	// attaches a veth to InitPID's network namespace after Start.
+	Network *Network
+}
+
+// Network describes one execution's link to the worker's egress netns. The
+// guest learns its side (address, gateway, resolver, CA) from the guest
+// configuration; the substrate only needs Tap and MAC.
+type Network struct {
+	// Addr is the sandbox's address with the link's prefix (e.g.
+	// 10.201.0.6/30); Gateway is the worker's side of the link, which is
+	// also the sandbox's resolver.
+	Addr    netip.Prefix
+	Gateway netip.Addr
+	// Tap is an open tap device (IFF_TAP|IFF_NO_PI) that lives in the
+	// worker's egress network namespace. A substrate with
+	// Capabilities.Tap passes it to its VMM (QEMU -netdev tap,fd=N); the
+	// caller closes its own copy after Start returns. Nil otherwise.
+	Tap *os.File
+	// MAC is the guest NIC's address (locally administered).
+	MAC net.HardwareAddr
 }
 
 // MaxSocketPath is the longest Unix socket path the kernel accepts
@@ -178,6 +203,10 @@ type Capabilities struct {
 	// and the agent reads its configuration from Spec.AgentEnv
 	// (SPACE_GUEST_CONFIG) at start.
 	Activation bool
+	// Tap: the instance's NIC is Spec.Network.Tap (a microVM). Without it
+	// the instance's network namespace (Netns) gets a veth from the
+	// manager; with neither the sandbox has no way out.
+	Tap bool
 }
 
 // Reclaimer is implemented by substrates whose instances can outlive the
