@@ -37,6 +37,13 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("DELETE /templates/{id}", s.withKey(s.handleDeleteSnapshot))
 	mux.HandleFunc("POST /sandboxes/{id}/fork", s.withKey(s.handleFork))
 
+	// E2B: secrets (secrets.go).
+	mux.HandleFunc("POST /secrets", s.withKey(s.handleCreateSecret))
+	mux.HandleFunc("GET /secrets", s.withKey(s.handleListSecrets))
+	mux.HandleFunc("GET /secrets/{id}", s.withKey(s.handleGetSecret))
+	mux.HandleFunc("POST /secrets/{id}", s.withKey(s.handleUpdateSecret))
+	mux.HandleFunc("DELETE /secrets/{id}", s.withKey(s.handleDeleteSecret))
+
 	// SPACE's own (inspect.go, capabilities.go, move.go, rotate.go).
 	mux.HandleFunc("GET /space/v1/workers", s.handleWorkers)
 	mux.HandleFunc("GET /space/v1/sandboxes/{id}/executions", s.handleExecutions)
