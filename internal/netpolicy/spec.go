@@ -275,20 +275,26 @@ func validHeaderValue(v string) error {
 }
 
 func validateProxy(p EgressProxy) error {
+	// An address written as a URL with credentials ("user:pass@host:1080")
+	// is not echoed back.
+	addr := quote(p.Address)
+	if strings.Contains(p.Address, "@") {
+		addr = "(redacted: contains '@')"
+	}
 	host, port, err := net.SplitHostPort(p.Address)
 	if err != nil {
-		return invalid("egressProxy address %s: not host:port", quote(p.Address))
+		return invalid("egressProxy address %s: not host:port", addr)
 	}
 	n, err := strconv.ParseUint(port, 10, 16)
 	if err != nil || n == 0 {
-		return invalid("egressProxy address %s: port not in 1-65535", quote(p.Address))
+		return invalid("egressProxy address %s: port not in 1-65535", addr)
 	}
 	if a, err := netip.ParseAddr(host); err == nil {
 		if a.Zone() != "" {
-			return invalid("egressProxy address %s: zoned address", quote(p.Address))
+			return invalid("egressProxy address %s: zoned address", addr)
 		}
 	} else if _, err := normalizeName(host); err != nil {
-		return invalid("egressProxy address %s: host is neither an IP nor a DNS name: %v", quote(p.Address), err)
+		return invalid("egressProxy address %s: host is neither an IP nor a DNS name: %v", addr, err)
 	}
 	if len(p.Username) > MaxProxyCredential || len(p.Password) > MaxProxyCredential {
 		return invalid("egressProxy: username and password are at most %d bytes each", MaxProxyCredential)

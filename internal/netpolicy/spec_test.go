@@ -151,6 +151,7 @@ func TestValidateRejects(t *testing.T) {
 		{"bad secret name", Spec{Rules: map[string][]Rule{"a.com": hdr(map[string]string{"X-A": "${e2b.secrets.a b}"})}}, "secret name"},
 		{"fault in a later rule", Spec{Rules: map[string][]Rule{"a.com": {{}, {Transform: &Transform{Headers: map[string]string{"X-A": "\n"}}}}}}, `rules["a.com"][1]`},
 		{"proxy no port", Spec{EgressProxy: &EgressProxy{Address: "proxy.example.com"}}, "not host:port"},
+		{"proxy url", Spec{EgressProxy: &EgressProxy{Address: "socks5://proxy.example.com:1080"}}, "not host:port"},
 		{"proxy empty", Spec{EgressProxy: &EgressProxy{}}, "not host:port"},
 		{"proxy port 0", Spec{EgressProxy: &EgressProxy{Address: "proxy.example.com:0"}}, "port not in"},
 		{"proxy port too big", Spec{EgressProxy: &EgressProxy{Address: "proxy.example.com:65536"}}, "port not in"},
@@ -190,6 +191,9 @@ func TestValidateErrorsHideSecrets(t *testing.T) {
 		{Rules: map[string][]Rule{"a.com": hdr(map[string]string{"X-A": secret + "${e2b.nope}"})}},
 		{EgressProxy: &EgressProxy{Address: "p.example:1", Username: secret, Password: strings.Repeat(secret, 30)}},
 		{EgressProxy: &EgressProxy{Address: "p.example:1", Password: secret}},
+		{EgressProxy: &EgressProxy{Address: "user:" + secret + "@p.example:1080"}},
+		{EgressProxy: &EgressProxy{Address: "socks5://user:" + secret + "@p.example:1080"}},
+		{EgressProxy: &EgressProxy{Address: "u:" + secret + "@p.example:0"}},
 	} {
 		err := s.Validate()
 		if err == nil || strings.Contains(err.Error(), secret) {
