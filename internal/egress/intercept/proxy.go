@@ -23,7 +23,9 @@ func (s *session) serve(ctx context.Context) error {
 			switch {
 			case ctx.Err() != nil:
 				return ctx.Err()
-			case errors.Is(err, errHeaderTooLarge):
+			case errors.Is(err, errHeaderTooLarge) || s.lr.n <= 0:
+				// The parser may see the cut-off line as malformed
+				// before it sees the limit's error.
 				s.fail(http.StatusRequestHeaderFieldsTooLarge)
 				return fmt.Errorf("intercept: request to %s: %w: header over %d bytes", s.host, errdefs.ErrTooLarge, maxHeaderBytes)
 			case errors.Is(err, io.EOF) && s.cbr.Buffered() == 0:
@@ -35,6 +37,10 @@ func (s *session) serve(ctx context.Context) error {
 			return fmt.Errorf("intercept: request to %s: %w: %v", s.host, errdefs.ErrInvalid, err)
 		}
 		s.lr.unlimited = true
+		if req.ProtoMajor != 1 {
+			s.fail(http.StatusHTTPVersionNotSupported)
+			return fmt.Errorf("intercept: request to %s: %w: version %s", s.host, errdefs.ErrInvalid, req.Proto)
+		}
 		if got := requestHost(req.Host); got != s.host {
 			s.fail(http.StatusMisdirectedRequest)
 			return fmt.Errorf("intercept: request for host %q on a connection for %s: %w", req.Host, s.host, errdefs.ErrDenied)

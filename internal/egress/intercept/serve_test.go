@@ -3,8 +3,8 @@ package intercept
 import (
 	"bytes"
 	"context"
-	"crypto/x509"
 	"crypto/sha256"
+	"crypto/x509"
 	"encoding/hex"
 	"errors"
 	"fmt"
