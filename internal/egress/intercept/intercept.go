@@ -27,6 +27,11 @@ const (
 	// maxHeaderBytes bounds a request's line and headers (net/http's
 	// server allows 1 MiB; an API call needs far less).
 	maxHeaderBytes = 64 << 10
+	// maxResponseHeaderBytes bounds an upstream response's status line
+	// and headers.
+	maxResponseHeaderBytes = 1 << 20
+	// maxInterim bounds the 1xx answers relayed before the final one.
+	maxInterim = 16
 	// errorWriteTimeout bounds writing an error response to a client that
 	// may not be reading.
 	errorWriteTimeout = 5 * time.Second
@@ -188,6 +193,7 @@ type session struct {
 	cbw       *bufio.Writer
 
 	up, upRaw net.Conn
+	ulr       *limitedReader
 	ubr       *bufio.Reader
 	ubw       *bufio.Writer
 
@@ -249,7 +255,8 @@ func (s *session) ensureUpstream(ctx context.Context) error {
 		raw.Close()
 		return fmt.Errorf("intercept: %s: %w", s.host, context.Canceled)
 	}
-	s.ubr, s.ubw = bufio.NewReader(up), bufio.NewWriter(up)
+	s.ulr = &limitedReader{r: up}
+	s.ubr, s.ubw = bufio.NewReader(s.ulr), bufio.NewWriter(up)
 	return nil
 }
 

@@ -70,7 +70,13 @@ func (s *session) serve(ctx context.Context) error {
 func (s *session) roundTrip(ctx context.Context, req *http.Request) (more bool, err error) {
 	// The body goes up while the answer comes down: a server may answer
 	// 100 Continue first, or answer before it has read a large upload.
-	clientBody := &flushingReader{rc: req.Body, w: s.ubw}
+	clientBody := &flushingReader{rc: req.Body, w: s.ubw, atEOF: func() {
+		// A trailer is read with the body's end: one named like a
+		// transformed header would reach the server after it.
+		for k := range s.headers {
+			req.Trailer.Del(k)
+		}
+	}}
 	if req.Body != nil && req.Body != http.NoBody {
 		req.Body = clientBody
 	}
@@ -115,8 +121,13 @@ func (s *session) roundTrip(ctx context.Context, req *http.Request) (more bool, 
 
 	wrote := false // anything sent to the client for this request
 	var resp *http.Response
-	for {
+	for interim := 0; ; interim++ {
+		if interim > maxInterim {
+			return false, fmt.Errorf("intercept: response from %s: %w: over %d interim responses", s.host, errdefs.ErrUpstream, maxInterim)
+		}
+		s.ulr.unlimited, s.ulr.n = false, maxResponseHeaderBytes
 		resp, err = http.ReadResponse(s.ubr, req)
+		s.ulr.unlimited = true
 		if err != nil {
 			if ctx.Err() != nil {
 				return false, ctx.Err()
@@ -229,7 +240,8 @@ func (w writerOnly) Write(p []byte) (int, error) { return w.w.Write(p) }
 type flushingReader struct {
 	rc      io.ReadCloser
 	w       *bufio.Writer
-	readErr error // a read failure other than EOF
+	atEOF   func() // may be nil
+	readErr error  // a read failure other than EOF
 }
 
 func (f *flushingReader) Read(p []byte) (int, error) {
@@ -239,7 +251,10 @@ func (f *flushingReader) Read(p []byte) (int, error) {
 		}
 	}
 	n, err := f.rc.Read(p)
-	if err != nil && err != io.EOF {
+	switch {
+	case err == io.EOF && f.atEOF != nil:
+		f.atEOF()
+	case err != nil && err != io.EOF:
 		f.readErr = err
 	}
 	return n, err

@@ -369,3 +369,41 @@ func TestServeEndsWithContext(t *testing.T) {
 		t.Fatalf("Serve: %v, want context canceled", err)
 	}
 }
+
+// A trailer named like a transformed header does not reach the server;
+// other trailers do.
+func TestServeDropsTrailerNamedLikeATransform(t *testing.T) {
+	e := newEnv(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		fmt.Fprintf(w, "auth=%q ok=%q header=%q", r.Trailer.Get("Authorization"), r.Trailer.Get("X-Ok"), r.Header.Get("Authorization"))
+	}))
+	req, _ := http.NewRequest("POST", "https://"+testHost+"/t", io.MultiReader(strings.NewReader("body")))
+	req.Trailer = http.Header{"Authorization": {"Bearer from-the-sandbox"}, "X-Ok": {"yes"}}
+	resp, err := e.client().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if want := `auth="" ok="yes" header="Bearer platform-secret"`; string(got) != want {
+		t.Fatalf("upstream saw %s, want %s", got, want)
+	}
+}
+
+// An upstream that never stops sending 1xx is cut off.
+func TestServeBoundsInterimResponses(t *testing.T) {
+	e := newEnv(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		for range 100 {
+			w.Header().Set("Link", "</x>; rel=preload")
+			w.WriteHeader(http.StatusEarlyHints)
+		}
+	}))
+	resp, err := e.client().Get("https://" + testHost + "/")
+	if err == nil {
+		resp.Body.Close()
+		t.Fatalf("status %d after 100 interim responses", resp.StatusCode)
+	}
+	if err := e.serveErr(); !errors.Is(err, errdefs.ErrUpstream) {
+		t.Fatalf("Serve: %v, want upstream", err)
+	}
+}
