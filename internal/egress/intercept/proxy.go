@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 
 	"github.com/spacesbx/space/internal/errdefs"
@@ -265,7 +266,10 @@ func (f *flushingReader) Close() error { return f.rc.Close() }
 // requestHost is a request's Host without port, normalized like the
 // connection's host; "" (never equal) when it is not a valid host.
 func requestHost(h string) string {
-	if host, _, err := net.SplitHostPort(h); err == nil {
+	if host, port, err := net.SplitHostPort(h); err == nil {
+		if len(port) > 5 || strings.Trim(port, "0123456789") != "" {
+			return ""
+		}
 		h = host
 	} else if len(h) > 1 && h[0] == '[' && h[len(h)-1] == ']' {
 		h = h[1 : len(h)-1]

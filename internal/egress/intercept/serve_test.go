@@ -210,6 +210,8 @@ func TestServeRefusesAnotherHost(t *testing.T) {
 		{"absolute form", "GET https://evil.example.net/ HTTP/1.1\r\nHost: example.com\r\n\r\n"},
 		{"no host", "GET / HTTP/1.1\r\n\r\n"},
 		{"bad host", "GET / HTTP/1.1\r\nHost: example.com@evil\r\n\r\n"},
+		{"bad port", "GET / HTTP/1.1\r\nHost: example.com: 0\r\n\r\n"},
+		{"port not a number", "GET / HTTP/1.1\r\nHost: example.com:x\r\n\r\n"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newEnv(t, h)
