@@ -112,7 +112,11 @@ func (s *session) roundTrip(ctx context.Context, req *http.Request) (more bool, 
 			case serr := <-sent:
 				sent <- serr
 			default:
-				s.abort() // the connection ends anyway: stop waiting for the rest of the body
+				// The connection ends anyway: stop waiting for the rest
+				// of the body, and for its failure.
+				s.abort()
+				<-sent
+				waited = true
 			}
 		}
 		if serr := waitSent(); serr != nil && err == nil {
@@ -141,7 +145,11 @@ func (s *session) roundTrip(ctx context.Context, req *http.Request) (more bool, 
 		if resp.StatusCode >= 200 || resp.StatusCode == http.StatusSwitchingProtocols {
 			break
 		}
-		// 1xx: relay and keep waiting for the final answer.
+		// 1xx: relay (HTTP/1.1 clients only) and keep waiting for the
+		// final answer.
+		if !req.ProtoAtLeast(1, 1) {
+			continue
+		}
 		wrote = true
 		if err = writeHead(s.cbw, resp); err != nil {
 			return false, fmt.Errorf("intercept: write to client: %w", err)
@@ -173,6 +181,17 @@ func (s *session) roundTrip(ctx context.Context, req *http.Request) (more bool, 
 	}
 	if err != nil {
 		return false, fmt.Errorf("intercept: stream response from %s: %w", s.host, err)
+	}
+	if !closeAfter && strings.EqualFold(req.Header.Get("Expect"), "100-continue") {
+		// Answered without a 100 Continue: the client may never send the
+		// body it held back, so the connection cannot carry another
+		// request (net/http's server does the same).
+		select {
+		case serr := <-sent:
+			sent <- serr
+		default:
+			closeAfter = true
+		}
 	}
 	return !closeAfter, nil
 }

@@ -409,3 +409,32 @@ func TestServeBoundsInterimResponses(t *testing.T) {
 		t.Fatalf("Serve: %v, want upstream", err)
 	}
 }
+
+// A final answer to a request that waits for 100 Continue ends the
+// connection: the held-back body may never come.
+func TestServeExpectAnsweredWithoutContinue(t *testing.T) {
+	e := newEnv(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		conn, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			return
+		}
+		defer conn.Close()
+		brw.WriteString("HTTP/1.1 417 Expectation Failed\r\nContent-Length: 0\r\n\r\n") // and keeps the connection
+		brw.Flush()
+		io.Copy(io.Discard, brw)
+	}))
+	c, br, err := e.rawTLS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.WriteString(c, "PUT /x HTTP/1.1\r\nHost: example.com\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+	if resp := readResp(t, br, "PUT"); resp.StatusCode != http.StatusExpectationFailed {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	if err := e.serveErr(); err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+	if _, err := br.ReadByte(); err == nil {
+		t.Fatal("connection still open")
+	}
+}
