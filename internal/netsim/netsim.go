@@ -175,7 +175,7 @@ type Internet struct {
 	requests  []Request
 	queries   []Query
 	accepted  map[int]int
-	tcpConns  map[closer]struct{}
+	tcpConns  map[*trackedConn]struct{} // accepted, not yet closed
 	listeners []closer
 
 	closeOnce sync.Once

@@ -79,23 +79,10 @@ func (n *Internet) acceptLoop(l net.Listener, serve func(net.Conn)) {
 			return
 		}
 		delay = 0
-		n.mu.Lock()
-		if n.closed {
-			n.mu.Unlock()
-			_ = c.Close()
-			return
-		}
-		n.tcpConns[c] = struct{}{}
-		n.wg.Add(1) // positive count: this loop's own
-		n.mu.Unlock()
+		n.wg.Add(1) // the count is positive (this loop's own): no race with Close's Wait
 		go func() {
 			defer n.wg.Done()
-			defer func() {
-				n.mu.Lock()
-				delete(n.tcpConns, c)
-				n.mu.Unlock()
-				_ = c.Close()
-			}()
+			defer c.Close()
 			serve(c)
 		}()
 	}

@@ -48,7 +48,7 @@ func Start(opts Options) (_ *Internet, retErr error) {
 		root:     root,
 		zone:     zone,
 		accepted: make(map[int]int),
-		tcpConns: make(map[closer]struct{}),
+		tcpConns: make(map[*trackedConn]struct{}),
 	}
 	defer func() {
 		if retErr != nil {
@@ -269,12 +269,43 @@ type countingListener struct {
 
 func (l *countingListener) Accept() (net.Conn, error) {
 	c, err := l.Listener.Accept()
-	if err == nil {
-		l.n.mu.Lock()
-		l.n.accepted[l.port]++
-		l.n.mu.Unlock()
+	if err != nil {
+		return nil, err
 	}
-	return c, err
+	n := l.n
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.accepted[l.port]++
+	if n.closed {
+		abort(c)
+		return nil, net.ErrClosed
+	}
+	tc := &trackedConn{Conn: c, n: n}
+	n.tcpConns[tc] = struct{}{}
+	return tc, nil
+}
+
+// trackedConn is an accepted connection Close can reset.
+type trackedConn struct {
+	net.Conn
+	n *Internet
+}
+
+func (c *trackedConn) Close() error {
+	c.n.mu.Lock()
+	delete(c.n.tcpConns, c)
+	c.n.mu.Unlock()
+	return c.Conn.Close()
+}
+
+// abort closes c with a reset: a plain close queues its FIN behind unsent
+// data, which a client that stopped reading (chargen) never lets out, and
+// once the veth is gone nothing would ever end the client's connection.
+func abort(c net.Conn) {
+	if tc, ok := c.(*net.TCPConn); ok {
+		_ = tc.SetLinger(0)
+	}
+	_ = c.Close()
 }
 
 // Close stops the servers (and ends their connections), removes the veth
@@ -292,11 +323,17 @@ func (n *Internet) teardown() error {
 	n.closed = true
 	ls := n.listeners
 	n.listeners = nil
-	conns := make([]closer, 0, len(n.tcpConns))
+	conns := make([]*trackedConn, 0, len(n.tcpConns))
 	for c := range n.tcpConns {
 		conns = append(conns, c)
 	}
+	n.tcpConns = make(map[*trackedConn]struct{})
 	n.mu.Unlock()
+	// Reset every accepted connection first (the servers' own closing
+	// would end them with a FIN, see abort).
+	for _, c := range conns {
+		abort(c.Conn)
+	}
 
 	if n.httpSrv != nil {
 		if err := n.httpSrv.Close(); err != nil {
@@ -305,9 +342,6 @@ func (n *Internet) teardown() error {
 	}
 	for _, l := range ls {
 		_ = l.Close()
-	}
-	for _, c := range conns {
-		_ = c.Close()
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
