@@ -292,8 +292,8 @@ func (n *Internet) Discarded() int64 { return n.discarded.Load() }
 // names DNS cannot carry.
 func normalizeName(name string) (string, error) {
 	norm := strings.TrimSuffix(strings.ToLower(name), ".")
-	if norm == "" {
-		return "", fmt.Errorf("netsim: zone name %q: %w: empty", name, errdefs.ErrInvalid)
+	if norm == "" || strings.HasPrefix(norm, ".") || strings.HasSuffix(norm, ".") {
+		return "", fmt.Errorf("netsim: zone name %q: %w: empty label", name, errdefs.ErrInvalid)
 	}
 	if _, ok := dns.IsDomainName(norm); !ok || strings.ContainsAny(norm, " \t\\\"*") {
 		return "", fmt.Errorf("netsim: zone name %q: %w: not a domain name", name, errdefs.ErrInvalid)

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/netip"
@@ -237,8 +238,10 @@ func (n *Internet) answer(req *dns.Msg, remote net.Addr) *dns.Msg {
 	if !ok {
 		typ = "TYPE" + strconv.Itoa(int(q.Qtype))
 	}
+	query := Query{Name: name, Type: typ, Net: netw, Remote: addrPortOf(remote)}
+	slog.Debug("netsim: dns query", "name", query.Name, "type", query.Type, "net", query.Net, "remote", query.Remote)
 	n.mu.Lock()
-	n.queries = append(n.queries, Query{Name: name, Type: typ, Net: netw, Remote: addrPortOf(remote)})
+	n.queries = append(n.queries, query)
 	n.mu.Unlock()
 
 	addrs, ok := n.lookupZone(name)
