@@ -126,6 +126,8 @@ type Query struct {
 	Type   string // "A", "AAAA", ... (dns.TypeToString; "TYPE<n>" when unknown)
 	Net    string // "udp" or "tcp"
 	Remote netip.AddrPort
+	// Server is the address the query was sent to: DNS() or a host's :53.
+	Server netip.AddrPort
 }
 
 // EchoReply is the JSON body "/echo" answers.

@@ -182,7 +182,22 @@ func TestServicesOnEveryHost(t *testing.T) {
 				t.Fatalf("chargen read %d: %v", k, err)
 			}
 			c.Close()
+
+			// DNS :53 over UDP and TCP on the host too
+			for _, netw := range []string{"udp", "tcp"} {
+				r := dnsExchange(t, netw, netip.AddrPortFrom(h, PortDNS), name+".", dns.TypeA)
+				if r.Rcode != dns.RcodeSuccess || strings.Join(answers(r), ",") != h.String() {
+					t.Fatalf("dns %s on %s: %v", netw, h, r)
+				}
+				qs := n.Queries()
+				if q := qs[len(qs)-1]; q.Server != netip.AddrPortFrom(h, PortDNS) || q.Net != netw || q.Name != name {
+					t.Fatalf("query %+v", q)
+				}
+			}
 		})
+	}
+	if got := n.Accepted(PortDNS); got != DefaultHosts {
+		t.Errorf("Accepted(53) = %d, want %d", got, DefaultHosts)
 	}
 	for _, port := range []int{PortEcho, PortDiscard, PortChargen} {
 		if got := n.Accepted(port); got != DefaultHosts {
@@ -425,7 +440,8 @@ func TestDNS(t *testing.T) {
 	}
 	for i, w := range want {
 		q := qs[i]
-		if q.Name != w.Name || q.Type != w.Type || q.Net != w.Net || q.Remote.Addr() != n.RootAddr() || q.Remote.Port() == 0 {
+		if q.Name != w.Name || q.Type != w.Type || q.Net != w.Net || q.Remote.Addr() != n.RootAddr() || q.Remote.Port() == 0 ||
+			q.Server != srv {
 			t.Errorf("query %d = %+v, want %+v from %s", i, q, w, n.RootAddr())
 		}
 	}
@@ -867,7 +883,7 @@ func FuzzAnswer(f *testing.F) {
 			return
 		}
 		for _, remote := range remotes {
-			r := n.answer(req, remote)
+			r := n.answer(req, remote, remote)
 			packed, err := r.Pack()
 			if err != nil {
 				t.Fatalf("answer does not pack: %v\n%v", err, r)

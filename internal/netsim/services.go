@@ -210,12 +210,12 @@ func (n *Internet) bytes(w http.ResponseWriter, r *http.Request) {
 
 // serveDNS answers the zone authoritatively and records the question.
 func (n *Internet) serveDNS(w dns.ResponseWriter, req *dns.Msg) {
-	_ = w.WriteMsg(n.answer(req, w.RemoteAddr()))
+	_ = w.WriteMsg(n.answer(req, w.LocalAddr(), w.RemoteAddr()))
 }
 
 // answer builds the reply to req (a separate function so the fuzz test
 // can drive it without sockets).
-func (n *Internet) answer(req *dns.Msg, remote net.Addr) *dns.Msg {
+func (n *Internet) answer(req *dns.Msg, local, remote net.Addr) *dns.Msg {
 	m := new(dns.Msg)
 	m.SetReply(req)
 	m.Authoritative = true
@@ -238,8 +238,9 @@ func (n *Internet) answer(req *dns.Msg, remote net.Addr) *dns.Msg {
 	if !ok {
 		typ = "TYPE" + strconv.Itoa(int(q.Qtype))
 	}
-	query := Query{Name: name, Type: typ, Net: netw, Remote: addrPortOf(remote)}
-	slog.Debug("netsim: dns query", "name", query.Name, "type", query.Type, "net", query.Net, "remote", query.Remote)
+	query := Query{Name: name, Type: typ, Net: netw, Remote: addrPortOf(remote), Server: addrPortOf(local)}
+	slog.Debug("netsim: dns query", "name", query.Name, "type", query.Type, "net", query.Net,
+		"remote", query.Remote, "server", query.Server)
 	n.mu.Lock()
 	n.queries = append(n.queries, query)
 	n.mu.Unlock()

@@ -22,9 +22,14 @@ const closeTimeout = 5 * time.Second
 
 // Start creates a network namespace ("the internet") linked to the
 // caller's namespace by a veth and serves in it on every host address:
-// HTTP :80, HTTPS :443, TCP echo :7, discard :9, chargen :19, and DNS :53
-// (UDP and TCP) on the DNS address. See the package doc for addressing.
-// It needs CAP_NET_ADMIN and CAP_SYS_ADMIN (root).
+// HTTP :80, HTTPS :443 (a certificate for every zone name and host
+// address, signed by the Internet's own CA), TCP echo :7, discard :9
+// (counts bytes), chargen :19 (writes until closed), and DNS :53 (UDP and
+// TCP; also on the DNS address, .53). HTTP(S) paths: "/" answers "hello
+// from <host addr>", "/echo" an EchoReply, "/bytes?n=N" N bytes, "/hold" a
+// byte every HoldInterval until the client goes away. See the package doc
+// for addressing. It needs CAP_NET_ADMIN and CAP_SYS_ADMIN (root); it takes
+// a few milliseconds.
 func Start(opts Options) (_ *Internet, retErr error) {
 	if err := opts.Validate(); err != nil {
 		return nil, err
@@ -117,8 +122,8 @@ func Start(opts Options) (_ *Internet, retErr error) {
 // listenSet holds the sockets made inside the namespace.
 type listenSet struct {
 	tcp    map[int][]net.Listener // by port
-	dnsUDP net.PacketConn
-	dnsTCP net.Listener
+	dnsUDP []net.PacketConn
+	dnsTCP []net.Listener
 }
 
 func (s *listenSet) listen(hosts []netip.Addr, dnsAddr netip.Addr) error {
@@ -132,13 +137,21 @@ func (s *listenSet) listen(hosts []netip.Addr, dnsAddr netip.Addr) error {
 			s.tcp[port] = append(s.tcp[port], l)
 		}
 	}
-	ap := netip.AddrPortFrom(dnsAddr, PortDNS).String()
-	var err error
-	if s.dnsUDP, err = net.ListenPacket("udp4", ap); err != nil {
-		return fmt.Errorf("netsim: listen udp %s: %w", ap, err)
-	}
-	if s.dnsTCP, err = net.Listen("tcp4", ap); err != nil {
-		return fmt.Errorf("netsim: listen tcp %s: %w", ap, err)
+	// DNS on the DNS address and on every host (a host is a server of
+	// the internet like any: a test can check that a query sent to it
+	// directly was redirected elsewhere and never arrived).
+	for _, a := range append([]netip.Addr{dnsAddr}, hosts...) {
+		ap := netip.AddrPortFrom(a, PortDNS).String()
+		pc, err := net.ListenPacket("udp4", ap)
+		if err != nil {
+			return fmt.Errorf("netsim: listen udp %s: %w", ap, err)
+		}
+		s.dnsUDP = append(s.dnsUDP, pc)
+		l, err := net.Listen("tcp4", ap)
+		if err != nil {
+			return fmt.Errorf("netsim: listen tcp %s: %w", ap, err)
+		}
+		s.dnsTCP = append(s.dnsTCP, l)
 	}
 	return nil
 }
@@ -149,11 +162,15 @@ func (s *listenSet) closeAll() {
 			_ = l.Close()
 		}
 	}
-	if s.dnsUDP != nil {
-		_ = s.dnsUDP.Close()
+	s.closeDNS()
+}
+
+func (s *listenSet) closeDNS() {
+	for _, pc := range s.dnsUDP {
+		_ = pc.Close()
 	}
-	if s.dnsTCP != nil {
-		_ = s.dnsTCP.Close()
+	for _, l := range s.dnsTCP {
+		_ = l.Close()
 	}
 }
 
@@ -221,10 +238,15 @@ func (n *Internet) serve(ls *listenSet) error {
 	}
 
 	h := dns.HandlerFunc(n.serveDNS)
-	udp := &dns.Server{PacketConn: ls.dnsUDP, Handler: h, Net: "udp"}
-	tcp := &dns.Server{Listener: &countingListener{Listener: ls.dnsTCP, n: n, port: PortDNS}, Handler: h, Net: "tcp",
-		ReadTimeout: 5 * time.Second, IdleTimeout: func() time.Duration { return 5 * time.Second }}
-	for _, s := range []*dns.Server{udp, tcp} {
+	var srvs []*dns.Server
+	for _, pc := range ls.dnsUDP {
+		srvs = append(srvs, &dns.Server{PacketConn: pc, Handler: h, Net: "udp"})
+	}
+	for _, l := range ls.dnsTCP {
+		srvs = append(srvs, &dns.Server{Listener: &countingListener{Listener: l, n: n, port: PortDNS}, Handler: h, Net: "tcp",
+			ReadTimeout: 5 * time.Second, IdleTimeout: func() time.Duration { return 5 * time.Second }})
+	}
+	for _, s := range srvs {
 		started := make(chan struct{})
 		s.NotifyStartedFunc = func() { close(started) }
 		failed := make(chan error, 1)
@@ -238,8 +260,7 @@ func (n *Internet) serve(ls *listenSet) error {
 		case <-started:
 			n.dnsSrvs = append(n.dnsSrvs, s)
 		case err := <-failed:
-			_ = ls.dnsUDP.Close()
-			_ = ls.dnsTCP.Close()
+			ls.closeDNS() // ends the servers already started too (Close shuts them down)
 			return fmt.Errorf("netsim: dns %s: %w", s.Net, err)
 		}
 	}
