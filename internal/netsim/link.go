@@ -30,6 +30,9 @@ func ensureUnreachable(h *netlink.Handle) error {
 	if err == nil {
 		return nil
 	}
+	if errors.Is(err, unix.EPERM) {
+		return fmt.Errorf("netsim: route %s unreachable: %w: %w (needs CAP_NET_ADMIN)", Range, errdefs.ErrDenied, err)
+	}
 	if !errors.Is(err, unix.EEXIST) {
 		return fmt.Errorf("netsim: route %s unreachable: %w", Range, err)
 	}
@@ -96,6 +99,9 @@ func newNSThread() (*nsThread, *os.File, error) {
 		defer close(t.done)
 		runtime.LockOSThread() // never unlocked, see nsThread
 		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			if errors.Is(err, unix.EPERM) {
+				err = fmt.Errorf("%w: %w (needs CAP_SYS_ADMIN)", errdefs.ErrDenied, err)
+			}
 			ready <- result{err: fmt.Errorf("netsim: unshare network namespace: %w", err)}
 			return
 		}
