@@ -30,7 +30,10 @@ import (
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
-var helperProcess = flag.Bool("netsim.helper", false, "run as a helper process of TestConcurrentProcesses")
+var (
+	helperProcess = flag.Bool("netsim.helper", false, "run as a helper process of TestConcurrentProcesses")
+	unprivHelper  = flag.Bool("netsim.unprivileged", false, "run as the unprivileged helper of TestUnprivileged")
+)
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
@@ -927,4 +930,48 @@ func FuzzNormalizeName(f *testing.F) {
 			t.Fatalf("%q -> %q: no certificate: %v", s, norm, err)
 		}
 	})
+}
+
+// TestUnprivileged: without the privileges Start fails with ErrDenied and
+// creates nothing.
+func TestUnprivileged(t *testing.T) {
+	needRoot(t)
+	if *unprivHelper {
+		t.Skip("helper")
+	}
+	// A copy of the test binary that uid 65534 can run (t.TempDir is
+	// <tmp>/<test><random>/<nnn>, both 0700).
+	dir := t.TempDir()
+	for _, d := range []string{dir, filepath.Dir(dir)} {
+		if err := os.Chmod(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	bin := filepath.Join(dir, "netsim.test")
+	src, err := os.ReadFile(os.Args[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(bin, src, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, "-test.run=^TestHelperUnprivileged$", "-test.count=1", "-netsim.unprivileged")
+	cmd.Dir = dir
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	out, err := cmd.CombinedOutput()
+	if err != nil || !bytes.Contains(out, []byte("unprivileged ok")) {
+		t.Fatalf("unprivileged helper: %v\n%s", err, out)
+	}
+}
+
+func TestHelperUnprivileged(t *testing.T) {
+	if !*unprivHelper {
+		t.Skip("run by TestUnprivileged")
+	}
+	n, err := Start(Options{})
+	if !errors.Is(err, errdefs.ErrDenied) || n != nil {
+		t.Fatalf("Start as uid %d: %v, %v; want ErrDenied", os.Geteuid(), n, err)
+	}
+	t.Log(err)
+	fmt.Println("unprivileged ok")
 }
