@@ -975,3 +975,45 @@ func TestHelperUnprivileged(t *testing.T) {
 	t.Log(err)
 	fmt.Println("unprivileged ok")
 }
+
+// TestStartFailureCleansUp: a Start that fails part way leaves no link,
+// namespace or goroutine behind.
+func TestStartFailureCleansUp(t *testing.T) {
+	needRoot(t)
+	defer func() { testHookStart = nil }()
+	for _, stage := range []string{"link", "listen", "serve"} {
+		t.Run(stage, func(t *testing.T) {
+			ignore := goleak.IgnoreCurrent()
+			var (
+				name string
+				ino  uint64
+			)
+			injected := errors.New("injected")
+			testHookStart = func(n *Internet, s string) error {
+				if s != stage {
+					return nil
+				}
+				name, ino = n.LinkName(), nsInode(t, n)
+				if _, err := netlink.LinkByName(name); err != nil {
+					t.Errorf("link %s missing at stage %s: %v", name, s, err)
+				}
+				return injected
+			}
+			n, err := Start(Options{Zone: map[string][]netip.Addr{"a.test": {netip.MustParseAddr("192.0.2.1")}}})
+			testHookStart = nil
+			if !errors.Is(err, injected) || n != nil {
+				t.Fatalf("Start = %v, %v; want the injected error", n, err)
+			}
+			if name == "" {
+				t.Fatal("hook not run")
+			}
+			if _, err := netlink.LinkByName(name); !errors.As(err, new(netlink.LinkNotFoundError)) {
+				t.Errorf("link %s after failed Start: %v", name, err)
+			}
+			// The namespace's thread ends right after its goroutine (the
+			// runtime ends it): allow it a moment.
+			eventually(t, "namespace to be released", func() bool { return len(holdsNamespace(t, ino)) == 0 })
+			goleak.VerifyNone(t, ignore)
+		})
+	}
+}

@@ -17,6 +17,17 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// testHookStart, when set (tests), runs at each stage of Start; an error
+// makes Start fail there.
+var testHookStart func(n *Internet, stage string) error
+
+func runTestHook(n *Internet, stage string) error {
+	if testHookStart == nil {
+		return nil
+	}
+	return testHookStart(n, stage)
+}
+
 // closeTimeout bounds how long Close waits for servers and handlers.
 const closeTimeout = 5 * time.Second
 
@@ -96,6 +107,9 @@ func Start(opts Options) (_ *Internet, retErr error) {
 	if err := checkRoutes(root, n.linkIndex, inside); err != nil {
 		return nil, err
 	}
+	if err := runTestHook(n, "link"); err != nil {
+		return nil, err
+	}
 
 	if n.ca, err = newAuthority(n.linkName); err != nil {
 		return nil, err
@@ -113,7 +127,14 @@ func Start(opts Options) (_ *Internet, retErr error) {
 		ls.closeAll()
 		return nil, err
 	}
+	if err := runTestHook(n, "listen"); err != nil {
+		ls.closeAll()
+		return nil, err
+	}
 	if err := n.serve(&ls); err != nil {
+		return nil, err
+	}
+	if err := runTestHook(n, "serve"); err != nil {
 		return nil, err
 	}
 	return n, nil
