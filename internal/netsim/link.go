@@ -86,41 +86,59 @@ type nsThread struct {
 	done chan struct{}
 }
 
+type nsResult struct {
+	f   *os.File
+	err error
+}
+
 // newNSThread starts the thread and returns it with a descriptor of its
 // namespace (which holds the namespace; nothing is bind-mounted).
 func newNSThread() (*nsThread, *os.File, error) {
 	t := &nsThread{fns: make(chan func()), done: make(chan struct{})}
-	type result struct {
-		f   *os.File
-		err error
-	}
-	ready := make(chan result, 1)
-	go func() {
-		defer close(t.done)
-		runtime.LockOSThread() // never unlocked, see nsThread
-		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
-			if errors.Is(err, unix.EPERM) {
-				err = fmt.Errorf("%w: %w (needs CAP_SYS_ADMIN)", errdefs.ErrDenied, err)
-			}
-			ready <- result{err: fmt.Errorf("netsim: unshare network namespace: %w", err)}
-			return
-		}
-		f, err := os.Open("/proc/thread-self/ns/net")
-		if err != nil {
-			ready <- result{err: fmt.Errorf("netsim: open network namespace: %w", err)}
-			return
-		}
-		ready <- result{f: f}
-		for fn := range t.fns {
-			fn()
-		}
-	}()
+	ready := make(chan nsResult, 1)
+	go t.main(ready, nil)
 	r := <-ready
 	if r.err != nil {
 		<-t.done
 		return nil, nil, r.err
 	}
 	return t, r.f, nil
+}
+
+// main is the thread's goroutine. The process's main thread is never
+// ended by the runtime (a goroutine exiting locked to it wedges it
+// instead, in the namespace for good), so on it main keeps it locked
+// while a new goroutine locks a thread of its own (which therefore is not
+// the main thread), and then gives the main thread back untouched.
+func (t *nsThread) main(ready chan<- nsResult, locked chan<- struct{}) {
+	runtime.LockOSThread() // never unlocked once in the namespace, see nsThread
+	if unix.Gettid() == unix.Getpid() {
+		handed := make(chan struct{})
+		go t.main(ready, handed)
+		<-handed
+		runtime.UnlockOSThread()
+		return
+	}
+	if locked != nil {
+		close(locked)
+	}
+	defer close(t.done)
+	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+		if errors.Is(err, unix.EPERM) {
+			err = fmt.Errorf("%w: %w (needs CAP_SYS_ADMIN)", errdefs.ErrDenied, err)
+		}
+		ready <- nsResult{err: fmt.Errorf("netsim: unshare network namespace: %w", err)}
+		return
+	}
+	f, err := os.Open("/proc/thread-self/ns/net")
+	if err != nil {
+		ready <- nsResult{err: fmt.Errorf("netsim: open network namespace: %w", err)}
+		return
+	}
+	ready <- nsResult{f: f}
+	for fn := range t.fns {
+		fn()
+	}
 }
 
 // run runs fn on the thread, inside the namespace.
