@@ -78,7 +78,8 @@ type Options struct {
 	// normalized) to the addresses the simulated DNS answers (A for IPv4,
 	// AAAA for IPv6; a name with no address of the asked type gets an
 	// empty NOERROR answer, a name not in the zone or with no address
-	// NXDOMAIN; subdomains are not implied). Names may map
+	// NXDOMAIN; subdomains are not implied; every answer has a TTL of 1 s,
+	// so SetZone takes effect at once). Names may map
 	// to any address (e.g. "rebind.test" -> 127.0.0.1 or 169.254.169.254 to
 	// test DNS rebinding). Host(i) addresses are the ones that actually
 	// serve; since they are known only after Start, SetZone adds or
