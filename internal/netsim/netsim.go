@@ -57,10 +57,13 @@ const (
 	linkPrefix     = "nsim"
 )
 
-// Range is the address range every Internet's /24 comes from. The caller's
-// namespace routes all of it to nowhere (unreachable) except the /24s of
-// live Internets.
-var Range = netip.MustParsePrefix("198.18.0.0/15")
+// simRange is the address range every Internet's /24 comes from.
+var simRange = netip.MustParsePrefix("198.18.0.0/15")
+
+// Range returns the address range every Internet's /24 comes from
+// (198.18.0.0/15). The caller's namespace routes all of it to nowhere
+// (unreachable) except the /24s of live Internets.
+func Range() netip.Prefix { return simRange }
 
 // Ports of the services every host address serves.
 const (

@@ -119,7 +119,7 @@ func TestServicesOnEveryHost(t *testing.T) {
 	if got := len(n.Hosts()); got != DefaultHosts {
 		t.Fatalf("hosts = %d, want %d", got, DefaultHosts)
 	}
-	if !n.Prefix().Contains(n.DNS().Addr()) || !n.Prefix().Contains(n.RootAddr()) || !Range.Contains(n.Prefix().Addr()) {
+	if !n.Prefix().Contains(n.DNS().Addr()) || !n.Prefix().Contains(n.RootAddr()) || !simRange.Contains(n.Prefix().Addr()) {
 		t.Fatalf("addresses outside the prefix: prefix %s dns %s root %s", n.Prefix(), n.DNS(), n.RootAddr())
 	}
 	plain := httpClient(t, n, netip.Addr{})
@@ -702,12 +702,12 @@ func assertUnreachable(t testing.TB, addr netip.Addr) {
 func TestUnreachableRoute(t *testing.T) {
 	n := start(t, Options{Hosts: 1})
 	routes, err := netlink.RouteListFiltered(netlink.FAMILY_V4,
-		&netlink.Route{Dst: prefixIPNet(Range), Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_DST|netlink.RT_FILTER_TABLE)
+		&netlink.Route{Dst: prefixIPNet(simRange), Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_DST|netlink.RT_FILTER_TABLE)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(routes) != 1 || routes[0].Type != unix.RTN_UNREACHABLE {
-		t.Fatalf("routes for %s: %v", Range, routes)
+		t.Fatalf("routes for %s: %v", simRange, routes)
 	}
 	// Idempotent.
 	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
@@ -764,7 +764,7 @@ func TestRouteChecksReject(t *testing.T) {
 		}
 		// Someone routes the whole range to a gateway with metric 0:
 		// refused, not replaced.
-		gwRoute := &netlink.Route{Dst: prefixIPNet(Range), Gw: net.ParseIP("10.9.0.2"), LinkIndex: link.Attrs().Index}
+		gwRoute := &netlink.Route{Dst: prefixIPNet(simRange), Gw: net.ParseIP("10.9.0.2"), LinkIndex: link.Attrs().Index}
 		if err := h.RouteAdd(gwRoute); err != nil {
 			return err
 		}
