@@ -14,13 +14,13 @@ import (
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
-// ensureUnreachable makes sure the caller's namespace routes all of Range
+// ensureUnreachable makes sure the caller's namespace routes all of the range
 // to nowhere. Unreachable rather than blackhole: a dial then fails at once
 // with "no route to host" instead of an opaque EINVAL. The route is added
 // with NLM_F_EXCL (never replaced: another process may have added it, and
 // it must stay for every Internet on the machine) and never removed.
 func ensureUnreachable(h *netlink.Handle) error {
-	dst := prefixIPNet(Range)
+	dst := prefixIPNet(simRange)
 	err := h.RouteAdd(&netlink.Route{
 		Dst:      dst,
 		Type:     unix.RTN_UNREACHABLE,
@@ -31,10 +31,10 @@ func ensureUnreachable(h *netlink.Handle) error {
 		return nil
 	}
 	if errors.Is(err, unix.EPERM) {
-		return fmt.Errorf("netsim: route %s unreachable: %w: %w (needs CAP_NET_ADMIN)", Range, errdefs.ErrDenied, err)
+		return fmt.Errorf("netsim: route %s unreachable: %w: %w (needs CAP_NET_ADMIN)", simRange, errdefs.ErrDenied, err)
 	}
 	if !errors.Is(err, unix.EEXIST) {
-		return fmt.Errorf("netsim: route %s unreachable: %w", Range, err)
+		return fmt.Errorf("netsim: route %s unreachable: %w", simRange, err)
 	}
 	// A route of metric 0 for the prefix exists (ours from an earlier
 	// Start or another process, or someone else's): it is the one used,
@@ -42,10 +42,10 @@ func ensureUnreachable(h *netlink.Handle) error {
 	routes, err := h.RouteListFiltered(netlink.FAMILY_V4, &netlink.Route{Dst: dst, Table: unix.RT_TABLE_MAIN},
 		netlink.RT_FILTER_DST|netlink.RT_FILTER_TABLE)
 	if err != nil {
-		return fmt.Errorf("netsim: list routes for %s: %w", Range, err)
+		return fmt.Errorf("netsim: list routes for %s: %w", simRange, err)
 	}
 	for _, r := range routes {
-		if r.Priority != 0 || r.Dst == nil || r.Dst.String() != Range.String() {
+		if r.Priority != 0 || r.Dst == nil || r.Dst.String() != simRange.String() {
 			continue
 		}
 		switch r.Type {
@@ -53,10 +53,10 @@ func ensureUnreachable(h *netlink.Handle) error {
 			return nil
 		}
 		return fmt.Errorf("netsim: %w: %s is routed (%s), not unreachable: refusing to risk test traffic leaving the machine",
-			errdefs.ErrConflict, Range, r)
+			errdefs.ErrConflict, simRange, r)
 	}
 	return fmt.Errorf("netsim: %w: adding the unreachable route for %s failed with EEXIST but no such route is listed",
-		errdefs.ErrConflict, Range)
+		errdefs.ErrConflict, simRange)
 }
 
 func prefixIPNet(p netip.Prefix) *net.IPNet {
@@ -65,7 +65,7 @@ func prefixIPNet(p netip.Prefix) *net.IPNet {
 
 // subnet returns the /24 of index k: 198.18.k.0/24, then 198.19.(k-256).0/24.
 func subnet(k int) netip.Prefix {
-	a := Range.Addr().As4()
+	a := simRange.Addr().As4()
 	a[1] += byte(k / 256)
 	a[2] = byte(k % 256)
 	return netip.PrefixFrom(netip.AddrFrom4(a), 24)

@@ -57,10 +57,13 @@ const (
 	linkPrefix     = "nsim"
 )
 
-// Range is the address range every Internet's /24 comes from. The caller's
-// namespace routes all of it to nowhere (unreachable) except the /24s of
-// live Internets.
-var Range = netip.MustParsePrefix("198.18.0.0/15")
+// simRange is the address range every Internet's /24 comes from.
+var simRange = netip.MustParsePrefix("198.18.0.0/15")
+
+// Range returns the address range every Internet's /24 comes from
+// (198.18.0.0/15). The caller's namespace routes all of it to nowhere
+// (unreachable) except the /24s of live Internets.
+func Range() netip.Prefix { return simRange }
 
 // Ports of the services every host address serves.
 const (
@@ -78,7 +81,8 @@ type Options struct {
 	// normalized) to the addresses the simulated DNS answers (A for IPv4,
 	// AAAA for IPv6; a name with no address of the asked type gets an
 	// empty NOERROR answer, a name not in the zone or with no address
-	// NXDOMAIN; subdomains are not implied). Names may map
+	// NXDOMAIN; subdomains are not implied; every answer has a TTL of 1 s,
+	// so SetZone takes effect at once). Names may map
 	// to any address (e.g. "rebind.test" -> 127.0.0.1 or 169.254.169.254 to
 	// test DNS rebinding). Host(i) addresses are the ones that actually
 	// serve; since they are known only after Start, SetZone adds or

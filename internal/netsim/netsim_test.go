@@ -119,7 +119,7 @@ func TestServicesOnEveryHost(t *testing.T) {
 	if got := len(n.Hosts()); got != DefaultHosts {
 		t.Fatalf("hosts = %d, want %d", got, DefaultHosts)
 	}
-	if !n.Prefix().Contains(n.DNS().Addr()) || !n.Prefix().Contains(n.RootAddr()) || !Range.Contains(n.Prefix().Addr()) {
+	if !n.Prefix().Contains(n.DNS().Addr()) || !n.Prefix().Contains(n.RootAddr()) || !simRange.Contains(n.Prefix().Addr()) {
 		t.Fatalf("addresses outside the prefix: prefix %s dns %s root %s", n.Prefix(), n.DNS(), n.RootAddr())
 	}
 	plain := httpClient(t, n, netip.Addr{})
@@ -614,7 +614,7 @@ func TestCloseLeavesNothing(t *testing.T) {
 	if held := holdsNamespace(t, ino); len(held) == 0 || !strings.HasPrefix(held[0], "/proc/self/fd/") {
 		t.Fatalf("namespace held by %v, want a descriptor", held)
 	}
-	name, host := n.LinkName(), n.Host(0)
+	name, index, host := n.LinkName(), n.linkIndex, n.Host(0)
 
 	// Connections that are open when Close runs: a held HTTP response,
 	// an HTTPS one, chargen, echo, and DNS over TCP.
@@ -668,9 +668,7 @@ func TestCloseLeavesNothing(t *testing.T) {
 	dnsConn.Close()
 
 	// No veth, no namespace reference, no goroutine.
-	if _, err := netlink.LinkByName(name); !errors.As(err, new(netlink.LinkNotFoundError)) {
-		t.Errorf("link %s after Close: %v", name, err)
-	}
+	assertLinkGone(t, name, index)
 	eventually(t, "namespace to be released", func() bool { return len(holdsNamespace(t, ino)) == 0 })
 	tr.CloseIdleConnections()
 	goleak.VerifyNone(t, ignore)
@@ -704,12 +702,12 @@ func assertUnreachable(t testing.TB, addr netip.Addr) {
 func TestUnreachableRoute(t *testing.T) {
 	n := start(t, Options{Hosts: 1})
 	routes, err := netlink.RouteListFiltered(netlink.FAMILY_V4,
-		&netlink.Route{Dst: prefixIPNet(Range), Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_DST|netlink.RT_FILTER_TABLE)
+		&netlink.Route{Dst: prefixIPNet(simRange), Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_DST|netlink.RT_FILTER_TABLE)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(routes) != 1 || routes[0].Type != unix.RTN_UNREACHABLE {
-		t.Fatalf("routes for %s: %v", Range, routes)
+		t.Fatalf("routes for %s: %v", simRange, routes)
 	}
 	// Idempotent.
 	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
@@ -766,7 +764,7 @@ func TestRouteChecksReject(t *testing.T) {
 		}
 		// Someone routes the whole range to a gateway with metric 0:
 		// refused, not replaced.
-		gwRoute := &netlink.Route{Dst: prefixIPNet(Range), Gw: net.ParseIP("10.9.0.2"), LinkIndex: link.Attrs().Index}
+		gwRoute := &netlink.Route{Dst: prefixIPNet(simRange), Gw: net.ParseIP("10.9.0.2"), LinkIndex: link.Attrs().Index}
 		if err := h.RouteAdd(gwRoute); err != nil {
 			return err
 		}
@@ -985,15 +983,16 @@ func TestStartFailureCleansUp(t *testing.T) {
 		t.Run(stage, func(t *testing.T) {
 			ignore := goleak.IgnoreCurrent()
 			var (
-				name string
-				ino  uint64
+				name  string
+				index int
+				ino   uint64
 			)
 			injected := errors.New("injected")
 			testHookStart = func(n *Internet, s string) error {
 				if s != stage {
 					return nil
 				}
-				name, ino = n.LinkName(), nsInode(t, n)
+				name, index, ino = n.LinkName(), n.linkIndex, nsInode(t, n)
 				if _, err := netlink.LinkByName(name); err != nil {
 					t.Errorf("link %s missing at stage %s: %v", name, s, err)
 				}
@@ -1007,13 +1006,25 @@ func TestStartFailureCleansUp(t *testing.T) {
 			if name == "" {
 				t.Fatal("hook not run")
 			}
-			if _, err := netlink.LinkByName(name); !errors.As(err, new(netlink.LinkNotFoundError)) {
-				t.Errorf("link %s after failed Start: %v", name, err)
-			}
+			assertLinkGone(t, name, index)
 			// The namespace's thread ends right after its goroutine (the
 			// runtime ends it): allow it a moment.
 			eventually(t, "namespace to be released", func() bool { return len(holdsNamespace(t, ino)) == 0 })
 			goleak.VerifyNone(t, ignore)
 		})
+	}
+}
+
+// assertLinkGone checks that the link an Internet had is gone. By index:
+// another test process may already have taken the free name.
+func assertLinkGone(t testing.TB, name string, index int) {
+	t.Helper()
+	l, err := netlink.LinkByIndex(index)
+	if err == nil {
+		t.Errorf("link %s (index %d) still exists: %s", name, index, l.Attrs().Name)
+		return
+	}
+	if !errors.As(err, new(netlink.LinkNotFoundError)) && !errors.Is(err, syscall.ENODEV) {
+		t.Errorf("link %s (index %d): %v", name, index, err)
 	}
 }
