@@ -17,6 +17,10 @@ import (
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
+// testHookAttach, set by tests only, runs in AttachVeth after the veth is
+// made, to fail an attach half-way.
+var testHookAttach func(Link) error
+
 // sandboxIfName is the sandbox side of a veth, in the sandbox's netns.
 const sandboxIfName = "eth0"
 
@@ -273,6 +277,11 @@ func (n *Net) attach(l Link, target netns.NsHandle, sh *netlink.Handle) (err err
 	host, err := n.h.LinkByName(l.HostName)
 	if err != nil {
 		return fmt.Errorf("sbxnet: %s: %w", l.HostName, err)
+	}
+	if testHookAttach != nil {
+		if err := testHookAttach(l); err != nil {
+			return err
+		}
 	}
 	peer, err := sh.LinkByName(sandboxIfName)
 	if err != nil {

@@ -3,13 +3,15 @@
 package sbxnet
 
 import (
-	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"os"
+
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
-var errNeedLinux = errors.New("sbxnet: egress networking needs Linux")
+var errNeedLinux = fmt.Errorf("sbxnet: %w: egress networking needs Linux", errdefs.ErrUnavailable)
 
 // Net is unavailable outside Linux.
 type Net struct{}
