@@ -432,10 +432,15 @@ func (n *Net) Destroy() error {
 		return fmt.Errorf("sbxnet: %w: closed", errdefs.ErrConflict)
 	}
 	var errs []error
-	slots, err := n.inUse()
-	errs = append(errs, err)
-	for _, s := range slots {
-		errs = append(errs, n.delLink(LinkPrefix+fmt.Sprint(s)))
+	// Every link the ruleset treats as a sandbox's, whatever pool made it.
+	links, err := n.h.LinkList()
+	if err != nil {
+		errs = append(errs, fmt.Errorf("sbxnet: list links: %w", err))
+	}
+	for _, l := range links {
+		if _, ok := parseLinkName(l.Attrs().Name); ok {
+			errs = append(errs, n.delLink(l.Attrs().Name))
+		}
 	}
 	errs = append(errs, deleteRuleset(n.ns))
 	n.release()

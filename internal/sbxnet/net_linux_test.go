@@ -961,6 +961,39 @@ func TestFailsClosedWithoutListeners(t *testing.T) {
 	}
 }
 
+// The forward chain drops even if something turns forwarding on in the
+// egress netns behind our back.
+func TestForwardDropsEvenWithIPForward(t *testing.T) {
+	n := openNet(t, Config{})
+	a, b := startSandbox(t), startSandbox(t)
+	attach(t, n, a)
+	lb := attach(t, n, b)
+	if err := writeSysctls(n.ns, [][2]string{{"net/ipv4/ip_forward", "1"}}, func(string) bool { return false }); err != nil {
+		t.Fatal(err)
+	}
+	bu := listenUDPIn(t, b.ns, "0.0.0.0:9999")
+	send := func() {
+		c, err := dialIn(a.ns, "udp4", lb.Addr.Addr().String()+":9999")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.Write([]byte("hello b"))
+	}
+	send()
+	noPacket(t, bu, "udp from A to B with ip_forward=1")
+
+	// Control: without the ruleset the packet is forwarded.
+	if err := deleteRuleset(n.ns); err != nil {
+		t.Fatal(err)
+	}
+	send()
+	bu.SetReadDeadline(time.Now().Add(3 * time.Second))
+	if _, _, err := bu.ReadFromUDP(make([]byte, 64)); err != nil {
+		t.Errorf("control: nothing forwarded without the ruleset: %v", err)
+	}
+}
+
 func TestCreateTap(t *testing.T) {
 	n := openNet(t, Config{MTU: 1400})
 	f, l, err := n.CreateTap()
