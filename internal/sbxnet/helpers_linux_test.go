@@ -209,9 +209,15 @@ type accepted struct {
 	err error
 }
 
+// acceptor is a listener served by serve.
+type acceptor struct {
+	ch   <-chan accepted
+	port uint16
+}
+
 // serve accepts on ln until the test ends, reporting each connection with
 // its original destination.
-func serve(t *testing.T, ln net.Listener) <-chan accepted {
+func serve(t *testing.T, ln net.Listener) acceptor {
 	ch := make(chan accepted, 32)
 	go func() {
 		defer close(ch)
@@ -230,13 +236,13 @@ func serve(t *testing.T, ln net.Listener) <-chan accepted {
 			a.c.Close()
 		}
 	})
-	return ch
+	return acceptor{ch, addrPort(ln.Addr()).Port()}
 }
 
-func next(t *testing.T, ch <-chan accepted, what string) accepted {
+func next(t *testing.T, ac acceptor, what string) accepted {
 	t.Helper()
 	select {
-	case a := <-ch:
+	case a := <-ac.ch:
 		t.Cleanup(func() { a.c.Close() })
 		return a
 	case <-time.After(3 * time.Second):
@@ -245,10 +251,10 @@ func next(t *testing.T, ch <-chan accepted, what string) accepted {
 	return accepted{}
 }
 
-func nothingMore(t *testing.T, ch <-chan accepted, what string) {
+func nothingMore(t *testing.T, ac acceptor, what string) {
 	t.Helper()
 	select {
-	case a := <-ch:
+	case a := <-ac.ch:
 		a.c.Close()
 		t.Errorf("%s: unexpected connection from %s to %s", what, a.c.RemoteAddr(), a.dst)
 	default:
@@ -268,7 +274,7 @@ func addrPort(a net.Addr) netip.AddrPort {
 // viaProxy dials dst from inside s and checks the connection arrives at the
 // proxy listener, at l's gateway, from l's address, with dst as its original
 // destination, and carries bytes both ways.
-func viaProxy(t *testing.T, s *sandbox, l Link, proxy <-chan accepted, dst string) {
+func viaProxy(t *testing.T, s *sandbox, l Link, proxy acceptor, dst string) {
 	t.Helper()
 	c, err := dialIn(s.ns, "tcp4", dst)
 	if err != nil {
@@ -282,8 +288,8 @@ func viaProxy(t *testing.T, s *sandbox, l Link, proxy <-chan accepted, dst strin
 	if a.dst != netip.MustParseAddrPort(dst) {
 		t.Errorf("OriginalDst = %s, want %s", a.dst, dst)
 	}
-	if got := addrPort(a.c.LocalAddr()); got.Addr() != l.Gateway || got.Port() != DefaultProxyPort {
-		t.Errorf("%s: proxy local address %s, want %s:%d", dst, got, l.Gateway, DefaultProxyPort)
+	if got := addrPort(a.c.LocalAddr()); got.Addr() != l.Gateway || got.Port() != proxy.port {
+		t.Errorf("%s: proxy local address %s, want %s:%d", dst, got, l.Gateway, proxy.port)
 	}
 	if got := addrPort(a.c.RemoteAddr()).Addr(); got != l.Addr.Addr() {
 		t.Errorf("%s: proxy sees the peer as %s, want %s", dst, got, l.Addr.Addr())
@@ -382,7 +388,7 @@ func hostLinks(t *testing.T, ns netns.NsHandle) []string {
 		t.Fatal(err)
 	}
 	defer h.Close()
-	links, err := h.LinkList()
+	links, err := linkList(h)
 	if err != nil {
 		t.Fatal(err)
 	}

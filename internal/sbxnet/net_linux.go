@@ -147,9 +147,9 @@ func (n *Net) InUse() ([]int, error) {
 }
 
 func (n *Net) inUse() ([]int, error) {
-	links, err := n.h.LinkList()
+	links, err := linkList(n.h)
 	if err != nil {
-		return nil, fmt.Errorf("sbxnet: list links: %w", err)
+		return nil, err
 	}
 	var out []int
 	for _, l := range links {
@@ -256,8 +256,11 @@ func (n *Net) AttachVeth(pid int) (Link, error) {
 }
 
 func (n *Net) attach(l Link, target netns.NsHandle, sh *netlink.Handle) (err error) {
+	attrs := netlink.NewLinkAttrs() // kernel defaults (txqueuelen) where unset
+	attrs.Name, attrs.MTU = l.HostName, n.cfg.MTU
 	veth := &netlink.Veth{
-		LinkAttrs:        netlink.LinkAttrs{Name: l.HostName, MTU: n.cfg.MTU},
+		LinkAttrs:        attrs,
+		PeerTxQLen:       -1,
 		PeerName:         sandboxIfName,
 		PeerHardwareAddr: l.MAC,
 		PeerMTU:          uint32(n.cfg.MTU),
@@ -433,10 +436,8 @@ func (n *Net) Destroy() error {
 	}
 	var errs []error
 	// Every link the ruleset treats as a sandbox's, whatever pool made it.
-	links, err := n.h.LinkList()
-	if err != nil {
-		errs = append(errs, fmt.Errorf("sbxnet: list links: %w", err))
-	}
+	links, err := linkList(n.h)
+	errs = append(errs, err)
 	for _, l := range links {
 		if _, ok := parseLinkName(l.Attrs().Name); ok {
 			errs = append(errs, n.delLink(l.Attrs().Name))
@@ -451,6 +452,21 @@ func (n *Net) Destroy() error {
 		errs = append(errs, fmt.Errorf("sbxnet: %w", err))
 	}
 	return errors.Join(errs...)
+}
+
+// linkList lists h's links, dumping again when a concurrent change
+// interrupted the dump (its result may miss links).
+func linkList(h *netlink.Handle) ([]netlink.Link, error) {
+	for try := 0; ; try++ {
+		links, err := h.LinkList()
+		if errors.Is(err, netlink.ErrDumpInterrupted) && try < 5 {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("sbxnet: list links: %w", err)
+		}
+		return links, nil
+	}
 }
 
 func ipNet(p netip.Prefix) *net.IPNet {

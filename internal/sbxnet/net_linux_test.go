@@ -21,7 +21,19 @@ import (
 )
 
 func TestOpenCreatesNetnsAndRuleset(t *testing.T) {
+	needRoot(t)
+	keys := []string{"net/ipv4/ip_forward", "net/ipv4/conf/all/rp_filter", "net/ipv4/conf/all/arp_ignore", "net/ipv6/conf/all/disable_ipv6"}
+	rootBefore := map[string]string{}
+	for _, k := range keys {
+		b, _ := os.ReadFile("/proc/sys/" + k)
+		rootBefore[k] = string(b)
+	}
 	n := openNet(t, Config{})
+	for _, k := range keys {
+		if b, _ := os.ReadFile("/proc/sys/" + k); string(b) != rootBefore[k] {
+			t.Errorf("the worker's own %s changed: %q -> %q", k, rootBefore[k], b)
+		}
+	}
 	fi, err := os.Lstat(n.cfg.NetnsPath)
 	if err != nil || !fi.Mode().IsRegular() {
 		t.Fatalf("netns path: %v, %v", fi, err)
@@ -102,6 +114,35 @@ func TestOpenReopensAndAdopts(t *testing.T) {
 	if l2.Slot == l.Slot {
 		t.Errorf("adopted slot %d handed out again", l.Slot)
 	}
+}
+
+// Reopening with other ports replaces the ruleset: the old proxy port no
+// longer receives anything.
+func TestReopenReplacesRuleset(t *testing.T) {
+	needRoot(t)
+	path := filepath.Join(t.TempDir(), "egress.netns")
+	n := openNet(t, Config{NetnsPath: path})
+	s := startSandbox(t)
+	l := attach(t, n, s)
+	n.Close()
+
+	n2, err := Open(Config{NetnsPath: path, ProxyPort: 16001, DNSPort: 16053})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n2.Close()
+	wantRules(t, n2.ns)
+	old := listenIn(t, n2.ns, fmt.Sprintf("0.0.0.0:%d", DefaultProxyPort))
+	ln, err := n2.ListenTCP()
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := serve(t, ln)
+	if proxy.port != 16001 {
+		t.Fatalf("proxy listens on %d", proxy.port)
+	}
+	viaProxy(t, s, l, proxy, testNet1+":443")
+	noAccept(t, old, "the old proxy port")
 }
 
 func TestOpenRejectsForeignFiles(t *testing.T) {
