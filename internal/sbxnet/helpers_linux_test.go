@@ -29,7 +29,17 @@ import (
 // dialled from inside a sandbox, whose only way out is the egress netns:
 // it has no other link and forwards nothing, so no packet leaves.
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// homeNetns is the process's netns before any test ran: where every thread
+// must be whenever no operation is in flight.
+var homeNetns string
+
+func TestMain(m *testing.M) {
+	var err error
+	if homeNetns, err = os.Readlink("/proc/self/ns/net"); err != nil {
+		panic(err)
+	}
+	goleak.VerifyTestMain(m)
+}
 
 const (
 	testNet1 = "203.0.113.9"
@@ -84,10 +94,7 @@ func destroyAll(t *testing.T, path string) {
 // than the process's own.
 func checkThreadsHome(t *testing.T) {
 	t.Helper()
-	home, err := os.Readlink("/proc/self/ns/net")
-	if err != nil {
-		t.Fatal(err)
-	}
+	home := homeNetns
 	tasks, err := os.ReadDir("/proc/self/task")
 	if err != nil {
 		t.Fatal(err)

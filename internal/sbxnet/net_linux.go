@@ -44,7 +44,8 @@ type Net struct {
 }
 
 // Open creates the egress netns at cfg.NetnsPath, or reopens the one there,
-// configures it (lo up, ip_forward=0, IPv6 off, strict rp_filter) and
+// configures it (lo up, ip_forward=0, IPv6 off, strict rp_filter, ARP
+// answered only for the asking link's own address) and
 // installs the ruleset, replacing any previous one of ours in the same
 // atomic batch. Links already there (sx<N>) keep their slots: sandboxes
 // outlive a worker restart.
