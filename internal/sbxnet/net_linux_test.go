@@ -733,3 +733,24 @@ func TestParseSockaddrIn(t *testing.T) {
 		t.Errorf("parse = %s, %v", got, err)
 	}
 }
+
+func FuzzParseSockaddrIn(f *testing.F) {
+	ok := make([]byte, 16)
+	binary.NativeEndian.PutUint16(ok, unix.AF_INET)
+	copy(ok[2:], []byte{0x01, 0xbb, 203, 0, 113, 9})
+	f.Add(ok)
+	f.Add([]byte{})
+	f.Add([]byte{10, 0, 0, 53, 1, 2, 3, 4})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		ap, err := parseSockaddrIn(b)
+		if err != nil {
+			if !errors.Is(err, errdefs.ErrInvalid) {
+				t.Fatalf("unclassed error %v", err)
+			}
+			return
+		}
+		if !ap.Addr().Is4() || netip.AddrFrom4([4]byte(b[4:8])) != ap.Addr() || binary.BigEndian.Uint16(b[2:4]) != ap.Port() {
+			t.Fatalf("%x parsed as %s", b, ap)
+		}
+	})
+}
