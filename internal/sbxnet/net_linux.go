@@ -341,6 +341,12 @@ func (n *Net) CreateTap() (*os.File, Link, error) {
 }
 
 func (n *Net) tap(l Link) (f *os.File, err error) {
+	// TUNSETIFF on the name of an existing, unattached persistent tap
+	// attaches to it instead of failing: a name taken behind our back
+	// must not be adopted.
+	if n.linkExists(l.HostName) {
+		return nil, fmt.Errorf("sbxnet: make tap %s: %w", l.HostName, unix.EEXIST)
+	}
 	// The tap is made in the namespace of the thread that opens
 	// /dev/net/tun.
 	err = inNetns(n.ns, func() error {
@@ -365,8 +371,10 @@ func (n *Net) tap(l Link) (f *os.File, err error) {
 	}
 	defer func() {
 		if err != nil {
-			f.Close() // a non-persistent tap goes with its last fd
-			n.h.LinkDel(&netlink.Tuntap{LinkAttrs: netlink.LinkAttrs{Name: l.HostName}})
+			if host, lerr := n.h.LinkByName(l.HostName); lerr == nil {
+				n.h.LinkDel(host)
+			}
+			f.Close() // and a non-persistent tap goes with its last fd anyway
 			f = nil
 		}
 	}()

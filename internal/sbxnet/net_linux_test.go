@@ -647,6 +647,41 @@ func TestCreateTap(t *testing.T) {
 	if names := hostLinks(t, n.ns); fmt.Sprint(names) != "[lo]" {
 		t.Errorf("links after closing the tap fd: %v", names)
 	}
+
+	// A name taken behind our back (a persistent tap nobody holds, which
+	// TUNSETIFF would attach to) is skipped, not adopted.
+	next, _ := n.Slot(l2.Slot + 1)
+	// (Made by hand in the egress netns: netlink's Tuntap LinkAdd opens
+	// /dev/net/tun in the calling thread's namespace, not the handle's.)
+	if err := inNetns(n.ns, func() error {
+		fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		ifr, err := unix.NewIfreq(next.HostName)
+		if err != nil {
+			return err
+		}
+		ifr.SetUint16(unix.IFF_TAP | unix.IFF_NO_PI)
+		if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
+			return err
+		}
+		return unix.IoctlSetInt(fd, unix.TUNSETPERSIST, 1)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	f3, l3, err := n.CreateTap()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f3.Close()
+	if l3.Slot == next.Slot {
+		t.Errorf("took over the foreign tap %s", next.HostName)
+	}
+	if got, _ := n.InUse(); fmt.Sprint(got) != fmt.Sprint([]int{next.Slot, l3.Slot}) {
+		t.Errorf("InUse = %v", got)
+	}
 }
 
 func TestDestroyLeavesNothing(t *testing.T) {
