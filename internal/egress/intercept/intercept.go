@@ -128,8 +128,12 @@ func (i *Interceptor) Serve(ctx context.Context, client net.Conn, host string, h
 	}
 	err = s.serve(ctx)
 	s.close()
-	if err == nil && ctx.Err() != nil {
-		err = ctx.Err()
+	s.waitWatch()
+	if ctx.Err() != nil && !errors.Is(err, ctx.Err()) {
+		if err == nil {
+			return ctx.Err()
+		}
+		err = fmt.Errorf("intercept: %s: %w (%v)", h, ctx.Err(), err)
 	}
 	return err
 }
@@ -199,6 +203,13 @@ type session struct {
 
 	mu      sync.Mutex
 	aborted bool
+	// Between requests a watcher peeks at the upstream: a server that
+	// closes an idle connection (or sends what nobody asked for) ends
+	// the client's too, so the client reconnects instead of sending its
+	// next request into a dead connection.
+	watch    chan error // the watcher's result; nil when none runs
+	inFlight bool       // a request is being forwarded
+	upGone   bool       // the watcher saw the upstream end while idle
 }
 
 func newSession(client, clientRaw net.Conn, host string, headers map[string]string) *session {
@@ -235,6 +246,54 @@ func (s *session) close() {
 	}
 	s.client.Close()
 	s.clientRaw.Close()
+}
+
+// startWatch runs the idle watcher after a request that leaves both
+// connections open.
+func (s *session) startWatch() {
+	s.mu.Lock()
+	s.inFlight = false
+	s.mu.Unlock()
+	s.watch = make(chan error, 1)
+	go func() {
+		_, err := s.ubr.Peek(1)
+		s.mu.Lock()
+		idle := !s.inFlight
+		if idle {
+			s.upGone = true
+		}
+		s.mu.Unlock()
+		if idle {
+			s.abort()
+		}
+		s.watch <- err
+	}()
+}
+
+// waitWatch takes over the upstream reader from the watcher: it returns
+// once the upstream has sent something (nil) or ended (its error).
+func (s *session) waitWatch() error {
+	if s.watch == nil {
+		return nil
+	}
+	err := <-s.watch
+	s.watch = nil
+	return err
+}
+
+// beginRequest marks a request in flight; false when the watcher has
+// already found the upstream gone.
+func (s *session) beginRequest() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.inFlight = true
+	return !s.upGone
+}
+
+func (s *session) upstreamGone() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.upGone
 }
 
 // ensureUpstream connects on the first forwarded request, so a connection

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -436,5 +437,96 @@ func TestServeExpectAnsweredWithoutContinue(t *testing.T) {
 	}
 	if _, err := br.ReadByte(); err == nil {
 		t.Fatal("connection still open")
+	}
+}
+
+// A server closing the idle upstream connection closes the client's, so
+// the client's next request goes to a new connection instead of a 502.
+func TestServeUpstreamIdleCloseEndsClient(t *testing.T) {
+	var hits atomic.Int32
+	e := newEnv(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { hits.Add(1) }),
+		withServer(func(s *http.Server) { s.IdleTimeout = 100 * time.Millisecond }))
+	c, br, err := e.rawTLS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.WriteString(c, "GET / HTTP/1.1\r\nHost: example.com\r\n\r\n")
+	if resp := readResp(t, br, "GET"); resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	if err := e.serveErr(); err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+	if _, err := br.ReadByte(); err == nil {
+		t.Fatal("client connection still open after the upstream closed")
+	}
+
+	// A pooling client does not notice: it reconnects.
+	cl := e.client()
+	for i := range 2 {
+		if i == 1 {
+			time.Sleep(300 * time.Millisecond)
+		}
+		resp, err := cl.Get("https://" + testHost + "/")
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: status %d", i, resp.StatusCode)
+		}
+	}
+	if hits.Load() != 3 {
+		t.Fatalf("upstream hits %d, want 3", hits.Load())
+	}
+}
+
+// Bytes the server sends while no request is pending (a 408 before it
+// closes) end both connections; they never reach the client.
+func TestServeUnsolicitedUpstreamBytes(t *testing.T) {
+	e := newEnv(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		conn, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			return
+		}
+		defer conn.Close()
+		brw.WriteString("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		brw.Flush()
+		time.Sleep(100 * time.Millisecond)
+		brw.WriteString("HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+		brw.Flush()
+		io.Copy(io.Discard, brw)
+	}))
+	c, br, err := e.rawTLS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.WriteString(c, "GET / HTTP/1.1\r\nHost: example.com\r\n\r\n")
+	resp := readResp(t, br, "GET")
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != 200 || string(body) != "ok" {
+		t.Fatalf("status %d body %q", resp.StatusCode, body)
+	}
+	if err := e.serveErr(); err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+	if rest, _ := io.ReadAll(br); len(rest) != 0 {
+		t.Fatalf("client got %q after its answer", rest)
+	}
+}
+
+func TestServeDialFailure(t *testing.T) {
+	e := newEnv(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}),
+		withDial(func(context.Context, string) (net.Conn, error) { return nil, errors.New("refused by test") }))
+	resp, err := e.client().Get("https://" + testHost + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusBadGateway {
+		t.Fatalf("status %d, want 502", resp.StatusCode)
+	}
+	if err := e.serveErr(); !errors.Is(err, errdefs.ErrUpstream) {
+		t.Fatalf("Serve: %v, want upstream", err)
 	}
 }
