@@ -88,8 +88,13 @@ func (i *Interceptor) leaf(host string) (*tls.Certificate, error) {
 // be host, else the client gets 421 and Serve stops (no domain fronting);
 // headers[k] replaces header k. Bodies are streamed both ways; 1xx, chunked
 // bodies, keep-alive and a 101 Upgrade (then raw bytes both ways) are
-// handled. Serve returns when either side closes or ctx ends (nil for a
-// client that closes between requests), and always closes client.
+// handled. Serve returns when either side closes or ctx ends, and always
+// closes client. It returns nil when a side closed between requests, else
+// an error of class ErrInvalid (bad host or headers, a failed client
+// handshake, a malformed request), ErrTooLarge (request header over 64
+// KiB), ErrDenied (another Host), ErrUpstream (dial, verification or a
+// broken answer: the client got a 502 when nothing else was sent yet),
+// ErrTimeout (handshake), or ctx's error.
 func (i *Interceptor) Serve(ctx context.Context, client net.Conn, host string, headers map[string]string,
 	dial func(ctx context.Context) (net.Conn, error)) error {
 	defer client.Close()
@@ -120,6 +125,9 @@ func (i *Interceptor) Serve(ctx context.Context, client net.Conn, host string, h
 	if err != nil {
 		if ctx.Err() != nil {
 			return fmt.Errorf("intercept: client handshake for %s: %w", h, ctx.Err())
+		}
+		if hctx.Err() != nil {
+			return fmt.Errorf("intercept: client handshake for %s: %w: %v", h, errdefs.ErrTimeout, err)
 		}
 		return fmt.Errorf("intercept: client handshake for %s: %w: %v", h, errdefs.ErrInvalid, err)
 	}
