@@ -121,12 +121,13 @@ func (i *Interceptor) Serve(ctx context.Context, client net.Conn, host string, h
 
 	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
 	err = tc.HandshakeContext(hctx)
+	timedOut := errors.Is(hctx.Err(), context.DeadlineExceeded)
 	cancel()
 	if err != nil {
 		if ctx.Err() != nil {
 			return fmt.Errorf("intercept: client handshake for %s: %w", h, ctx.Err())
 		}
-		if hctx.Err() != nil {
+		if timedOut {
 			return fmt.Errorf("intercept: client handshake for %s: %w: %v", h, errdefs.ErrTimeout, err)
 		}
 		return fmt.Errorf("intercept: client handshake for %s: %w: %v", h, errdefs.ErrInvalid, err)
