@@ -19,11 +19,12 @@ import (
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
+// handshakeTimeout bounds each TLS handshake (the client's and the
+// upstream's): the caller has already seen the ClientHello, so a client
+// that stalls now is stalling on purpose. A variable for the tests.
+var handshakeTimeout = 10 * time.Second
+
 const (
-	// handshakeTimeout bounds each TLS handshake (the client's and the
-	// upstream's): the caller has already seen the ClientHello, so a
-	// client that stalls now is stalling on purpose.
-	handshakeTimeout = 10 * time.Second
 	// maxHeaderBytes bounds a request's line and headers (net/http's
 	// server allows 1 MiB; an API call needs far less).
 	maxHeaderBytes = 64 << 10
