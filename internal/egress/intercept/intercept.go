@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
 	"strings"
@@ -106,6 +107,7 @@ func (i *Interceptor) Serve(ctx context.Context, client net.Conn, host string, h
 	if err := checkHeaders(headers); err != nil {
 		return err
 	}
+	headers = maps.Clone(headers) // read by the body goroutine too: the caller keeps its map
 	cert, err := i.leaf(h)
 	if err != nil {
 		return err

@@ -148,7 +148,7 @@ func classed(err error) bool {
 	return false
 }
 
-func handshake(conn net.Conn, user, pass string, req []byte) error {
+func handshake(conn io.ReadWriter, user, pass string, req []byte) error {
 	method := byte(methodNoAuth)
 	if user != "" {
 		method = methodUserPass
