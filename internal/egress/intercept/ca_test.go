@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
+	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
 	"errors"
@@ -220,5 +221,32 @@ func TestServeRejectsBadArguments(t *testing.T) {
 			t.Errorf("%s: client connection left open", name)
 		}
 		b.Close()
+	}
+}
+
+func TestLeafConcurrent(t *testing.T) {
+	certPEM, keyPEM, _ := NewCA("sbx")
+	i, err := New(certPEM, keyPEM, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan *tls.Certificate, 16)
+	for range 16 {
+		go func() {
+			c, err := i.leaf("same.example")
+			if err != nil {
+				t.Error(err)
+			}
+			for n := range 20 {
+				i.leaf(fmt.Sprintf("h%d.example", n))
+			}
+			got <- c
+		}()
+	}
+	first := <-got
+	for range 15 {
+		if c := <-got; c != first {
+			t.Fatal("one host minted twice")
+		}
 	}
 }

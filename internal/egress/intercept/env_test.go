@@ -49,6 +49,14 @@ type envOpt func(*envConfig)
 type envConfig struct {
 	roots   func(up *httptest.Server) *x509.CertPool
 	headers map[string]string
+	server  func(*http.Server)
+	dial    func(ctx context.Context, upAddr string) (net.Conn, error)
+}
+
+func withServer(f func(*http.Server)) envOpt { return func(c *envConfig) { c.server = f } }
+
+func withDial(f func(ctx context.Context, upAddr string) (net.Conn, error)) envOpt {
+	return func(c *envConfig) { c.dial = f }
 }
 
 func withRoots(f func(up *httptest.Server) *x509.CertPool) envOpt {
@@ -78,6 +86,9 @@ func newEnv(t *testing.T, h http.Handler, opts ...envOpt) *env {
 		}
 	}
 	e.up.Config.ErrorLog = log.New(io.Discard, "", 0) // handshakes the tests make fail on purpose
+	if cfg.server != nil {
+		cfg.server(e.up.Config)
+	}
 	e.up.StartTLS()
 
 	certPEM, keyPEM, err := NewCA("sbx-test")
@@ -97,6 +108,9 @@ func newEnv(t *testing.T, h http.Handler, opts ...envOpt) *env {
 	e.ctx, e.cancel = context.WithCancel(context.Background())
 	dial := func(ctx context.Context) (net.Conn, error) {
 		e.dials.Add(1)
+		if cfg.dial != nil {
+			return cfg.dial(ctx, e.up.Listener.Addr().String())
+		}
 		var d net.Dialer
 		return d.DialContext(ctx, "tcp", e.up.Listener.Addr().String())
 	}

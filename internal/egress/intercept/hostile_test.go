@@ -134,3 +134,20 @@ func TestHostileClientLeaves(t *testing.T) {
 		return c.Close()
 	}, nil)
 }
+
+// A client that connects and never finishes its handshake is dropped.
+func TestHostileStalledHandshake(t *testing.T) {
+	defer func(d time.Duration) { handshakeTimeout = d }(handshakeTimeout)
+	handshakeTimeout = 200 * time.Millisecond
+	hostile(t, func(e *env) error {
+		c, err := net.Dial("tcp", e.ln.Addr().String())
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		c.Write([]byte{0x16, 0x03, 0x01, 0x00, 0x80}) // a record header, then nothing
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_, err = io.Copy(io.Discard, c)
+		return err
+	}, errdefs.ErrTimeout)
+}

@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
 	"strings"
@@ -19,11 +20,12 @@ import (
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
+// handshakeTimeout bounds each TLS handshake (the client's and the
+// upstream's): the caller has already seen the ClientHello, so a client
+// that stalls now is stalling on purpose. A variable for the tests.
+var handshakeTimeout = 10 * time.Second
+
 const (
-	// handshakeTimeout bounds each TLS handshake (the client's and the
-	// upstream's): the caller has already seen the ClientHello, so a
-	// client that stalls now is stalling on purpose.
-	handshakeTimeout = 10 * time.Second
 	// maxHeaderBytes bounds a request's line and headers (net/http's
 	// server allows 1 MiB; an API call needs far less).
 	maxHeaderBytes = 64 << 10
@@ -88,8 +90,13 @@ func (i *Interceptor) leaf(host string) (*tls.Certificate, error) {
 // be host, else the client gets 421 and Serve stops (no domain fronting);
 // headers[k] replaces header k. Bodies are streamed both ways; 1xx, chunked
 // bodies, keep-alive and a 101 Upgrade (then raw bytes both ways) are
-// handled. Serve returns when either side closes or ctx ends (nil for a
-// client that closes between requests), and always closes client.
+// handled. Serve returns when either side closes or ctx ends, and always
+// closes client. It returns nil when a side closed between requests, else
+// an error of class ErrInvalid (bad host or headers, a failed client
+// handshake, a malformed request), ErrTooLarge (request header over 64
+// KiB), ErrDenied (another Host), ErrUpstream (dial, verification or a
+// broken answer: the client got a 502 when nothing else was sent yet),
+// ErrTimeout (handshake), or ctx's error.
 func (i *Interceptor) Serve(ctx context.Context, client net.Conn, host string, headers map[string]string,
 	dial func(ctx context.Context) (net.Conn, error)) error {
 	defer client.Close()
@@ -100,6 +107,7 @@ func (i *Interceptor) Serve(ctx context.Context, client net.Conn, host string, h
 	if err := checkHeaders(headers); err != nil {
 		return err
 	}
+	headers = maps.Clone(headers) // read by the body goroutine too: the caller keeps its map
 	cert, err := i.leaf(h)
 	if err != nil {
 		return err
@@ -116,10 +124,14 @@ func (i *Interceptor) Serve(ctx context.Context, client net.Conn, host string, h
 
 	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
 	err = tc.HandshakeContext(hctx)
+	timedOut := errors.Is(hctx.Err(), context.DeadlineExceeded)
 	cancel()
 	if err != nil {
 		if ctx.Err() != nil {
 			return fmt.Errorf("intercept: client handshake for %s: %w", h, ctx.Err())
+		}
+		if timedOut {
+			return fmt.Errorf("intercept: client handshake for %s: %w: %v", h, errdefs.ErrTimeout, err)
 		}
 		return fmt.Errorf("intercept: client handshake for %s: %w: %v", h, errdefs.ErrInvalid, err)
 	}
@@ -128,8 +140,12 @@ func (i *Interceptor) Serve(ctx context.Context, client net.Conn, host string, h
 	}
 	err = s.serve(ctx)
 	s.close()
-	if err == nil && ctx.Err() != nil {
-		err = ctx.Err()
+	s.waitWatch()
+	if ctx.Err() != nil && !errors.Is(err, ctx.Err()) {
+		if err == nil {
+			return ctx.Err()
+		}
+		err = fmt.Errorf("intercept: %s: %w (%v)", h, ctx.Err(), err)
 	}
 	return err
 }
@@ -199,6 +215,13 @@ type session struct {
 
 	mu      sync.Mutex
 	aborted bool
+	// Between requests a watcher peeks at the upstream: a server that
+	// closes an idle connection (or sends what nobody asked for) ends
+	// the client's too, so the client reconnects instead of sending its
+	// next request into a dead connection.
+	watch    chan error // the watcher's result; nil when none runs
+	inFlight bool       // a request is being forwarded
+	upGone   bool       // the watcher saw the upstream end while idle
 }
 
 func newSession(client, clientRaw net.Conn, host string, headers map[string]string) *session {
@@ -235,6 +258,54 @@ func (s *session) close() {
 	}
 	s.client.Close()
 	s.clientRaw.Close()
+}
+
+// startWatch runs the idle watcher after a request that leaves both
+// connections open.
+func (s *session) startWatch() {
+	s.mu.Lock()
+	s.inFlight = false
+	s.mu.Unlock()
+	s.watch = make(chan error, 1)
+	go func() {
+		_, err := s.ubr.Peek(1)
+		s.mu.Lock()
+		idle := !s.inFlight
+		if idle {
+			s.upGone = true
+		}
+		s.mu.Unlock()
+		if idle {
+			s.abort()
+		}
+		s.watch <- err
+	}()
+}
+
+// waitWatch takes over the upstream reader from the watcher: it returns
+// once the upstream has sent something (nil) or ended (its error).
+func (s *session) waitWatch() error {
+	if s.watch == nil {
+		return nil
+	}
+	err := <-s.watch
+	s.watch = nil
+	return err
+}
+
+// beginRequest marks a request in flight; false when the watcher has
+// already found the upstream gone.
+func (s *session) beginRequest() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.inFlight = true
+	return !s.upGone
+}
+
+func (s *session) upstreamGone() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.upGone
 }
 
 // ensureUpstream connects on the first forwarded request, so a connection

@@ -24,6 +24,8 @@ func (s *session) serve(ctx context.Context) error {
 			switch {
 			case ctx.Err() != nil:
 				return ctx.Err()
+			case s.upstreamGone():
+				return nil // the server closed the idle connection: so do we
 			case errors.Is(err, errHeaderTooLarge) || s.lr.n <= 0:
 				// The parser may see the cut-off line as malformed
 				// before it sees the limit's error.
@@ -59,12 +61,25 @@ func (s *session) serve(ctx context.Context) error {
 			s.fail(http.StatusBadGateway)
 			return err
 		}
+		if !s.beginRequest() {
+			return nil // the server closed the idle connection: the client may retry
+		}
 		more, err := s.roundTrip(ctx, req)
+		if errors.Is(err, errIdleClosed) {
+			return nil
+		}
 		if err != nil || !more {
 			return err
 		}
+		s.startWatch()
 	}
 }
+
+// errIdleClosed: the server closed the connection before answering a
+// request sent on it after an idle time; the client gets the connection
+// closed without an answer, as if it had talked to the server, and may
+// retry.
+var errIdleClosed = errors.New("upstream closed the idle connection")
 
 // roundTrip forwards req and streams the answer back; more reports
 // whether both connections may carry another request.
@@ -124,6 +139,12 @@ func (s *session) roundTrip(ctx context.Context, req *http.Request) (more bool, 
 		}
 	}()
 
+	if werr := s.waitWatch(); werr != nil {
+		if ctx.Err() != nil {
+			return false, ctx.Err()
+		}
+		return false, errIdleClosed
+	}
 	wrote := false // anything sent to the client for this request
 	var resp *http.Response
 	for interim := 0; ; interim++ {

@@ -90,6 +90,12 @@ func (e *ReplyError) Unwrap() error {
 // when user != ""), and CONNECTs to dest ("ip:port" or "name:port"). The
 // handshake ends by ctx's deadline or cancellation; the connection
 // returned has no deadline set.
+//
+// Errors: ErrInvalid for a bad dest or credentials (nothing dialed),
+// ErrAuthRefused (ErrDenied), a *ReplyError classed by its code,
+// ErrTimeout wrapping ctx's error when ctx ended the handshake,
+// ErrUnavailable when the proxy cannot be dialed, ErrUpstream for a proxy
+// that breaks the protocol.
 func Dial(ctx context.Context, dial func(ctx context.Context, network, addr string) (net.Conn, error),
 	proxyAddr, user, pass, dest string) (net.Conn, error) {
 	req, err := connectRequest(dest)
@@ -148,7 +154,7 @@ func classed(err error) bool {
 	return false
 }
 
-func handshake(conn net.Conn, user, pass string, req []byte) error {
+func handshake(conn io.ReadWriter, user, pass string, req []byte) error {
 	method := byte(methodNoAuth)
 	if user != "" {
 		method = methodUserPass

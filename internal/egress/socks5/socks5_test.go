@@ -454,3 +454,38 @@ func FuzzReadReply(f *testing.F) {
 		}
 	})
 }
+
+// script is a proxy that answers with fixed bytes and swallows writes.
+type script struct{ r io.Reader }
+
+func (s script) Read(p []byte) (int, error)  { return s.r.Read(p) }
+func (s script) Write(p []byte) (int, error) { return len(p), nil }
+
+func FuzzHandshake(f *testing.F) {
+	f.Add([]byte{5, 0, 5, 0, 0, 1, 127, 0, 0, 1, 0, 80}, false)
+	f.Add([]byte{5, 2, 1, 0, 5, 0, 0, 3, 1, 'a', 0, 80}, true)
+	f.Add([]byte{5, 2, 1, 1}, true)
+	f.Add([]byte{5, 0xff}, false)
+	f.Add([]byte{5, 0, 5, 2, 0, 1, 0, 0, 0, 0, 0, 0}, false)
+	f.Fuzz(func(t *testing.T, answer []byte, auth bool) {
+		user, pass := "", ""
+		if auth {
+			user, pass = "u", "p"
+		}
+		req, _ := connectRequest("192.0.2.1:443")
+		err := handshake(script{bytes.NewReader(answer)}, user, pass, req)
+		if err == nil {
+			want := []byte{5, 0}
+			if auth {
+				want = []byte{5, 2}
+			}
+			if !bytes.HasPrefix(answer, want) {
+				t.Fatalf("success on %x", answer)
+			}
+			return
+		}
+		if !classed(err) && !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) {
+			t.Fatalf("unclassed error %v", err)
+		}
+	})
+}
