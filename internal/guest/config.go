@@ -132,6 +132,13 @@ type Config struct {
 	// at start and again on every activation (a move changes it). Nil:
 	// loopback only (resolv.conf is left as the image has it).
 	Network *NetworkConfig `json:"network,omitempty"`
+	// ResolvConfPath, CACertPath and CABundlePath are where Network's
+	// resolver and CA are written (tests point them into a temporary
+	// directory). Defaults DefaultResolvConfPath, DefaultCACertPath and
+	// DefaultCABundlePath.
+	ResolvConfPath string `json:"-"`
+	CACertPath     string `json:"-"`
+	CABundlePath   string `json:"-"`
 }
 
 // NetworkConfig is the guest's side of its egress link.
@@ -180,6 +187,15 @@ func (c Config) withDefaults() Config {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	if c.ResolvConfPath == "" {
+		c.ResolvConfPath = DefaultResolvConfPath
+	}
+	if c.CACertPath == "" {
+		c.CACertPath = DefaultCACertPath
+	}
+	if c.CABundlePath == "" {
+		c.CABundlePath = DefaultCABundlePath
+	}
 	return c
 }
 
@@ -205,6 +221,11 @@ func (c Config) Validate() error {
 	}
 	if c.MaxUploadBytes < 0 || c.DetachedOutputBytes < 0 || c.MaxMessageBytes < 0 || c.MaxWatcherEvents < 0 || c.MaxWatchers < 0 || c.ShutdownTimeout < 0 {
 		errs = append(errs, errors.New("limits must not be negative"))
+	}
+	if c.Network != nil {
+		if err := c.Network.Validate(); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	return errors.Join(errs...)
 }
