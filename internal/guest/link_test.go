@@ -16,18 +16,30 @@ import (
 	"github.com/spacesbx/space/internal/testenv"
 )
 
-// inNewNetns runs fn on a thread of its own in a new network namespace;
-// the thread ends with fn, and the namespace with it (and fn's files).
+// inNewNetns runs fn on a locked thread in a new network namespace,
+// which goes with fn's files; the thread then goes back to its own (or,
+// failing that, stays locked and ends).
 func inNewNetns(t *testing.T, fn func() error) error {
 	t.Helper()
 	testenv.RequireRoot(t, "creates network namespaces")
 	errc := make(chan error, 1)
 	go func() {
-		runtime.LockOSThread() // never unlocked: the thread exits with the goroutine
+		runtime.LockOSThread()
+		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			errc <- err
+			return
+		}
+		defer unix.Close(orig)
 		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
 			errc <- fmt.Errorf("unshare: %w", err)
 			return
 		}
+		defer func() {
+			if unix.Setns(orig, unix.CLONE_NEWNET) == nil {
+				runtime.UnlockOSThread()
+			}
+		}()
 		errc <- fn()
 	}()
 	return <-errc
