@@ -68,9 +68,9 @@ func configureLink(n *NetworkConfig) error {
 	if err := nl.setLink(ifi.Index, true, n.MTU, nil); err != nil {
 		return fmt.Errorf("network: %s up: %w", ifi.Name, err)
 	}
-	if err := nl.addr(unix.RTM_NEWADDR, ifi.Index, prefix); err != nil && !errors.Is(err, unix.EEXIST) {
-		return fmt.Errorf("network: %s: add %s: %w", ifi.Name, prefix, err)
-	}
+	// Other addresses go first: added next to an old one of the same
+	// subnet, the new address would be a secondary, which the kernel
+	// removes with the primary.
 	addrs, err := ifi.Addrs()
 	if err != nil {
 		return fmt.Errorf("network: %s: addresses: %w", ifi.Name, err)
@@ -87,6 +87,9 @@ func configureLink(n *NetworkConfig) error {
 				return fmt.Errorf("network: %s: remove %s: %w", ifi.Name, p, err)
 			}
 		}
+	}
+	if err := nl.addr(unix.RTM_NEWADDR, ifi.Index, prefix); err != nil && !errors.Is(err, unix.EEXIST) {
+		return fmt.Errorf("network: %s: add %s: %w", ifi.Name, prefix, err)
 	}
 	if err := nl.defaultRoute(ifi.Index, gw); err != nil {
 		return fmt.Errorf("network: %s: default route via %s: %w", ifi.Name, gw, err)

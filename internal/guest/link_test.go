@@ -162,6 +162,20 @@ func TestConfigureLink(t *testing.T) {
 			return fmt.Errorf("after the move: %s, %v; want %s", got, err, want)
 		}
 
+		// A move within the same subnet: the new address is not lost with
+		// the old one (a secondary goes with its primary).
+		n5 := &NetworkConfig{Address: "10.201.0.9/30", Gateway: "10.201.0.10", DNS: "10.201.0.10", MAC: "02:53:50:00:00:02"}
+		if err := configureLink(n5); err != nil {
+			return err
+		}
+		want = "up=true lo=true mtu=1400 mac=02:53:50:00:00:02 addrs=[10.201.0.9/30] routes=[eth0 10.201.0.10]"
+		if got, err := linkState("eth0"); err != nil || got != want {
+			return fmt.Errorf("after a move in the subnet: %s, %v; want %s", got, err, want)
+		}
+		if err := configureLink(n2); err != nil {
+			return err
+		}
+
 		// Two Ethernet NICs and none with the MAC: which one is not
 		// guessed.
 		tap2, err := newTap("eth1", nil)
