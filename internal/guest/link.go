@@ -56,11 +56,16 @@ func configureLink(n *NetworkConfig) error {
 	if err != nil {
 		return err
 	}
+	// Down first, every time: that flushes the neighbour cache, whose
+	// entries a restored guest may hold for a gateway address that now
+	// belongs to another worker's tap (the guest's clock, which ages
+	// them, stood still while the state was saved); and the MAC changes
+	// only while the link is down. The default route goes with it and is
+	// added again below.
+	if err := nl.setLink(ifi.Index, false, 0, nil); err != nil {
+		return fmt.Errorf("network: %s down: %w", ifi.Name, err)
+	}
 	if setMAC {
-		// The MAC changes only while the link is down.
-		if err := nl.setLink(ifi.Index, false, 0, nil); err != nil {
-			return fmt.Errorf("network: %s down: %w", ifi.Name, err)
-		}
 		if err := nl.setLink(ifi.Index, false, 0, mac); err != nil {
 			return fmt.Errorf("network: %s: set mac %s: %w", ifi.Name, mac, err)
 		}

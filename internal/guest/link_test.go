@@ -2,6 +2,7 @@ package guest
 
 import (
 	"bufio"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"net"
@@ -152,6 +153,21 @@ func TestConfigureLink(t *testing.T) {
 		if got, err := linkState("eth0"); err != nil || got != want {
 			return fmt.Errorf("after the first activation: %s, %v; want %s", got, err, want)
 		}
+		// A neighbour entry of the gateway (another worker's tap, as after
+		// a restore) does not survive an activation.
+		if err := addNeighbour("eth0", "10.201.0.5", net.HardwareAddr{0x02, 0xee, 0, 0, 0, 1}); err != nil {
+			return err
+		}
+		if arp, _ := os.ReadFile("/proc/thread-self/net/arp"); !strings.Contains(string(arp), "02:ee:00:00:00:01") {
+			return fmt.Errorf("test neighbour not added: %s", arp)
+		}
+		if err := configureLink(n); err != nil {
+			return err
+		}
+		if arp, _ := os.ReadFile("/proc/thread-self/net/arp"); strings.Contains(string(arp), "02:ee:00:00:00:01") {
+			return fmt.Errorf("stale neighbour kept: %s", arp)
+		}
+
 		// A move: new address and gateway, the old ones go.
 		n2 := &NetworkConfig{Address: "10.201.0.10/30", Gateway: "10.201.0.9", DNS: "10.201.0.9", MAC: "02:53:50:00:00:02"}
 		if err := configureLink(n2); err != nil {
@@ -227,4 +243,25 @@ func TestNetlinkAttrPadding(t *testing.T) {
 	if len(b) != 12 || b[0] != 9 || b[2] != 3 || string(b[4:9]) != "abcde" {
 		t.Fatalf("attr = %v", b)
 	}
+}
+
+// addNeighbour adds a reachable (not permanent) ARP entry.
+func addNeighbour(ifname, ip string, mac net.HardwareAddr) error {
+	i, err := net.InterfaceByName(ifname)
+	if err != nil {
+		return err
+	}
+	nl, err := openNetlink()
+	if err != nil {
+		return err
+	}
+	defer nl.close()
+	// struct ndmsg { u8 family, pad1; u16 pad2; s32 ifindex; u16 state; u8 flags, type; }
+	b := []byte{unix.AF_INET, 0, 0, 0}
+	b = binary.NativeEndian.AppendUint32(b, uint32(i.Index))
+	b = binary.NativeEndian.AppendUint16(b, unix.NUD_REACHABLE)
+	b = append(b, 0, 0)
+	b = attr(b, unix.NDA_DST, net.ParseIP(ip).To4())
+	b = attr(b, unix.NDA_LLADDR, mac)
+	return nl.do(unix.RTM_NEWNEIGH, unix.NLM_F_CREATE|unix.NLM_F_REPLACE, b)
 }
