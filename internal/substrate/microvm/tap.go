@@ -114,55 +114,62 @@ func throwawayTap() (*os.File, error) {
 }
 
 // tapInNewNetns makes a tun/tap device with flags, "tap0", in a new
-// network namespace (see throwawayTap).
+// network namespace (see throwawayTap), on a goroutine of its own so
+// that the thread it locks is not the caller's.
 func tapInNewNetns(flags uint16) (*os.File, error) {
 	type result struct {
 		f   *os.File
 		err error
 	}
 	c := make(chan result, 1)
-	go func() {
-		// Unlocked only once back in its namespace; otherwise the runtime
-		// ends the thread with the goroutine (or, the main thread, parks
-		// it for good), so no other goroutine runs in the new namespace.
-		runtime.LockOSThread()
-		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			c <- result{nil, fmt.Errorf("network namespace: %w", err)}
-			return
-		}
-		defer unix.Close(orig)
-		unshared := false
-		defer func() {
-			if !unshared || unix.Setns(orig, unix.CLONE_NEWNET) == nil {
-				runtime.UnlockOSThread()
-			}
-		}()
-		f, err := func() (*os.File, error) {
-			if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
-				return nil, fmt.Errorf("new network namespace: %w", err)
-			}
-			unshared = true
-			fd, err := unix.Open(tunDevice, unix.O_RDWR|unix.O_CLOEXEC, 0)
-			if err != nil {
-				return nil, err
-			}
-			ifr, err := unix.NewIfreq("tap0")
-			if err != nil {
-				unix.Close(fd)
-				return nil, err
-			}
-			ifr.SetUint16(flags)
-			if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
-				unix.Close(fd)
-				return nil, fmt.Errorf("TUNSETIFF: %w", err)
-			}
-			return os.NewFile(uintptr(fd), "throwaway-tap"), nil
-		}()
+	go func() { // sends once the thread is back (or locked for good)
+		f, err := tapOnThisThread(flags)
 		c <- result{f, err}
 	}()
 	r := <-c
 	return r.f, r.err
+}
+
+// tapOnThisThread locks the calling goroutine's thread, moves it into a
+// new network namespace, makes the tap there and moves it back. It stays
+// locked when it cannot go back: the runtime then ends the thread with
+// the goroutine (or, the main thread, parks it for good), so no other
+// goroutine ever runs in the new namespace.
+func tapOnThisThread(flags uint16) (f *os.File, err error) {
+	runtime.LockOSThread()
+	orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return nil, fmt.Errorf("network namespace: %w", err)
+	}
+	defer unix.Close(orig)
+	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return nil, fmt.Errorf("new network namespace: %w", err)
+	}
+	defer func() {
+		if serr := unix.Setns(orig, unix.CLONE_NEWNET); serr == nil {
+			runtime.UnlockOSThread()
+		} else if err == nil {
+			f.Close()
+			f, err = nil, fmt.Errorf("back to the network namespace: %w", serr)
+		}
+	}()
+	fd, err := unix.Open(tunDevice, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	ifr, err := unix.NewIfreq("tap0")
+	if err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	ifr.SetUint16(flags)
+	if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("TUNSETIFF: %w", err)
+	}
+	return os.NewFile(uintptr(fd), "throwaway-tap"), nil
 }
 
 // nicFor returns the NIC's backend and MAC for spec: Spec.Network's tap
