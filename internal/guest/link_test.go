@@ -24,26 +24,28 @@ func inNewNetns(t *testing.T, fn func() error) error {
 	t.Helper()
 	testenv.RequireRoot(t, "creates network namespaces")
 	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer unix.Close(orig)
-		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
-			errc <- fmt.Errorf("unshare: %w", err)
-			return
-		}
-		defer func() {
-			if unix.Setns(orig, unix.CLONE_NEWNET) == nil {
-				runtime.UnlockOSThread()
-			}
-		}()
-		errc <- fn()
-	}()
+	go func() { errc <- inNewNetnsOnThisThread(fn) }() // sends once its thread is back
 	return <-errc
+}
+
+func inNewNetnsOnThisThread(fn func() error) error {
+	runtime.LockOSThread()
+	orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return err
+	}
+	defer unix.Close(orig)
+	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("unshare: %w", err)
+	}
+	defer func() {
+		if unix.Setns(orig, unix.CLONE_NEWNET) == nil {
+			runtime.UnlockOSThread()
+		}
+	}()
+	return fn()
 }
 
 // newTap creates a tap named name with mac in the calling thread's

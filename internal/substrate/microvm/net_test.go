@@ -44,31 +44,36 @@ func newHostLink(t *testing.T, gws ...netip.Prefix) *hostLink {
 	testenv.RequireRoot(t, "creates a network namespace and a tap")
 	hl := &hostLink{listeners: map[netip.Addr]net.Listener{}}
 	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer unix.Close(orig)
-		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
-			errc <- err
-			return
-		}
-		defer func() {
-			if unix.Setns(orig, unix.CLONE_NEWNET) == nil {
-				runtime.UnlockOSThread()
-			}
-		}()
-		errc <- hl.setup(gws)
-	}()
+	go func() { errc <- hl.setupInNewNetns(gws) }() // sends once its thread is back
 	if err := <-errc; err != nil {
 		hl.close()
 		t.Fatalf("host link: %v", err)
 	}
 	t.Cleanup(hl.close)
 	return hl
+}
+
+// setupInNewNetns runs setup on this goroutine's thread, locked, in a
+// new network namespace, and moves the thread back (or leaves it locked,
+// to end with the goroutine).
+func (hl *hostLink) setupInNewNetns(gws []netip.Prefix) error {
+	runtime.LockOSThread()
+	orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return err
+	}
+	defer unix.Close(orig)
+	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return err
+	}
+	defer func() {
+		if unix.Setns(orig, unix.CLONE_NEWNET) == nil {
+			runtime.UnlockOSThread()
+		}
+	}()
+	return hl.setup(gws)
 }
 
 // setup runs in the new namespace.

@@ -30,30 +30,8 @@ func interfacesIn(t *testing.T, nsfd int) []string {
 		err   error
 	}
 	c := make(chan result, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			c <- result{err: err}
-			return
-		}
-		defer unix.Close(orig)
-		if err := unix.Setns(nsfd, unix.CLONE_NEWNET); err != nil {
-			c <- result{err: err}
-			return
-		}
-		defer func() {
-			// Locked for good (the thread ends) unless it got back.
-			if unix.Setns(orig, unix.CLONE_NEWNET) == nil {
-				runtime.UnlockOSThread()
-			}
-		}()
-		ifs, err := net.Interfaces()
-		var names []string
-		for _, i := range ifs {
-			names = append(names, i.Name)
-		}
-		slices.Sort(names)
+	go func() { // sends once its thread is back
+		names, err := interfacesOnThisThread(nsfd)
 		c <- result{names, err}
 	}()
 	r := <-c
@@ -61,6 +39,34 @@ func interfacesIn(t *testing.T, nsfd int) []string {
 		t.Fatal(r.err)
 	}
 	return r.names
+}
+
+// interfacesOnThisThread moves the locked thread into nsfd, lists, and
+// moves it back (or leaves it locked, to end with its goroutine).
+func interfacesOnThisThread(nsfd int) ([]string, error) {
+	runtime.LockOSThread()
+	orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return nil, err
+	}
+	defer unix.Close(orig)
+	if err := unix.Setns(nsfd, unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return nil, err
+	}
+	defer func() {
+		if unix.Setns(orig, unix.CLONE_NEWNET) == nil {
+			runtime.UnlockOSThread()
+		}
+	}()
+	ifs, err := net.Interfaces()
+	var names []string
+	for _, i := range ifs {
+		names = append(names, i.Name)
+	}
+	slices.Sort(names)
+	return names, err
 }
 
 func TestThrowawayTapIsAlone(t *testing.T) {
