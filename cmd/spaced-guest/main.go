@@ -4,6 +4,9 @@
 // cgroup from $SPACE_CGROUP_FD (see internal/guest/cgexec), optional.
 // VM mode: $SPACE_GUEST_VM_PORT names the virtio-serial port; the
 // configuration arrives in the host's ACTIVATE message (guest.RunVM).
+// Either way the configuration's network (guest.NetworkConfig) is applied
+// at start and at every activation: resolv.conf, the egress CA and, in a
+// VM, the NIC.
 // Both variables are unset once read, so children do not inherit them.
 package main
 

@@ -127,11 +127,22 @@ type Config struct {
 	// trust store (/etc/ssl/certs/ca-certificates.crt and
 	// /usr/local/share/ca-certificates/space-egress.crt), so HTTPS through
 	// the egress proxy's interception verifies. In VM mode the agent also
-	// configures its NIC (the one with MAC) with Address and a default
-	// route via Gateway; in ns mode the host configures the veth. Applied
-	// at start and again on every activation (a move changes it). Nil:
-	// loopback only (resolv.conf is left as the image has it).
+	// configures its NIC (the one with MAC or, in a clone of a template,
+	// the only Ethernet NIC, given MAC first) with MTU, Address and a
+	// default route via Gateway, replacing an earlier activation's; in ns
+	// mode the host configures the veth. Applied at start and again on
+	// every activation (a move changes it); an invalid one fails Validate,
+	// a failure to apply is logged (network.go). Nil: loopback only, and
+	// nothing is changed (resolv.conf is left as the image, or an earlier
+	// activation, has it).
 	Network *NetworkConfig `json:"network,omitempty"`
+	// ResolvConfPath, CACertPath and CABundlePath are where Network's
+	// resolver and CA are written (tests point them into a temporary
+	// directory). Defaults DefaultResolvConfPath, DefaultCACertPath and
+	// DefaultCABundlePath.
+	ResolvConfPath string `json:"-"`
+	CACertPath     string `json:"-"`
+	CABundlePath   string `json:"-"`
 }
 
 // NetworkConfig is the guest's side of its egress link.
@@ -180,6 +191,15 @@ func (c Config) withDefaults() Config {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	if c.ResolvConfPath == "" {
+		c.ResolvConfPath = DefaultResolvConfPath
+	}
+	if c.CACertPath == "" {
+		c.CACertPath = DefaultCACertPath
+	}
+	if c.CABundlePath == "" {
+		c.CABundlePath = DefaultCABundlePath
+	}
 	return c
 }
 
@@ -205,6 +225,11 @@ func (c Config) Validate() error {
 	}
 	if c.MaxUploadBytes < 0 || c.DetachedOutputBytes < 0 || c.MaxMessageBytes < 0 || c.MaxWatcherEvents < 0 || c.MaxWatchers < 0 || c.ShutdownTimeout < 0 {
 		errs = append(errs, errors.New("limits must not be negative"))
+	}
+	if c.Network != nil {
+		if err := c.Network.Validate(); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	return errors.Join(errs...)
 }

@@ -109,7 +109,23 @@ func New(cfg Config) (*Server, error) {
 		s.wg.Add(1)
 		go func() { defer s.wg.Done(); s.reapOrphans() }()
 	}
+	s.applyNetwork(cfg.Network)
 	return s, nil
+}
+
+// applyNetwork writes n's resolver and CA to the server's paths (see
+// network.go); a failure is logged, not returned.
+func (s *Server) applyNetwork(n *NetworkConfig) {
+	if n == nil {
+		return
+	}
+	c := s.cfg
+	c.Network = n
+	if err := applyNetworkFiles(c); err != nil {
+		s.log.Error("network: resolver and CA not applied; the sandbox may have no verified way out", "err", err)
+		return
+	}
+	s.log.Info("network: resolver and CA applied", "dns", n.DNS, "ca", n.CACert != "")
 }
 
 // activation is what an activation sets and a later one (after a VM
@@ -125,8 +141,9 @@ func (s *Server) Identity() Identity { return s.act.Load().Identity }
 
 // Reactivate replaces the per-activation configuration (identity, env,
 // default user) with cfg's, atomically: requests that start afterwards
-// see only the new values. The other fields of cfg are ignored (limits,
-// paths and the cgroup keep their first values). Processes keep running.
+// see only the new values, and applies cfg.Network's resolver and CA
+// (when set). The other fields of cfg are ignored (limits, paths and the
+// cgroup keep their first values). Processes keep running.
 func (s *Server) Reactivate(cfg Config) error {
 	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -135,6 +152,7 @@ func (s *Server) Reactivate(cfg Config) error {
 	old := s.act.Swap(&activation{Identity: cfg.Identity, Env: cfg.Env, DefaultUser: cfg.DefaultUser})
 	s.log.Info("agent reactivated", "sandbox", cfg.Identity.Sandbox, "generation", cfg.Identity.Generation,
 		"execution", cfg.Identity.Execution, "activation", cfg.Identity.Activation, "previous_activation", old.Identity.Activation)
+	s.applyNetwork(cfg.Network)
 	return nil
 }
 

@@ -123,7 +123,8 @@ func RunVM(ctx context.Context, vc VMConfig) error {
 	cctx, cancel := context.WithCancel(ctx)
 	clockDone := make(chan struct{})
 	go func() { defer close(clockDone); runClockSync(cctx, DefaultRTCPath, log) }()
-	err = serveVM(ctx, f, vc.Base, func(id Identity, entropy []byte) error {
+	err = serveVM(ctx, f, vc.Base, func(cfg Config, entropy []byte) error {
+		id := cfg.Identity
 		// A restored or cloned VM resumes the snapshot's random state and
 		// clock: reseed from the host's bytes, step the clock to the RTC
 		// now rather than at the next tick.
@@ -145,6 +146,16 @@ func RunVM(ctx context.Context, vc VMConfig) error {
 		} else if d != 0 {
 			log.Info("vm mode: clock stepped to the RTC at activation", "by", d)
 		}
+		// The NIC before the ACK: once the host has it, the guest's way
+		// out is up. A failure leaves the sandbox without one (see
+		// network.go), not without an agent.
+		if n := cfg.Network; n != nil {
+			if err := configureLink(n); err != nil {
+				log.Error("vm mode: network not configured; the sandbox has no way out", "err", err)
+			} else {
+				log.Info("vm mode: network configured", "address", n.Address, "gateway", n.Gateway, "mac", n.MAC)
+			}
+		}
 		return nil
 	})
 	cancel()
@@ -159,9 +170,9 @@ func ServeVM(ctx context.Context, port io.ReadWriteCloser, base Config) error {
 }
 
 // serveVM is ServeVM with a hook run on every activation, before the
-// agent takes the new identity, with the activation's host entropy; an
-// error refuses the activation.
-func serveVM(ctx context.Context, port io.ReadWriteCloser, base Config, onActivate func(id Identity, entropy []byte) error) error {
+// agent takes the new identity, with the activation's validated
+// configuration and host entropy; an error refuses the activation.
+func serveVM(ctx context.Context, port io.ReadWriteCloser, base Config, onActivate func(cfg Config, entropy []byte) error) error {
 	if base.DetachedOutputBytes == 0 {
 		base.DetachedOutputBytes = DefaultDetachedOutputBytes
 	}
@@ -187,7 +198,7 @@ type vmAgent struct {
 	base       Config
 	log        *slog.Logger
 	l          *vmchan.Listener
-	onActivate func(id Identity, entropy []byte) error
+	onActivate func(cfg Config, entropy []byte) error
 
 	mu       sync.Mutex
 	srv      *Server
@@ -203,6 +214,10 @@ func (a *vmAgent) activate(sid vmchan.SessionID, payload []byte) ([]byte, error)
 	if err := json.Unmarshal(payload, &cfg); err != nil {
 		return nil, fmt.Errorf("activation: %w", err)
 	}
+	cfg.Logger, cfg.UserCgroupProcs = a.base.Logger, nil // the VM is the limit
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("activation: %w", err)
+	}
 	if a.onActivate != nil {
 		var extra struct {
 			Entropy []byte `json:"entropy"`
@@ -210,13 +225,9 @@ func (a *vmAgent) activate(sid vmchan.SessionID, payload []byte) ([]byte, error)
 		if err := json.Unmarshal(payload, &extra); err != nil {
 			return nil, fmt.Errorf("activation: %w", err)
 		}
-		if err := a.onActivate(cfg.Identity, extra.Entropy); err != nil {
+		if err := a.onActivate(cfg, extra.Entropy); err != nil {
 			return nil, fmt.Errorf("activation: %w", err)
 		}
-	}
-	cfg.Logger, cfg.UserCgroupProcs = a.base.Logger, nil // the VM is the limit
-	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("activation: %w", err)
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()

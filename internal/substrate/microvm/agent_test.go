@@ -37,6 +37,13 @@ type agentSession struct {
 
 func activate(t *testing.T, ctx context.Context, inst substrate.Instance, r identity.Route) *agentSession {
 	t.Helper()
+	return activateWith(t, ctx, inst, r, nil)
+}
+
+// activateWith is activate with more fields of the agent's configuration
+// in the activation message.
+func activateWith(t *testing.T, ctx context.Context, inst substrate.Instance, r identity.Route, extra map[string]any) *agentSession {
+	t.Helper()
 	conn, err := net.Dial("unix", inst.GuestSocket())
 	if err != nil {
 		t.Fatal(err)
@@ -44,7 +51,11 @@ func activate(t *testing.T, ctx context.Context, inst substrate.Instance, r iden
 	// As spaced-host sends it: fresh host entropy with every activation.
 	entropy := make([]byte, 64)
 	rand.Read(entropy)
-	act, _ := json.Marshal(map[string]any{"identity": r, "entropy": entropy})
+	msg := map[string]any{"identity": r, "entropy": entropy}
+	for k, v := range extra {
+		msg[k] = v
+	}
+	act, _ := json.Marshal(msg)
 	c, err := vmchan.NewClient(ctx, conn, vmchan.ClientConfig{
 		Activation: act, BootTimeout: 90 * time.Second, ResendInterval: 500 * time.Millisecond,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),

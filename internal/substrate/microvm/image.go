@@ -19,7 +19,9 @@ import (
 
 // imageVersion is hashed into every image name; bump it whenever the
 // image layout or the init script changes.
-const imageVersion = "space-microvm-image-v3"
+// (v4: the virtio-net NIC and its driver; a state or template of an
+// image without it cannot load into a machine with it.)
+const imageVersion = "space-microvm-image-v4"
 
 // Paths inside the guest.
 const (

@@ -8,10 +8,11 @@
 // # The machine
 //
 // qemu-system-x86_64 -M microvm (the accelerator whose probe guest boots
-// first, KVM then TCG, see probe.go: -cpu host or -cpu max), -nodefaults -no-user-config, no NIC,
+// first, KVM then TCG, see probe.go: -cpu host or -cpu max), -nodefaults -no-user-config,
 // no disk, no host device: the only devices are the ISA serial console (to
 // Spec.Dir/console.log), a virtio-serial port named PortName (the agent's
-// channel) and, under TCG, the PIT, PIC and RTC the kernel needs to
+// channel), one virtio-net NIC (see "The network") and, under TCG, the
+// PIT, PIC and RTC the kernel needs to
 // calibrate its clocks (without the PIT a loaded TCG host can stall the
 // boot in delay-loop calibration; the kernel is also told the host's TSC
 // frequency, see hostTSCKHz). vCPUs = ceil(CPUMillis/1000), memory =
@@ -36,6 +37,21 @@
 //
 // Spec.Template is not interpreted: every VM runs this one image (the
 // control plane names it, e.g. "base-vm").
+//
+// # The network
+//
+// Every VM, templates included, has one virtio-net NIC (-netdev
+// tap,fd=N -device virtio-net-device): the device set must be the same
+// for a template and its clones and for a saved state and its restore.
+// Its backend is Spec.Network.Tap, a tap the caller made in the worker's
+// egress network namespace (passed as a descriptor; QEMU keeps it, so an
+// adopted VM keeps its link), with Spec.Network.MAC. Without
+// Spec.Network the backend is a throwaway tap in a network namespace of
+// its own, where nothing else lives, and the MAC a fixed one (without
+// root, no backend at all). The guest agent configures the NIC at every
+// activation (address, route, resolver, CA, and the MAC: a clone keeps
+// the template's; see internal/guest); the init only loads its driver.
+// See tap.go for why every tap is a plain IFF_TAP|IFF_NO_PI one.
 //
 // # Files live in guest memory
 //
@@ -147,8 +163,8 @@ const (
 	maxLogSize    = 4 << 20
 )
 
-// Descriptor numbers in QEMU (ExtraFiles order); the migration stream
-// and a RAM file, when passed, follow from fdNext on.
+// Descriptor numbers in QEMU (ExtraFiles order); the NIC's tap, the
+// migration stream and a RAM file, when passed, follow from fdNext on.
 const (
 	fdAgent  = 3
 	fdQMP    = 4
@@ -309,9 +325,10 @@ func (s *Substrate) Close() error {
 // Capabilities: a VM's state (its files included: they live in guest
 // memory) is saved whole, so a move keeps its processes; the agent is
 // reached over QEMU's chardev and configured by spaced-host's activation
-// message; there is no network namespace on the host.
+// message; the NIC's backend is Spec.Network.Tap (there is no network
+// namespace on the host to attach a veth to).
 func (s *Substrate) Capabilities() substrate.Capabilities {
-	return substrate.Capabilities{SavesState: true, Activation: true}
+	return substrate.Capabilities{SavesState: true, Activation: true, Tap: true}
 }
 
 // Start activates spec (see the package doc) and returns once QEMU runs
@@ -430,6 +447,18 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 	}
 	defer lf.close()
 	extra := []*os.File{lf.listener, lf.qmpListener, lf.kernel, lf.initrd, lf.env}
+	tap, ownTap, mac, err := s.nicFor(spec.Network)
+	if err != nil {
+		return fail(err)
+	}
+	if ownTap {
+		lf.tap = tap // QEMU's copy keeps it; ours goes with the others
+	}
+	l.mac = mac
+	if tap != nil {
+		l.tapFD = fdAgent + len(extra)
+		extra = append(extra, tap)
+	}
 	if state != nil {
 		l.incomingFD = fdAgent + len(extra)
 		extra = append(extra, state)

@@ -16,11 +16,11 @@ import (
 
 // guestDrivers are the drivers the guest needs (virtio-mmio transport, the
 // virtio-serial console carrying the agent's channel, fw_cfg carrying its
-// environment). What they depend on, and the order to load it all in, is
+// environment, virtio-net for the NIC). What they depend on, and the order to load it all in, is
 // read from the kernel's own modules: a kernel package moves with the
 // archive's updates (6.1.0-57 made virtio.ko depend on virtio_ring), so no
 // order is hard-coded here.
-var guestDrivers = []string{"virtio_mmio", "virtio_console", "qemu_fw_cfg"}
+var guestDrivers = []string{"virtio_mmio", "virtio_console", "qemu_fw_cfg", "virtio_net"}
 
 // moduleNameOf is a module's canonical name: its file name without the
 // extension, with dashes as underscores (as the kernel and depmod treat

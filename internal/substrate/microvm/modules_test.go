@@ -53,15 +53,20 @@ func TestResolveModulesFromModulesDep(t *testing.T) {
 		"kernel/drivers/virtio/virtio.ko: kernel/drivers/virtio/virtio_ring.ko\n" +
 		"kernel/drivers/virtio/virtio_mmio.ko: kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko\n" +
 		"kernel/drivers/char/virtio_console.ko: kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko\n" +
-		"kernel/drivers/firmware/qemu_fw_cfg.ko:\n"
+		"kernel/drivers/firmware/qemu_fw_cfg.ko:\n" +
+		"kernel/net/core/failover.ko:\n" +
+		"kernel/drivers/net/net_failover.ko: kernel/net/core/failover.ko\n" +
+		"kernel/drivers/net/virtio_net.ko: kernel/drivers/net/net_failover.ko kernel/net/core/failover.ko kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko\n"
 	dir := fakeModuleTree(t, dep, nil, "kernel/drivers/virtio/virtio_ring.ko", "kernel/drivers/virtio/virtio.ko",
-		"kernel/drivers/virtio/virtio_mmio.ko", "kernel/drivers/char/virtio_console.ko", "kernel/drivers/firmware/qemu_fw_cfg.ko")
+		"kernel/drivers/virtio/virtio_mmio.ko", "kernel/drivers/char/virtio_console.ko", "kernel/drivers/firmware/qemu_fw_cfg.ko",
+		"kernel/net/core/failover.ko", "kernel/drivers/net/net_failover.ko", "kernel/drivers/net/virtio_net.ko")
 	got, err := resolveModules(dir, guestDrivers)
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := []string{"kernel/drivers/virtio/virtio_ring.ko", "kernel/drivers/virtio/virtio.ko",
-		"kernel/drivers/virtio/virtio_mmio.ko", "kernel/drivers/char/virtio_console.ko", "kernel/drivers/firmware/qemu_fw_cfg.ko"}
+		"kernel/drivers/virtio/virtio_mmio.ko", "kernel/drivers/char/virtio_console.ko", "kernel/drivers/firmware/qemu_fw_cfg.ko",
+		"kernel/net/core/failover.ko", "kernel/drivers/net/net_failover.ko", "kernel/drivers/net/virtio_net.ko"}
 	if r := rel(dir, got); !reflect.DeepEqual(r, want) {
 		t.Fatalf("order = %v, want %v", r, want)
 	}
@@ -70,27 +75,31 @@ func TestResolveModulesFromModulesDep(t *testing.T) {
 func TestResolveModulesBuiltinAndErrors(t *testing.T) {
 	dep := "kernel/drivers/virtio/virtio_mmio.ko: kernel/drivers/virtio/virtio.ko\n" +
 		"kernel/drivers/char/virtio_console.ko: kernel/drivers/virtio/virtio.ko\n" +
-		"kernel/drivers/firmware/qemu_fw_cfg.ko:\n"
-	// virtio built in: only the three drivers are loaded.
+		"kernel/drivers/firmware/qemu_fw_cfg.ko:\n" +
+		"kernel/drivers/net/virtio_net.ko: kernel/drivers/virtio/virtio.ko\n"
+	// virtio built in: only the four drivers are loaded.
 	dir := fakeModuleTree(t, dep, []string{"kernel/drivers/virtio/virtio.ko"},
-		"kernel/drivers/virtio/virtio_mmio.ko", "kernel/drivers/char/virtio_console.ko", "kernel/drivers/firmware/qemu_fw_cfg.ko")
+		"kernel/drivers/virtio/virtio_mmio.ko", "kernel/drivers/char/virtio_console.ko", "kernel/drivers/firmware/qemu_fw_cfg.ko",
+		"kernel/drivers/net/virtio_net.ko")
 	got, err := resolveModules(dir, guestDrivers)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(got) != 3 {
-		t.Fatalf("got %v, want the three drivers", rel(dir, got))
+	if len(got) != 4 {
+		t.Fatalf("got %v, want the four drivers", rel(dir, got))
 	}
 
 	// A dependency that exists nowhere is named.
 	dir = fakeModuleTree(t, dep, nil,
-		"kernel/drivers/virtio/virtio_mmio.ko", "kernel/drivers/char/virtio_console.ko", "kernel/drivers/firmware/qemu_fw_cfg.ko")
+		"kernel/drivers/virtio/virtio_mmio.ko", "kernel/drivers/char/virtio_console.ko", "kernel/drivers/firmware/qemu_fw_cfg.ko",
+		"kernel/drivers/net/virtio_net.ko")
 	if _, err := resolveModules(dir, guestDrivers); err == nil || !strings.Contains(err.Error(), "virtio ") {
 		t.Fatalf("missing dependency: err = %v", err)
 	}
 	// A compressed module is refused clearly.
 	dir = fakeModuleTree(t, dep, []string{"kernel/drivers/virtio/virtio.ko"},
-		"kernel/drivers/virtio/virtio_mmio.ko.xz", "kernel/drivers/char/virtio_console.ko", "kernel/drivers/firmware/qemu_fw_cfg.ko")
+		"kernel/drivers/virtio/virtio_mmio.ko.xz", "kernel/drivers/char/virtio_console.ko", "kernel/drivers/firmware/qemu_fw_cfg.ko",
+		"kernel/drivers/net/virtio_net.ko")
 	if _, err := resolveModules(dir, guestDrivers); err == nil || !strings.Contains(err.Error(), "compressed") {
 		t.Fatalf("compressed module: err = %v", err)
 	}

@@ -93,6 +93,9 @@ func validateSpec(spec *substrate.Spec) error {
 	if _, err := agentEnvScript(spec.AgentEnv); err != nil {
 		return err
 	}
+	if err := checkNetwork(spec.Network); err != nil {
+		return err
+	}
 	return validateLimits(spec.Limits)
 }
 
@@ -145,6 +148,9 @@ type launch struct {
 	// clone's load).
 	ignoreShared      bool
 	ramFD, incomingFD int
+	// tapFD is the NIC's tap (0: the NIC has no backend); mac its MAC.
+	tapFD int
+	mac   net.HardwareAddr
 }
 
 // qemuArgs is QEMU's command line (argv[1:]) for one instance. Descriptors
@@ -176,13 +182,22 @@ func (s *Substrate) qemuArgs(l launch) []string {
 		"-device", "virtio-serial-device,max_ports=2",
 		"-chardev", "socket,id=agent,fd=" + strconv.Itoa(fdAgent) + ",server=on,wait=off",
 		"-device", "virtserialport,chardev=agent,name=" + PortName,
+	}
+	// The NIC, the same device whatever its backend (see tap.go).
+	if l.tapFD > 0 {
+		args = append(args, "-netdev", "tap,id="+netdevID+",fd="+strconv.Itoa(l.tapFD),
+			"-device", "virtio-net-device,netdev="+netdevID+",mac="+l.mac.String())
+	} else {
+		args = append(args, "-device", "virtio-net-device,mac="+l.mac.String())
+	}
+	args = append(args,
 		// A listener, like the agent's: QEMU accepts the next QMP client once
 		// one goes, so the worker that adopts this QEMU connects again.
-		"-chardev", "socket,id=qmp,fd=" + strconv.Itoa(fdQMP) + ",server=on,wait=off",
+		"-chardev", "socket,id=qmp,fd="+strconv.Itoa(fdQMP)+",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
 		"-sandbox", qemuSandbox,
 		"-msg", "timestamp=on",
-	}
+	)
 	if l.ram != nil {
 		share := "off"
 		if l.ramShared {
@@ -211,9 +226,11 @@ func (s *Substrate) qemuArgs(l launch) []string {
 func procFD(n int) string { return "/proc/self/fd/" + strconv.Itoa(n) }
 
 // launchFiles are what QEMU inherits (listener, qmpListener, kernel,
-// initrd, env: its fds 3 to 7).
+// initrd, env: its fds 3 to 7) and a throwaway tap when the substrate
+// made one (tap.go).
 type launchFiles struct {
 	listener, qmpListener, kernel, initrd, env *os.File
+	tap                                        *os.File
 	once                                       sync.Once
 }
 
@@ -221,7 +238,7 @@ type launchFiles struct {
 // Idempotent.
 func (lf *launchFiles) close() {
 	lf.once.Do(func() {
-		for _, f := range []*os.File{lf.listener, lf.qmpListener, lf.kernel, lf.initrd, lf.env} {
+		for _, f := range []*os.File{lf.listener, lf.qmpListener, lf.kernel, lf.initrd, lf.env, lf.tap} {
 			if f != nil {
 				f.Close()
 			}
