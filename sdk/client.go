@@ -80,7 +80,48 @@ type CreateOptions struct {
 	EnvVars  map[string]string
 	// Secure makes data-plane access require the sandbox's access token.
 	Secure bool
+	// AllowInternetAccess is E2B's allow_internet_access (nil: the
+	// platform's default); Network its network options.
+	AllowInternetAccess *bool
+	Network             *Network
 }
+
+// Network is E2B's SandboxNetworkConfig: egress (AllowOut, DenyOut,
+// Rules, EgressProxy) and ingress (AllowPublicTraffic, MaskRequestHost)
+// options. AllowOut entries are CIDRs, IPs, domains or "*.domain" and win
+// over DenyOut (CIDRs and IPs).
+type Network struct {
+	AllowOut           []string                        `json:"allowOut,omitempty"`
+	DenyOut            []string                        `json:"denyOut,omitempty"`
+	Rules              map[string][]e2bapi.NetworkRule `json:"rules,omitempty"`
+	EgressProxy        *EgressProxy                    `json:"egressProxy,omitempty"`
+	AllowPublicTraffic *bool                           `json:"allowPublicTraffic,omitempty"`
+	MaskRequestHost    string                          `json:"maskRequestHost,omitempty"`
+}
+
+// EgressProxy is an upstream SOCKS5 proxy egress goes through after the
+// policy's checks.
+type EgressProxy struct {
+	Address  string `json:"address"`
+	Username string `json:"username,omitempty"`
+	Password string `json:"password,omitempty"`
+}
+
+// NetworkUpdate is E2B's SandboxNetworkUpdateConfig: it replaces a
+// running sandbox's egress configuration as a whole (omitted fields are
+// cleared).
+type NetworkUpdate struct {
+	AllowInternetAccess *bool                           `json:"allow_internet_access,omitempty"`
+	AllowOut            []string                        `json:"allowOut,omitempty"`
+	DenyOut             []string                        `json:"denyOut,omitempty"`
+	Rules               map[string][]e2bapi.NetworkRule `json:"rules,omitempty"`
+	EgressProxy         *EgressProxy                    `json:"egressProxy,omitempty"`
+}
+
+// SecretPlaceholder is what a network rule's header value names a team
+// secret by; the egress proxy substitutes the value, so the sandbox only
+// ever sees the placeholder.
+func SecretPlaceholder(name string) string { return "${e2b.secrets." + name + "}" }
 
 // SandboxInfo describes a sandbox (E2B's SandboxDetail / ListedSandbox).
 type SandboxInfo struct {
@@ -99,6 +140,10 @@ type SandboxInfo struct {
 	// EnvdAccessToken is set by GetSandbox for secure sandboxes.
 	EnvdAccessToken string `json:"envdAccessToken,omitempty"`
 	Domain          string `json:"domain,omitempty"`
+	// AllowInternetAccess and Network are the sandbox's network options
+	// (GetSandbox only).
+	AllowInternetAccess *bool                  `json:"allowInternetAccess,omitempty"`
+	Network             *e2bapi.SandboxNetwork `json:"network,omitempty"`
 }
 
 // CreateSandbox creates a sandbox and returns a handle for its data plane.
@@ -111,7 +156,14 @@ func (c *Client) CreateSandbox(ctx context.Context, o CreateOptions) (*Sandbox, 
 	if o.Timeout < 0 {
 		return nil, &Error{kind: ErrBadRequest, Message: "timeout must not be negative"}
 	}
-	body := e2bapi.NewSandbox{TemplateID: o.Template, Metadata: o.Metadata, EnvVars: o.EnvVars}
+	body := e2bapi.NewSandbox{TemplateID: o.Template, Metadata: o.Metadata, EnvVars: o.EnvVars, AllowInternetAccess: o.AllowInternetAccess}
+	if o.Network != nil {
+		raw, err := json.Marshal(o.Network)
+		if err != nil {
+			return nil, &Error{kind: ErrBadRequest, Message: "network: " + err.Error()}
+		}
+		body.Network = raw
+	}
 	if o.Timeout > 0 {
 		secs := int32((o.Timeout + time.Second - 1) / time.Second)
 		body.Timeout = &secs
@@ -142,7 +194,8 @@ func (c *Client) GetSandbox(ctx context.Context, id string) (*SandboxInfo, error
 	}
 	info := &SandboxInfo{SandboxID: d.SandboxID, TemplateID: d.TemplateID, Alias: d.Alias, ClientID: d.ClientID,
 		State: d.State, StartedAt: d.StartedAt, EndAt: d.EndAt, CPUCount: d.CPUCount, MemoryMB: d.MemoryMB,
-		DiskSizeMB: d.DiskSizeMB, Metadata: d.Metadata, EnvdVersion: d.EnvdVersion, EnvdAccessToken: d.EnvdAccessToken}
+		DiskSizeMB: d.DiskSizeMB, Metadata: d.Metadata, EnvdVersion: d.EnvdVersion, EnvdAccessToken: d.EnvdAccessToken,
+		AllowInternetAccess: d.AllowInternetAccess, Network: d.Network}
 	if d.Domain != nil {
 		info.Domain = *d.Domain
 	}

@@ -103,6 +103,39 @@ type SandboxDetail struct {
 	State           string               `json:"state"`
 	Lifecycle       *SandboxLifecycle    `json:"lifecycle,omitempty"`
 	VolumeMounts    []SandboxVolumeMount `json:"volumeMounts"`
+	// AllowInternetAccess and Network echo the sandbox's network options
+	// (egressProxy without its password).
+	AllowInternetAccess *bool           `json:"allowInternetAccess,omitempty"`
+	Network             *SandboxNetwork `json:"network,omitempty"`
+}
+
+// SandboxNetwork is E2B's SandboxNetworkConfig as GET /sandboxes/{id}
+// returns it.
+type SandboxNetwork struct {
+	AllowOut           []string                 `json:"allowOut,omitempty"`
+	DenyOut            []string                 `json:"denyOut,omitempty"`
+	Rules              map[string][]NetworkRule `json:"rules,omitempty"`
+	EgressProxy        *EgressProxyInfo         `json:"egressProxy,omitempty"`
+	AllowPublicTraffic *bool                    `json:"allowPublicTraffic,omitempty"`
+	MaskRequestHost    string                   `json:"maskRequestHost,omitempty"`
+	HTTPSPorts         []int                    `json:"httpsPorts,omitempty"`
+}
+
+// NetworkRule is E2B's SandboxNetworkRule.
+type NetworkRule struct {
+	Transform *NetworkTransform `json:"transform,omitempty"`
+}
+
+// NetworkTransform is E2B's SandboxNetworkTransform.
+type NetworkTransform struct {
+	Headers map[string]string `json:"headers,omitempty"`
+}
+
+// EgressProxyInfo is an egress proxy without its password (the API never
+// returns it).
+type EgressProxyInfo struct {
+	Address  string `json:"address"`
+	Username string `json:"username,omitempty"`
 }
 
 // ListedSandbox is one entry of GET /sandboxes and GET /v2/sandboxes.

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/netpolicy"
 )
 
 // Header names.
@@ -130,6 +131,27 @@ type InstallRequest struct {
 	// snapshot before the sandbox starts (resume elsewhere: files kept,
 	// processes restarted).
 	RestoreSnapshot string `json:"restore_snapshot,omitempty"`
+	// Network, when set, gives the execution a link to the worker's
+	// egress proxy under that policy; nil: loopback only.
+	Network *Network `json:"network,omitempty"`
+}
+
+// Network is an execution's egress configuration as a worker enforces it.
+// Spec has its secret placeholders resolved (it carries secret values:
+// never log it). CAKey is the sandbox's interception CA key; only
+// CACert reaches the sandbox.
+type Network struct {
+	Spec   netpolicy.Spec `json:"spec"`
+	CACert string         `json:"ca_cert,omitempty"`
+	CAKey  string         `json:"ca_key,omitempty"`
+}
+
+// NetworkRequest is the body of POST /space/node/v1/executions/network:
+// replace the running execution's egress policy (E2B updateNetwork). Live
+// connections the new policy denies are cut before the worker answers.
+type NetworkRequest struct {
+	Route   identity.Route `json:"route"`
+	Network Network        `json:"network"`
 }
 
 // InstallResponse answers an install once the runtime record is persisted
@@ -174,6 +196,8 @@ const (
 	// NodePathMetrics reads the execution's current resource usage (body
 	// LifecycleRequest, answer MetricsResponse). It changes nothing.
 	NodePathMetrics = "/space/node/v1/executions/metrics"
+	// NodePathNetwork replaces the execution's egress policy (NetworkRequest).
+	NodePathNetwork = "/space/node/v1/executions/network"
 )
 
 // LifecycleRequest is the body of pause, resume and retire.

@@ -97,6 +97,22 @@ type Config struct {
 	// the new verification key and signing with it (default 2 s; negative:
 	// no wait).
 	KeyPropagation time.Duration
+	// EgressLimits are per-team limits on what a sandbox's network
+	// options may open (by team id; teams not listed have none). The
+	// operator's default policy itself (--egress allow|deny) is the
+	// workers'.
+	EgressLimits map[string]EgressLimit
+}
+
+// EgressLimit bounds a team's egress.
+type EgressLimit struct {
+	// Deny: the team's sandboxes never get a way out: options that would
+	// open one (allowInternetAccess true, allowOut, egressProxy) are
+	// refused with 403, and the workers get a policy that denies all.
+	Deny bool
+	// MaxAllowOut bounds the entries of network.allowOut (0: the
+	// platform's own bound).
+	MaxAllowOut int
 }
 
 // Deps are the objects the control plane uses.

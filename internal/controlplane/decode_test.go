@@ -24,7 +24,7 @@ func FuzzDecodeCreate(f *testing.F) {
 			}
 			return
 		}
-		if _, err := srv.validateCreate(req, true); err != nil && !errors.Is(err, errdefs.ErrInvalid) && !errors.Is(err, errdefs.ErrNotFound) {
+		if _, err := srv.validateCreate(caller{TeamID: "t"}, req, true); err != nil && !errors.Is(err, errdefs.ErrInvalid) && !errors.Is(err, errdefs.ErrNotFound) {
 			t.Fatalf("unclassified validation error %v", err)
 		}
 		var cr spacev1.CapabilityRequest

@@ -36,6 +36,7 @@ func (c *fakeClock) Advance(d time.Duration) { c.mu.Lock(); c.t = c.t.Add(d); c.
 // fakeNode is a node-api that verifies control capabilities against the
 // published bundle and records what it was asked.
 type fakeNode struct {
+	networks []spacev1.NetworkRequest
 	t        *testing.T
 	id       string
 	st       *store.Store
@@ -117,6 +118,20 @@ func (n *fakeNode) serve(w http.ResponseWriter, r *http.Request) {
 		}
 		n.mu.Lock()
 		n.teardown = append(n.teardown, req)
+		n.mu.Unlock()
+		w.WriteHeader(http.StatusNoContent)
+	case spacev1.NodePathNetwork:
+		var req spacev1.NetworkRequest
+		_ = json.Unmarshal(body, &req)
+		if err := n.verify(r, func() spacev1.TeardownRequest { return spacev1.TeardownRequest{Route: req.Route} }); err != nil {
+			n.mu.Lock()
+			n.tokenErr = err
+			n.mu.Unlock()
+			w.WriteHeader(http.StatusForbidden)
+			return
+		}
+		n.mu.Lock()
+		n.networks = append(n.networks, req)
 		n.mu.Unlock()
 		w.WriteHeader(http.StatusNoContent)
 	case spacev1.NodePathMetrics:

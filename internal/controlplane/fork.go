@@ -80,6 +80,7 @@ func (s *Server) handleFork(w http.ResponseWriter, r *http.Request, c caller) {
 			Metadata: src.Metadata, EnvVars: src.EnvVars,
 			Secure: src.AccessToken != "", PrivateTraffic: src.TrafficAccessToken != "",
 			RestoreSnapshot: snap.ID,
+			Network:         src.Network, MaskRequestHost: src.MaskRequestHost, HTTPSPorts: src.HTTPSPorts,
 		}
 		rec, err := s.createSandbox(ctx, c, p)
 		if err != nil {

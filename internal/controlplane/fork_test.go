@@ -196,8 +196,8 @@ func TestDeleteSnapshot(t *testing.T) {
 	}
 }
 
-// updateNetwork: sandboxes have no egress; a policy that keeps it closed is
-// accepted, one that would open it is refused as invalid.
+// updateNetwork: valid policies (closing or opening egress) are accepted
+// and pushed to the worker; malformed ones are refused as invalid.
 func TestUpdateNetwork(t *testing.T) {
 	st := openStore(t)
 	e := newEnv(t, st, nil)
@@ -209,14 +209,20 @@ func TestUpdateNetwork(t *testing.T) {
 		map[string]any{"denyOut": []string{"0.0.0.0/0"}},
 		map[string]any{"allow_internet_access": false},
 		map[string]any{},
+		map[string]any{"allowOut": []string{"8.8.8.8"}},
+		map[string]any{"allow_internet_access": true},
 	} {
 		if r := e.api("PUT", path, body); r.Code != 204 {
 			t.Fatalf("%v: %d %s", body, r.Code, r.Body)
 		}
 	}
+	n1.mu.Lock()
+	pushed := len(n1.networks)
+	n1.mu.Unlock()
+	if pushed != 5 {
+		t.Fatalf("worker got %d network updates, want 5", pushed)
+	}
 	for _, body := range []any{
-		map[string]any{"allowOut": []string{"8.8.8.8"}},
-		map[string]any{"allow_internet_access": true},
 		map[string]any{"egressProxy": map[string]any{"url": "http://proxy"}},
 		`{"allowOut": "x"}`,
 		`not json`,

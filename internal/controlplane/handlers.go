@@ -26,7 +26,7 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request, c caller, 
 		s.writeError(w, r, err)
 		return
 	}
-	p, err := s.validateCreate(req, v2)
+	p, err := s.validateCreate(c, req, v2)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -48,7 +48,7 @@ func (s *Server) detail(rec store.SandboxRecord) e2bapi.SandboxDetail {
 	if rec.AutoPause {
 		onTimeout = "pause"
 	}
-	return e2bapi.SandboxDetail{
+	d := e2bapi.SandboxDetail{
 		SandboxID: rec.ID, TemplateID: rec.TemplateID, Alias: rec.Alias, ClientID: clientID,
 		CPUCount: rec.CPUCount, MemoryMB: rec.MemoryMB, DiskSizeMB: rec.DiskSizeMB, Domain: s.domain(),
 		StartedAt: rec.StartedAt, EndAt: rec.EndAt, EnvdVersion: rec.EnvdVersion,
@@ -56,6 +56,8 @@ func (s *Server) detail(rec store.SandboxRecord) e2bapi.SandboxDetail {
 		Lifecycle:    &e2bapi.SandboxLifecycle{OnTimeout: onTimeout},
 		VolumeMounts: []e2bapi.SandboxVolumeMount{},
 	}
+	d.AllowInternetAccess, d.Network = networkDetail(rec)
+	return d
 }
 
 func listed(rec store.SandboxRecord) e2bapi.ListedSandbox {

@@ -289,8 +289,13 @@ func (m *mover) reserve(w spacev1.Worker) error {
 // restored; a failed install is torn down again.
 func (m *mover) installTarget(w spacev1.Worker) (spacev1.InstallResponse, error) {
 	m.started = m.s.now().UTC()
+	nw, err := m.s.installNetwork(m.ctx, m.rec)
+	if err != nil {
+		return spacev1.InstallResponse{}, err
+	}
 	resp, err := m.s.node.install(m.ctx, w.NodeURL, spacev1.InstallRequest{
 		Route: m.next, Template: m.rec.TemplateID, EnvVars: m.rec.EnvVars, Limits: limitsOf(m.rec), RestoreSnapshot: m.snapID,
+		Network: nw,
 	})
 	if err == nil {
 		m.processesKept = resp.ProcessesKept

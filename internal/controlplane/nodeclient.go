@@ -57,6 +57,14 @@ func (n *nodeClient) teardown(ctx context.Context, nodeURL string, route identit
 	return ignoreNotFound(n.call(ctx, nodeURL, spacev1.NodePathTeardown, route, spacev1.TeardownRequest{Route: route}, nil))
 }
 
+// setNetwork replaces the execution's egress policy; the worker answers
+// once it is in force.
+func (n *nodeClient) setNetwork(ctx context.Context, nodeURL string, req spacev1.NetworkRequest) error {
+	ctx, cancel := context.WithTimeout(ctx, n.callTimeout)
+	defer cancel()
+	return n.call(ctx, nodeURL, spacev1.NodePathNetwork, req.Route, req, nil)
+}
+
 // pause freezes the execution (same execution, processes kept).
 func (n *nodeClient) pause(ctx context.Context, nodeURL string, route identity.Route) error {
 	return n.lifecycle(ctx, nodeURL, spacev1.NodePathPause, route)

@@ -2,7 +2,6 @@ package controlplane
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"regexp"
@@ -13,6 +12,7 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/netpolicy"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -45,9 +45,14 @@ type createParams struct {
 	// PrivateTraffic: network.allowPublicTraffic was false; service ports
 	// then need the traffic access token.
 	PrivateTraffic bool
+	// Network is the egress spec (never nil after validateCreate);
+	// MaskRequestHost and HTTPSPorts are E2B's ingress options.
+	Network         *netpolicy.Spec
+	MaskRequestHost string
+	HTTPSPorts      []int
 }
 
-func (s *Server) validateCreate(req e2bapi.NewSandbox, v2 bool) (createParams, error) {
+func (s *Server) validateCreate(c caller, req e2bapi.NewSandbox, v2 bool) (createParams, error) {
 	p := createParams{Template: req.TemplateID, Metadata: req.Metadata, EnvVars: req.EnvVars}
 	if req.TemplateID == "" {
 		return p, fmt.Errorf("%w: templateID is required", errdefs.ErrInvalid)
@@ -88,14 +93,8 @@ func (s *Server) validateCreate(req e2bapi.NewSandbox, v2 bool) (createParams, e
 		return p, fmt.Errorf("%w: autoResume is not supported", errdefs.ErrInvalid)
 	}
 	p.Secure = v2 || (req.Secure != nil && *req.Secure)
-	if len(req.Network) > 0 && string(req.Network) != "null" {
-		var n struct {
-			AllowPublicTraffic *bool `json:"allowPublicTraffic"`
-		}
-		if err := json.Unmarshal(req.Network, &n); err != nil {
-			return p, fmt.Errorf("%w: network must be an object", errdefs.ErrInvalid)
-		}
-		p.PrivateTraffic = n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic
+	if err := s.parseCreateNetwork(c, req, &p); err != nil {
+		return p, err
 	}
 	p.AutoPause = req.AutoPause != nil && *req.AutoPause
 	return p, nil
@@ -149,6 +148,14 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 	if p.PrivateTraffic {
 		rec.TrafficAccessToken = randHex(32)
 	}
+	rec.Network, rec.MaskRequestHost, rec.HTTPSPorts = p.Network, p.MaskRequestHost, p.HTTPSPorts
+	if err := newEgressCA(&rec); err != nil {
+		return rec, err
+	}
+	nw, err := s.installNetwork(ctx, rec)
+	if err != nil {
+		return rec, err
+	}
 	var (
 		rev     int64
 		tried   []string
@@ -187,7 +194,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		tRecord := time.Now()
 		resp, err := s.node.install(ctx, w.NodeURL, spacev1.InstallRequest{
 			Route: rec.Route, Template: rec.TemplateID, EnvVars: rec.EnvVars,
-			Limits: limitsOf(rec), RestoreSnapshot: p.RestoreSnapshot,
+			Limits: limitsOf(rec), RestoreSnapshot: p.RestoreSnapshot, Network: nw,
 		})
 		if err != nil {
 			log.Warn("install failed", "err", err)

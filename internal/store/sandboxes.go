@@ -15,6 +15,7 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/netpolicy"
 )
 
 // SandboxState is the lifecycle state of a sandbox record.
@@ -116,6 +117,17 @@ type SandboxRecord struct {
 	// PausedSnapshot is a snapshot of Route's writable layer taken while
 	// Route stayed paused (so it is still current); empty otherwise.
 	PausedSnapshot string `json:"paused_snapshot,omitempty"`
+	// Network is the sandbox's egress configuration as the API last set
+	// it (secret placeholders unresolved); nil: none given (the
+	// operator's default applies).
+	Network *netpolicy.Spec `json:"network,omitempty"`
+	// EgressCACert and EgressCAKey are the sandbox's interception CA
+	// (network.rules); the key never reaches the sandbox or the API.
+	EgressCACert string `json:"egress_ca_cert,omitempty"`
+	EgressCAKey  string `json:"egress_ca_key,omitempty"`
+	// MaskRequestHost and HTTPSPorts are E2B's ingress options.
+	MaskRequestHost string `json:"mask_request_host,omitempty"`
+	HTTPSPorts      []int  `json:"https_ports,omitempty"`
 }
 
 // LogValue renders the record without secrets.
