@@ -47,12 +47,18 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	noQuota := fs.Bool("no-disk-quota", false, "keep ns sandboxes' writable layers in plain directories (no per-sandbox disk quota)")
 	keep := fs.Bool("keep-sandboxes", true, "leave the sandboxes running when space-node stops (SIGTERM); the next start on the same --data-dir re-adopts them. false: stop them")
 	vmAccel := fs.String("vm-accel", "", "force the microvm accelerator, kvm or tcg (default: probe kvm, then tcg)")
+	egressFlags := node.EgressFlags(fs)
 	logOpts := logsetup.Flags(fs, logsetup.Options{Format: getenv(logsetup.EnvFormat), Level: getenv(logsetup.EnvLevel)})
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
 	if *id == "" || *dataDir == "" || *etcd == "" || *snapDir == "" {
 		fmt.Fprintln(stderr, "space-node: --id, --data-dir, --etcd-endpoints and --snapshot-dir are required")
+		return 2
+	}
+	eg, err := egressFlags.Resolve()
+	if err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
 		return 2
 	}
 	if *capacity <= 0 {
@@ -83,7 +89,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	host, err := node.Open(node.Config{
 		DataDir: *dataDir, SnapshotDir: *snapDir, BinDir: *binDir, Capacity: *capacity,
 		VMKernelDir: *vmKernel, VMRequired: true, VMAccel: *vmAccel,
-		NSNoUserNamespaces: *noUserNS, NSNoDiskQuota: *noQuota, KeepSandboxesOnExit: *keep, Logger: log, Log: *logOpts,
+		NSNoUserNamespaces: *noUserNS, NSNoDiskQuota: *noQuota, KeepSandboxesOnExit: *keep, Egress: eg, Logger: log, Log: *logOpts,
 	})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)

@@ -16,6 +16,8 @@ import (
 	"path/filepath"
 	"sync"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/guest"
@@ -71,6 +73,9 @@ type Config struct {
 	KeepSandboxesOnExit bool
 	// UnsafeSkipIdentityChecks is the baseline of the on/off benchmark only.
 	UnsafeSkipIdentityChecks bool
+	// Egress is the workers' way out for sandboxes (default: links and
+	// proxy on, policy deny unless a sandbox's options open it).
+	Egress EgressConfig
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 	// Log is the format and level Logger was made with; the worker's
@@ -100,6 +105,9 @@ func (c Config) withDefaults() Config {
 func (c Config) Validate() error {
 	if c.DataDir == "" || c.SnapshotDir == "" {
 		return fmt.Errorf("node: %w: data dir and snapshot dir are required", errdefs.ErrInvalid)
+	}
+	if err := c.Egress.Validate(); err != nil {
+		return err
 	}
 	if c.Capacity < 0 {
 		return fmt.Errorf("node: %w: capacity %d: want a positive number of sandboxes per worker", errdefs.ErrInvalid, c.Capacity)
@@ -313,6 +321,13 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 		d.Sandboxes = SandboxWatch(d.Store)
 	}
 	cfg := h.cfg
+	var egressOpen func(prometheus.Registerer, func(sbxmanager.EgressDenial)) (worker.EgressService, error)
+	if cfg.Egress.Mode != EgressOff {
+		ec, stateDir, log := cfg.Egress, wc.StateDir, cfg.Logger.With("worker", wc.ID)
+		egressOpen = func(reg prometheus.Registerer, aud func(sbxmanager.EgressDenial)) (worker.EgressService, error) {
+			return newWorkerEgress(ec, stateDir, reg, aud, log)
+		}
+	}
 	w, err := worker.New(worker.Config{
 		ID: wc.ID, Addr: wc.Addr, StateDir: wc.StateDir, Capacity: cfg.Capacity, Logger: cfg.Logger,
 		KeepSandboxesOnExit: cfg.KeepSandboxesOnExit,
@@ -324,6 +339,7 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 	}, worker.Deps{
 		Substrates: subs,
 		Registrar:  d.Registrar, Bundles: d.Store, Sandboxes: d.Sandboxes, Snapshots: h.snaps, Lost: d.Store,
+		Egress: egressOpen,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("node: worker %s: %w", wc.ID, err)

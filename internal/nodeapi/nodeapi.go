@@ -101,6 +101,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("POST "+spacev1.NodePathRetire, s.lifecycle(s.mgr.Retire))
 	mux.HandleFunc("POST "+spacev1.NodePathSnapshot, s.snapshot())
 	mux.HandleFunc("POST "+spacev1.NodePathMetrics, s.metrics())
+	mux.HandleFunc("POST "+spacev1.NodePathNetwork, s.network())
 	mux.HandleFunc("GET "+spacev1.NodePathHealth, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"worker":%q,"active":%d}`, s.cfg.WorkerID, s.mgr.Active())
@@ -227,6 +228,13 @@ func (s *Server) snapshot() http.HandlerFunc {
 }
 
 // metrics answers one sample of the execution's resource usage.
+func (s *Server) network() http.HandlerFunc {
+	return control(s, func(q *spacev1.NetworkRequest) identity.Route { return q.Route },
+		func(ctx context.Context, q *spacev1.NetworkRequest) (any, error) {
+			return nil, s.mgr.SetNetwork(ctx, q.Route, q.Network)
+		})
+}
+
 func (s *Server) metrics() http.HandlerFunc {
 	return control(s, func(q *spacev1.LifecycleRequest) identity.Route { return q.Route },
 		func(ctx context.Context, q *spacev1.LifecycleRequest) (any, error) {

@@ -106,6 +106,13 @@ func (m *Manager) adoptAll() {
 	for _, res := range out {
 		r := res.rec.Route
 		if res.err == nil {
+			// The proxy is new with this process: the policy goes back
+			// in force before the sandbox is served (until then its
+			// link gets nothing out).
+			res.act.link = res.rec.Link
+			if err := m.applyNetwork(res.rec); err != nil {
+				m.log.Error("egress policy of an adopted execution not in force; it has no way out", "sandbox", r.SandboxID, "generation", r.Generation, "err", err)
+			}
 			res.act.awaitingView.Store(true)
 			m.active[r.SandboxID] = res.act
 			m.watchers.Add(1)
@@ -130,6 +137,7 @@ func (m *Manager) adoptAll() {
 		m.log.Info("lost execution reclaimed", "sandbox", r.SandboxID, "generation", r.Generation)
 	}
 	m.sweep()
+	m.sweepLinks()
 	m.log.Info("executions on record at start", "adopted", m.startReport.Adopted, "reclaimed", m.startReport.Reclaimed,
 		"unreclaimed", m.startReport.Unreclaimed, "retired", m.startReport.Retired)
 }
@@ -139,12 +147,16 @@ func (m *Manager) adoptAll() {
 func (m *Manager) reclaim(rec record) error {
 	rc, ok := m.subs[rec.Route.Substrate].(substrate.Reclaimer)
 	if !ok {
+		m.releaseLink(rec)
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.StartTimeout)
 	defer cancel()
 	err := rc.Reclaim(ctx, rec.Route, rec.Dir)
 	m.audit.lost("reclaimed", rec.Route, err)
+	if err == nil {
+		m.releaseLink(rec)
+	}
 	return err
 }
 

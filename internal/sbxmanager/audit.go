@@ -46,3 +46,19 @@ func (a *auditLog) lost(decision string, r identity.Route, err error) {
 }
 
 func (a *auditLog) close() error { return a.f.Close() }
+
+// EgressDenial is one connection or DNS query a sandbox's egress policy
+// refused, for the audit log.
+type EgressDenial struct {
+	SandboxID  string
+	Generation uint64
+	// Kind is "tcp" or "dns"; Dest the destination (ip:port, or the
+	// queried name); Name the TLS SNI or HTTP Host when known.
+	Kind, Dest, Name, Reason string
+}
+
+// AuditEgress writes an egress denial to the audit log.
+func (m *Manager) AuditEgress(d EgressDenial) {
+	m.audit.log.Info("egress denied", "sandbox", d.SandboxID, "generation", d.Generation,
+		"kind", d.Kind, "dest", d.Dest, "name", d.Name, "reason", d.Reason)
+}

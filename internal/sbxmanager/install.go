@@ -77,7 +77,7 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 
 	limits := m.withDefaultLimits(req.Limits)
 	dir := activationDir(m.cfg.StateDir, r)
-	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC()}
+	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC(), Network: req.Network}
 	if req.RestoreSnapshot != "" && m.caps(r).SavesState {
 		rec.restoreState = filepath.Join(dir, stateFile) // prepareInstall fetched it
 		defer os.Remove(rec.restoreState)                // loaded by now, or useless
@@ -86,7 +86,7 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	sctx, cancel := context.WithTimeout(ctx, m.cfg.StartTimeout)
 	defer cancel()
 	var tm installTiming
-	newAct, err := m.activate(sctx, rec, &tm)
+	newAct, err := m.activate(sctx, &rec, &tm)
 	if err != nil {
 		log.Error("activation failed", "err", err)
 		return spacev1.InstallResponse{}, fmt.Errorf("install %s: %w", r.SandboxID, err)
@@ -138,9 +138,10 @@ const (
 // guestConfig is what spaced-guest reads from SPACE_GUEST_CONFIG (or
 // receives as its activation message).
 type guestConfig struct {
-	Identity    identity.Route    `json:"identity"`
-	Env         map[string]string `json:"env,omitempty"`
-	DefaultUser string            `json:"default_user"`
+	Identity    identity.Route      `json:"identity"`
+	Env         map[string]string   `json:"env,omitempty"`
+	DefaultUser string              `json:"default_user"`
+	Network     *guestNetworkConfig `json:"network,omitempty"`
 }
 
 // InstallTimingMsg is the message of the debug record an install logs
@@ -175,17 +176,33 @@ func substrateLimits(l spacev1.Limits) substrate.Limits {
 	return substrate.Limits{MemoryBytes: l.MemoryBytes, Pids: l.Pids, CPUMillis: l.CPUMillis, DiskBytes: l.DiskBytes}
 }
 
-func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (*activation, error) {
+func (m *Manager) activate(ctx context.Context, rec *record, tm *installTiming) (_ *activation, err error) {
 	r := rec.Route
-	gcfg, _ := json.Marshal(guestConfig{Identity: r, Env: rec.EnvVars, DefaultUser: "user"})
 	spec := substrate.Spec{
 		Route: r, Template: rec.Template, Dir: rec.Dir, AgentPath: m.cfg.AgentPath,
 		Limits:       substrateLimits(rec.Limits),
 		RestoreState: rec.restoreState,
 	}
+	caps := m.caps(r)
+	// The egress link: a VMM's tap exists before the VM starts; an ns
+	// sandbox's veth is attached once its init runs. Either way nothing
+	// gets out until applyNetwork below put the policy in force.
+	tap, err := m.linkBeforeStart(rec, caps, &spec)
+	if err != nil {
+		return nil, err
+	}
+	if tap != nil {
+		defer tap.Close() // the VMM holds its own copy
+	}
+	defer func() {
+		if err != nil {
+			m.releaseLink(*rec)
+			rec.Link = nil
+		}
+	}()
+	gcfg, _ := json.Marshal(guestConfig{Identity: r, Env: rec.EnvVars, DefaultUser: "user", Network: m.guestNetwork(*rec, caps)})
 	// An agent reads its configuration at start, or learns it (again,
 	// after a restore) from spaced-host's activation message.
-	caps := m.caps(r)
 	if !caps.Activation {
 		spec.AgentEnv = []string{"SPACE_GUEST_CONFIG=" + string(gcfg)}
 	} else if err := os.MkdirAll(rec.Dir, 0o700); err != nil {
@@ -215,7 +232,13 @@ func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (
 		}
 		return nil, fmt.Errorf("start sandbox: %w", err)
 	}
+	if l.err == nil {
+		l.err = m.linkAfterStart(rec, caps, inst)
+	}
 	if l.err != nil {
+		if l.bp != nil {
+			l.bp.kill()
+		}
 		stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		inst.Stop(stopCtx)
 		cancel()
@@ -231,6 +254,11 @@ func (m *Manager) activate(ctx context.Context, rec record, tm *installTiming) (
 		cancel()
 		return nil, err
 	}
+	if err := m.applyNetwork(*rec); err != nil {
+		m.stopActivation(act, "egress policy failed") // the deferred release removes the link
+		return nil, err
+	}
+	act.link = rec.Link // from now on stopActivation releases it
 	if !caps.Netns {
 		// No network namespace on the host to reach its ports from:
 		// service ports are not served for it (never the host's).
@@ -288,6 +316,11 @@ func (m *Manager) stopActivation(a *activation, why string) {
 	defer cancel()
 	if err := a.inst.Stop(ctx); err != nil {
 		m.log.Warn("sandbox stop", "sandbox", a.route.SandboxID, "err", err)
+	}
+	if a.link != nil && m.egress != nil {
+		if err := m.egress.Release(*a.link); err != nil {
+			m.log.Warn("releasing an egress link", "sandbox", a.route.SandboxID, "slot", a.link.Slot, "err", err)
+		}
 	}
 	m.metrics.activations.Dec()
 	m.log.Info("activation stopped", "sandbox", a.route.SandboxID, "generation", a.route.Generation, "why", why)

@@ -137,6 +137,9 @@ type Deps struct {
 	// served: its processes are gone, its record and files stay, and the
 	// control plane recovers it as a new execution.
 	OnLost func(identity.Route)
+	// Egress gives executions installed with a network their link and
+	// policy; nil: loopback only for every execution.
+	Egress Egress
 }
 
 // ErrorWriter writes err as the answer to a request.
@@ -148,6 +151,7 @@ type Manager struct {
 	// exit on its own (watchExit); Close waits for them.
 	watchers sync.WaitGroup
 	onLost   func(identity.Route)
+	egress   Egress
 	// startReport is what adoptAll found at start.
 	startReport StartReport
 	// unreclaimed holds the sandboxes whose leftovers adoptAll could
@@ -207,6 +211,9 @@ type activation struct {
 	// first service-port request (nil: none, the substrate gives no
 	// network namespace).
 	gwState *gatewayState
+	// link is the execution's egress link (nil: none); released when the
+	// activation stops, kept when the worker detaches.
+	link *Link
 	// gate is held shared by every unary request in flight; Pause takes it
 	// exclusively (bounded) after refusing new requests, so a freeze does
 	// not strand a request inside the guest.
@@ -262,7 +269,7 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 		cfg: cfg, subs: subs, ver: deps.Verifier, snaps: deps.Snapshots, store: st, audit: audit,
 		metrics: newMetrics(cfg.Registerer), log: cfg.Logger.With("worker", cfg.WorkerID),
 		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{},
-		writeError: deps.WriteError, onLost: deps.OnLost, lock: lock,
+		writeError: deps.WriteError, onLost: deps.OnLost, lock: lock, egress: deps.Egress,
 	}
 	// The running bridges accept this process once the manager file
 	// names it; without that every adoption would fail and end live

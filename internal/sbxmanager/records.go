@@ -34,6 +34,11 @@ type record struct {
 	// instance after a restart (substrate.Adoptable.AdoptState); empty
 	// for a substrate without adoption.
 	Adopt json.RawMessage `json:"adopt,omitempty"`
+	// Network is the execution's egress policy as the control plane sent
+	// it (secrets resolved: the state dir is the worker's, mode 0700);
+	// Link the link it was given. Both nil: loopback only.
+	Network *spacev1.Network `json:"network,omitempty"`
+	Link    *Link            `json:"link,omitempty"`
 	// restoreState is the instance state file an install restores (a
 	// substrate that saves state); not persisted.
 	restoreState string

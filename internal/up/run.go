@@ -7,6 +7,7 @@ import (
 	"io"
 	"strings"
 
+	"github.com/spacesbx/space/internal/controlplane"
 	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/node"
 )
@@ -32,12 +33,28 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	fs.BoolVar(&cfg.KeepSandboxesOnExit, "keep-sandboxes", true, "leave the sandboxes running when space up stops (SIGTERM, Ctrl-C); the next start on the same --data-dir re-adopts them. false: stop them")
 	fs.BoolVar(&cfg.NSNoDiskQuota, "no-disk-quota", false, "keep ns sandboxes' writable layers in plain directories (no per-sandbox disk quota)")
 	etcd := fs.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
+	egressFlags := node.EgressFlags(fs)
+	teamDeny := fs.String("egress-deny-teams", "", "comma-separated team ids whose sandboxes never get a way out (their network options that would open one are refused)")
 	logOpts := logsetup.Flags(fs, logsetup.Options{Format: getenv(logsetup.EnvFormat), Level: getenv(logsetup.EnvLevel)})
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
 	if *etcd != "" {
 		cfg.EtcdEndpoints = strings.Split(*etcd, ",")
+	}
+	eg, err := egressFlags.Resolve()
+	if err != nil {
+		fmt.Fprintf(stderr, "space up: %v\n", err)
+		return 2
+	}
+	cfg.Egress = eg
+	for _, team := range strings.Split(*teamDeny, ",") {
+		if team = strings.TrimSpace(team); team != "" {
+			if cfg.EgressLimits == nil {
+				cfg.EgressLimits = map[string]controlplane.EgressLimit{}
+			}
+			cfg.EgressLimits[team] = controlplane.EgressLimit{Deny: true}
+		}
 	}
 	log, err := logsetup.New(stderr, *logOpts)
 	if err != nil {

@@ -83,6 +83,11 @@ type Config struct {
 	KeepSandboxesOnExit bool
 	// UnsafeSkipIdentityChecks is the baseline of the on/off benchmark only.
 	UnsafeSkipIdentityChecks bool
+	// Egress is the workers' way out for sandboxes (node.EgressConfig;
+	// default: deny unless a sandbox's network options open it).
+	Egress node.EgressConfig
+	// EgressLimits are per-team limits (controlplane.Config.EgressLimits).
+	EgressLimits map[string]controlplane.EgressLimit
 	// Logger defaults to slog.Default(); `space up` builds it with
 	// package logsetup.
 	Logger *slog.Logger
@@ -229,8 +234,8 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		VMKernelDir: cfg.VMKernelDir, VMAccel: cfg.VMAccel, VMPrewarm: cfg.VMPrewarm, VMNoTemplates: cfg.VMNoTemplates,
 		NSNoUserNamespaces: cfg.NSNoUserNamespaces, NSNoDiskQuota: cfg.NSNoDiskQuota,
 		Capacity: cfg.Capacity, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
-		KeepSandboxesOnExit: cfg.KeepSandboxesOnExit,
-		Logger:              log, Log: cfg.Log,
+		KeepSandboxesOnExit: cfg.KeepSandboxesOnExit, Egress: cfg.Egress,
+		Logger: log, Log: cfg.Log,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("up: %w", err)
@@ -242,7 +247,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	edgeKey := "edge_" + randomHex(24)
 	p.cp, err = controlplane.New(controlplane.Config{
 		Addr: cfg.APIAddr, DataDir: filepath.Join(cfg.DataDir, "api"), BootstrapAPIKey: cfg.APIKey,
-		EdgeKey: edgeKey, Domain: cfg.Domain, DefaultEnvdVersion: guest.EnvdVersion,
+		EdgeKey: edgeKey, Domain: cfg.Domain, DefaultEnvdVersion: guest.EnvdVersion, EgressLimits: cfg.EgressLimits,
 	}, controlplane.Deps{Store: p.st, Logger: log, Snapshots: p.host.Snapshots()})
 	if err != nil {
 		return nil, fmt.Errorf("up: control plane: %w", err)

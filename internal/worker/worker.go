@@ -14,6 +14,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -117,6 +118,20 @@ type Deps struct {
 	// holds records of but whose processes are gone (it restarted), so the
 	// control plane recovers them instead of leaving them unserved.
 	Lost LostReporter
+	// Egress, when set, opens the worker's egress (links, proxy,
+	// resolver) with the worker's metrics registerer and a sink for its
+	// denials (the audit log). The worker runs it while it serves and
+	// closes it last. Nil: sandboxes have loopback only.
+	Egress func(reg prometheus.Registerer, audit func(sbxmanager.EgressDenial)) (EgressService, error)
+}
+
+// EgressService is a worker's egress as the worker runs it.
+type EgressService interface {
+	sbxmanager.Egress
+	// Run serves the proxy and the resolver until ctx ends.
+	Run(ctx context.Context) error
+	// Close stops them; the sandboxes' links stay.
+	Close() error
 }
 
 // LostReporter is told about lost executions (the store's PutLost).
@@ -132,6 +147,8 @@ type Worker struct {
 	mgr  *sbxmanager.Manager
 	api  *nodeapi.Server
 	log  *slog.Logger
+	// egress is nil without Deps.Egress.
+	egress EgressService
 }
 
 // New builds the worker: it loads the cached bundle (if any), opens the
@@ -168,16 +185,42 @@ func New(cfg Config, deps Deps) (*Worker, error) {
 		defer cancel()
 		putLost(ctx, deps.Lost, log, r, "its init exited")
 	}
-	mgr, err := sbxmanager.New(mc, sbxmanager.Deps{Substrates: deps.Substrates, Verifier: ver, Snapshots: deps.Snapshots, WriteError: nodeapi.WriteError, OnLost: onLost})
+	var (
+		eg      EgressService
+		mgrSink atomic.Pointer[sbxmanager.Manager]
+	)
+	if deps.Egress != nil {
+		var err error
+		eg, err = deps.Egress(mc.Registerer, func(d sbxmanager.EgressDenial) {
+			if m := mgrSink.Load(); m != nil {
+				m.AuditEgress(d)
+			}
+		})
+		if err != nil {
+			return nil, fmt.Errorf("worker %s: egress: %w", cfg.ID, err)
+		}
+	}
+	md := sbxmanager.Deps{Substrates: deps.Substrates, Verifier: ver, Snapshots: deps.Snapshots, WriteError: nodeapi.WriteError, OnLost: onLost}
+	if eg != nil {
+		md.Egress = eg
+	}
+	mgr, err := sbxmanager.New(mc, md)
 	if err != nil {
+		if eg != nil {
+			eg.Close()
+		}
 		return nil, err
 	}
+	mgrSink.Store(mgr)
 	api, err := nodeapi.New(nodeapi.Config{Addr: cfg.Addr, WorkerID: cfg.ID, Gatherer: reg, Logger: cfg.Logger}, mgr, ver)
 	if err != nil {
 		mgr.Close()
+		if eg != nil {
+			eg.Close()
+		}
 		return nil, err
 	}
-	return &Worker{cfg: cfg, deps: deps, ver: ver, mgr: mgr, api: api, log: log}, nil
+	return &Worker{cfg: cfg, deps: deps, ver: ver, mgr: mgr, api: api, log: log, egress: eg}, nil
 }
 
 // URL is node-api's base URL.
@@ -239,6 +282,15 @@ func (w *Worker) Run(ctx context.Context) error {
 	}()
 	apiErr := make(chan error, 1)
 	go func() { defer wg.Done(); apiErr <- w.api.Run(ctx) }()
+	if w.egress != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := w.egress.Run(ctx); err != nil {
+				w.log.Error("egress proxy stopped; sandboxes' connections out fail until the worker restarts", "err", err)
+			}
+		}()
+	}
 	ret := &retirer{w: w, pending: map[string]chan struct{}{}, known: map[string]bool{}, atStart: w.mgr.Records()}
 	if w.deps.Sandboxes != nil {
 		wg.Add(1)
@@ -254,6 +306,9 @@ func (w *Worker) Run(ctx context.Context) error {
 			w.mgr.Detach()
 		} else {
 			w.mgr.Close()
+		}
+		if w.egress != nil {
+			w.egress.Close()
 		}
 	}()
 
