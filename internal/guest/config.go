@@ -147,10 +147,11 @@ type Config struct {
 
 // NetworkConfig is the guest's side of its egress link.
 type NetworkConfig struct {
-	// Address is the sandbox's address with prefix, e.g. "10.201.0.6/30".
-	Address string `json:"address"`
+	// Address is the sandbox's address with prefix, e.g. "10.201.0.6/30";
+	// with Gateway, empty when the host configures the interface (ns).
+	Address string `json:"address,omitempty"`
 	// Gateway is the default route's next hop (the worker's side).
-	Gateway string `json:"gateway"`
+	Gateway string `json:"gateway,omitempty"`
 	// DNS is the only resolver the sandbox can reach.
 	DNS string `json:"dns"`
 	// MAC names the NIC to configure in VM mode ("52:54:00:..").

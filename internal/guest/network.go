@@ -46,15 +46,20 @@ const maxCACertBytes = 64 << 10
 // Validate reports whether n can be applied; it only checks.
 func (n *NetworkConfig) Validate() error {
 	var errs []error
-	p, err := netip.ParsePrefix(n.Address)
-	if err != nil || !p.Addr().Is4() || p.Bits() == 0 {
-		errs = append(errs, fmt.Errorf("network: address %q is not an IPv4 address with a prefix", n.Address))
-	}
-	gw, err := netip.ParseAddr(n.Gateway)
-	if err != nil || !gw.Is4() {
-		errs = append(errs, fmt.Errorf("network: gateway %q is not an IPv4 address", n.Gateway))
-	} else if p.IsValid() && (!p.Masked().Contains(gw) || gw == p.Addr()) {
-		errs = append(errs, fmt.Errorf("network: gateway %s is not another address of %s", gw, p))
+	// Address and Gateway go together; both empty means the host
+	// configures the interface (the ns substrate's veth), so only the
+	// resolver and the CA are the agent's.
+	if n.Address != "" || n.Gateway != "" {
+		p, err := netip.ParsePrefix(n.Address)
+		if err != nil || !p.Addr().Is4() || p.Bits() == 0 {
+			errs = append(errs, fmt.Errorf("network: address %q is not an IPv4 address with a prefix", n.Address))
+		}
+		gw, err := netip.ParseAddr(n.Gateway)
+		if err != nil || !gw.Is4() {
+			errs = append(errs, fmt.Errorf("network: gateway %q is not an IPv4 address", n.Gateway))
+		} else if p.IsValid() && (!p.Masked().Contains(gw) || gw == p.Addr()) {
+			errs = append(errs, fmt.Errorf("network: gateway %s is not another address of %s", gw, p))
+		}
 	}
 	if a, err := netip.ParseAddr(n.DNS); err != nil || a.Zone() != "" {
 		errs = append(errs, fmt.Errorf("network: dns %q is not an IP address", n.DNS))

@@ -149,7 +149,7 @@ func RunVM(ctx context.Context, vc VMConfig) error {
 		// The NIC before the ACK: once the host has it, the guest's way
 		// out is up. A failure leaves the sandbox without one (see
 		// network.go), not without an agent.
-		if n := cfg.Network; n != nil {
+		if n := cfg.Network; n != nil && n.Address != "" {
 			if err := configureLink(n); err != nil {
 				log.Error("vm mode: network not configured; the sandbox has no way out", "err", err)
 			} else {
