@@ -28,6 +28,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 var (
@@ -39,9 +40,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func needRoot(t testing.TB) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root (network namespaces, veths, routes)")
-	}
+	testenv.RequireRoot(t, "network namespaces, veths, routes")
 }
 
 func start(t testing.TB, opts Options) *Internet {
@@ -531,7 +530,7 @@ func TestConcurrentStarts(t *testing.T) {
 func TestConcurrentProcesses(t *testing.T) {
 	needRoot(t)
 	if *helperProcess {
-		t.Skip("helper")
+		return // this process is one of the helpers (TestHelperProcess)
 	}
 	const procs = 3
 	var wg sync.WaitGroup
@@ -553,7 +552,7 @@ func TestConcurrentProcesses(t *testing.T) {
 
 func TestHelperProcess(t *testing.T) {
 	if !*helperProcess {
-		t.Skip("run by TestConcurrentProcesses")
+		return // only as a helper process of TestConcurrentProcesses
 	}
 	for round := range 4 {
 		n, err := Start(Options{Hosts: 2})
@@ -935,7 +934,7 @@ func FuzzNormalizeName(f *testing.F) {
 func TestUnprivileged(t *testing.T) {
 	needRoot(t)
 	if *unprivHelper {
-		t.Skip("helper")
+		return // this process is the helper (TestHelperUnprivileged)
 	}
 	// A copy of the test binary that uid 65534 can run (t.TempDir is
 	// <tmp>/<test><random>/<nnn>, both 0700).
@@ -964,11 +963,11 @@ func TestUnprivileged(t *testing.T) {
 
 func TestHelperUnprivileged(t *testing.T) {
 	if !*unprivHelper {
-		t.Skip("run by TestUnprivileged")
+		return // only as the helper process of TestUnprivileged
 	}
 	n, err := Start(Options{})
 	if !errors.Is(err, errdefs.ErrDenied) || n != nil {
-		t.Fatalf("Start as uid %d: %v, %v; want ErrDenied", os.Geteuid(), n, err)
+		t.Fatalf("Start unprivileged: %v, %v; want ErrDenied", n, err)
 	}
 	t.Log(err)
 	fmt.Println("unprivileged ok")

@@ -1,7 +1,7 @@
 //go:build !linux
 
-// Package microvm is the SPACE substrate that runs sandboxes in QEMU
-// microvm virtual machines; outside Linux it is unavailable.
+// Outside Linux the microvm substrate is unavailable.
+
 package microvm
 
 import (
