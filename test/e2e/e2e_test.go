@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -9,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spacesbx/space/internal/netsim"
 	"github.com/spacesbx/space/internal/testenv"
 )
 
@@ -16,22 +18,42 @@ const apiKey = testenv.TestAPIKey
 
 type platform struct {
 	*testenv.Platform
-	bin string
+	bin  string
+	inet string // SPACE_TEST_INET: the simulated internet, as JSON
 }
 
-// startUp runs `space up` with two workers and checks its banner.
+// startUp starts a simulated internet (network.test.mjs drives egress to
+// it) and `space up` with two workers whose egress resolves and trusts
+// it, and checks the banner.
 func startUp(t *testing.T) *platform {
 	t.Helper()
-	tp := testenv.StartPlatform(t, testenv.PlatformOptions{Workers: 2, APIKey: apiKey, ReadyTimeout: 60 * time.Second})
+	testenv.RequirePlatform(t)
+	inet, err := netsim.Start(netsim.Options{Hosts: 3})
+	if err != nil {
+		t.Fatalf("simulated internet: %v", err)
+	}
+	t.Cleanup(func() { inet.Close() })
+	for name, host := range map[string]int{"allowed.test": 0, "api.allowed.test": 1, "deep.sub.allowed.test": 1, "denied.test": 2, "secret.test": 0} {
+		if err := inet.SetZone(name, inet.Host(host)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ca := filepath.Join(t.TempDir(), "inet-ca.pem")
+	if err := os.WriteFile(ca, inet.CAPEM(), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	desc, _ := json.Marshal(map[string]any{"hosts": inet.Hosts(), "caPEM": string(inet.CAPEM())})
+	tp := testenv.StartPlatform(t, testenv.PlatformOptions{Workers: 2, APIKey: apiKey, ReadyTimeout: 60 * time.Second,
+		Args: []string{"--egress=deny", "--egress-dns=" + inet.DNS().String(), "--egress-upstream-ca=" + ca}})
 	for _, want := range []string{"export E2B_API_URL=" + tp.APIURL, "export E2B_SANDBOX_URL=" + tp.SandboxURL, apiKey} {
 		if !strings.Contains(tp.Banner, want) {
 			t.Fatalf("banner lacks %q:\n%s", want, tp.Banner)
 		}
 	}
-	return &platform{tp, tp.BinDir}
+	return &platform{tp, tp.BinDir, string(desc)}
 }
 
-func (p *platform) env() []string { return p.Env() }
+func (p *platform) env() []string { return append(p.Env(), "SPACE_TEST_INET="+p.inet) }
 
 func TestE2BSDK(t *testing.T) {
 	if _, err := os.Stat("node_modules/e2b/package.json"); err != nil {
