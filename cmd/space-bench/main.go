@@ -20,7 +20,7 @@ func main() {
 	ns.MaybeInit()
 
 	quick := flag.Bool("quick", false, "a smoke run with small sample sizes")
-	only := flag.String("only", "", `"create": measure only sandbox creates (latency, throughput, per-phase breakdown); "vm": only the microvm section (template clones vs cold boots, idle VM memory); "restart": only a worker restart with live sandboxes (re-adoption) and the recovery of sandboxes whose init died`)
+	only := flag.String("only", "", `"create": measure only sandbox creates (latency, throughput, per-phase breakdown); "vm": only the microvm section (template clones vs cold boots, idle VM memory); "restart": only a worker restart with live sandboxes (re-adoption) and the recovery of sandboxes whose init died; "egress": only a sandbox's connections out through the egress path vs the same client on the host`)
 	binDir := flag.String("bin-dir", os.Getenv("SPACE_BIN_DIR"), "directory of spaced-host and spaced-guest (default $SPACE_BIN_DIR)")
 	flag.Parse()
 	if os.Geteuid() != 0 {

@@ -70,6 +70,9 @@ type Config struct {
 	// started again: the time until they all serve again (0: not
 	// measured; readopt.go).
 	Readopt int
+	// EgressRounds rounds of the egress comparison (0: not measured;
+	// egress.go).
+	EgressRounds int
 	// Log receives progress (default stderr); platform logs at Error only.
 	Log io.Writer
 }
@@ -82,7 +85,7 @@ func DefaultConfig() Config {
 		CreateWarmup: 2, Creates: 50, RawEvery: 2, CreateClients: 8, CreatesPerClient: 10,
 		MemSandboxes: 10, MemSettle: 2 * time.Second,
 		VM:     VMConfig{Creates: 5, NSPerVM: 2, BootBudget: 100 * time.Second, Rounds: 5, Snapshots: 2, Moves: 3},
-		VMIdle: 50, IsoStarts: 40, IsoIdle: 10, Readopt: 100,
+		VMIdle: 50, IsoStarts: 40, IsoIdle: 10, Readopt: 100, EgressRounds: 5,
 	}
 }
 
@@ -94,7 +97,7 @@ func QuickConfig() Config {
 		CreateWarmup: 1, Creates: 5, RawEvery: 2, CreateClients: 8, CreatesPerClient: 2,
 		MemSandboxes: 2, MemSettle: 500 * time.Millisecond,
 		VM:     VMConfig{Creates: 1, NSPerVM: 1, Rounds: 1, Snapshots: 1, Moves: 1},
-		VMIdle: 2, IsoStarts: 3, IsoIdle: 2, Readopt: 3,
+		VMIdle: 2, IsoStarts: 3, IsoIdle: 2, Readopt: 3, EgressRounds: 1,
 	}
 }
 
@@ -121,7 +124,11 @@ type Report struct {
 	// Readopt is the restart of a worker holding live sandboxes.
 	Readopt    ReadoptResult
 	ReadoptErr error
-	Took       time.Duration
+	// Egress is a sandbox's connections out through the egress path
+	// against the same client on the host (egress.go).
+	Egress    EgressResult
+	EgressErr error
+	Took      time.Duration
 }
 
 // Run measures everything and writes the table and notes to out. A figure
@@ -151,6 +158,8 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 		return runIsolationOnly(ctx, cfg, out, progress, t0)
 	case "restart":
 		return runRestartOnly(ctx, cfg, out, progress, t0)
+	case "egress":
+		return runEgressOnly(ctx, cfg, out, progress, t0)
 	}
 
 	// 1. Capability verification first, while no platform competes for CPU.
@@ -214,6 +223,10 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 		progress("restart: %d live sandboxes, space up killed and started again", cfg.Readopt)
 		rep.Readopt, rep.ReadoptErr = MeasureReadopt(ctx, cfg.BinDir, platformDir(root, "readopt"), cfg.Readopt)
 	}
+	if cfg.EgressRounds > 0 {
+		progress("egress: %d rounds of netprobe in a sandbox vs on the host", cfg.EgressRounds)
+		rep.Egress, rep.EgressErr = MeasureEgress(ctx, cfg.BinDir, platformDir(root, "egress"), cfg.EgressRounds, plog)
+	}
 	rep.Took = time.Since(t0)
 	progress("done")
 	fmt.Fprintln(out)
@@ -222,7 +235,28 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	}
 	fmt.Fprintln(out)
 	fmt.Fprint(out, rep.Notes())
-	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.IsoErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr, rep.ReadoptErr)
+	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.IsoErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr, rep.ReadoptErr, rep.EgressErr)
+}
+
+// runEgressOnly measures only the egress path (-only egress).
+func runEgressOnly(ctx context.Context, cfg Config, out io.Writer, progress func(string, ...any), t0 time.Time) error {
+	root, err := os.MkdirTemp("", "space-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(root)
+	progress("egress: %d rounds of netprobe in a sandbox vs on the host", cfg.EgressRounds)
+	r, err := MeasureEgress(ctx, cfg.BinDir, platformDir(root, "egress"), max(cfg.EgressRounds, 1), discardLogger(cfg.Log))
+	if err != nil {
+		return err
+	}
+	progress("done")
+	fmt.Fprintln(out)
+	if err := WriteTable(out, r.Rows()); err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "\n%d rounds (medians over rounds), %d probe errors; took %s\n", r.Rounds, r.Errors, time.Since(t0).Round(time.Second))
+	return nil
 }
 
 // runRestartOnly measures only what a restart costs (-only restart): a

@@ -77,6 +77,11 @@ func (r *Report) Rows() []Row {
 	} else if r.Readopt.N > 0 {
 		rows = append(rows, r.Readopt.Rows()...)
 	}
+	if r.EgressErr != nil {
+		fail("egress", r.EgressErr)
+	} else if r.Egress.Rounds > 0 {
+		rows = append(rows, r.Egress.Rows()...)
+	}
 	if r.VMErr != nil {
 		fail("microvm (base-vm) vs ns (base)", r.VMErr)
 	} else {
