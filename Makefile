@@ -36,8 +36,8 @@ run: build
 ## process root only in the sandbox's user namespace) and python3; and
 ## e2fsprogs, whose mkfs.ext4 formats the layer disks (the disk quota)
 sandbox-deps:
-	@dpkg -s sudo python3 e2fsprogs >/dev/null 2>&1 || { apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends sudo python3 e2fsprogs; }
+	@dpkg -s sudo python3 e2fsprogs curl ca-certificates >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends sudo python3 e2fsprogs curl ca-certificates; }
 
 ## deps: system packages the tests use
 deps:
