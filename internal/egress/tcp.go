@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -284,9 +285,10 @@ func (p *Proxy) decide(ctx context.Context, st *sandbox, sb Sandbox, icpt *inter
 			return pk, deny("no-domain-match")
 		case n == "":
 			return pk, deny(v.Reason)
-		case pk.proto == protoHTTP && pk.name != "":
-			// A Host that is not allowed at an address learned for another
-			// name: virtual hosting would serve the forbidden one.
+		case pk.name != "" && !isIPLiteral(pk.name):
+			// A Host or TLS server name that is not allowed, at an address
+			// learned for another name: virtual hosting (a CDN, a shared
+			// front) would serve the forbidden one (domain fronting).
 			return pk, deny("host-mismatch")
 		case pk.bad:
 			return pk, deny("malformed")
@@ -470,4 +472,11 @@ func (p *Proxy) copy(dst, src net.Conn, last *atomic.Int64) (int64, error) {
 			return total, err
 		}
 	}
+}
+
+// isIPLiteral reports whether a peeked name is an address (a Host of
+// "203.0.113.7" names no virtual host).
+func isIPLiteral(name string) bool {
+	_, err := netip.ParseAddr(strings.Trim(name, "[]"))
+	return err == nil
 }

@@ -283,6 +283,16 @@ func TestDNSLearnedAllowsNonTLS(t *testing.T) {
 	c.Write([]byte("GET / HTTP/1.1\r\nHost: other.example.net\r\n\r\n"))
 	expectClosed(t, c)
 	e.waitDenial("host-mismatch", "203.0.113.20:80")
+	// TLS to the learned address with another server name (domain
+	// fronting): no.
+	e.route("203.0.113.20:443", echoServer(t))
+	c = e.connect(addr, "203.0.113.20:443")
+	c.Write(clientHello(t, "other.example.net"))
+	expectClosed(t, c)
+	e.waitDenial("host-mismatch", "203.0.113.20:443")
+	// Plain HTTP naming the address itself is the address: allowed.
+	c = e.connect(addr, "203.0.113.20:80")
+	roundTrip(t, c, "GET / HTTP/1.1\r\nHost: 203.0.113.20\r\n\r\n")
 	// Another sandbox did not learn it.
 	addr3 := e.listen("127.0.0.3")
 	e.set("127.0.0.3", "sb3", netpolicy.Spec{AllowOut: []string{"git.example.com"}}, denyAll)
