@@ -311,7 +311,13 @@ func isNilCloser(c interface{ Close() error }) bool {
 
 // Close stops the proxy (its connections end) and closes the sockets; the
 // namespace and the sandboxes' links stay for the next start.
-func (e *workerEgress) Close() error {
+func (e *workerEgress) Close() error { return e.close(false) }
+
+// Destroy is Close, and then the namespace and every link are removed:
+// the worker stopped its sandboxes, nothing is left to adopt.
+func (e *workerEgress) Destroy() error { return e.close(true) }
+
+func (e *workerEgress) close(destroy bool) error {
 	e.closeMu.Lock()
 	defer e.closeMu.Unlock()
 	if e.closed {
@@ -320,5 +326,8 @@ func (e *workerEgress) Close() error {
 	e.closed = true
 	err := e.proxy.Close()
 	e.closeSockets()
+	if destroy {
+		return errors.Join(err, e.net.Destroy())
+	}
 	return errors.Join(err, e.net.Close())
 }

@@ -130,8 +130,12 @@ type EgressService interface {
 	sbxmanager.Egress
 	// Run serves the proxy and the resolver until ctx ends.
 	Run(ctx context.Context) error
-	// Close stops them; the sandboxes' links stay.
+	// Close stops them; the sandboxes' links and the egress namespace
+	// stay for the next start (KeepSandboxesOnExit).
 	Close() error
+	// Destroy stops them and removes the namespace and every link (the
+	// worker stopped its sandboxes).
+	Destroy() error
 }
 
 // LostReporter is told about lost executions (the store's PutLost).
@@ -308,7 +312,15 @@ func (w *Worker) Run(ctx context.Context) error {
 			w.mgr.Close()
 		}
 		if w.egress != nil {
-			w.egress.Close()
+			var err error
+			if w.cfg.KeepSandboxesOnExit {
+				err = w.egress.Close()
+			} else {
+				err = w.egress.Destroy()
+			}
+			if err != nil {
+				w.log.Warn("closing the egress namespace", "err", err)
+			}
 		}
 	}()
 
