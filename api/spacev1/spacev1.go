@@ -19,6 +19,10 @@ const (
 	// HeaderRouteOutcome tells the caller how a receiver judged the
 	// capability: "refresh-route" (HTTP 421) or "deny" (HTTP 403).
 	HeaderRouteOutcome = "Space-Route-Outcome"
+	// HeaderRequestHost carries, from the edge to netgtw, the Host a
+	// sandbox's service sees: the client's, or the sandbox's
+	// maskRequestHost. The edge replaces any value a client sent.
+	HeaderRequestHost = "Space-Request-Host"
 	// HeaderExecution is set by spaced-host on every response:
 	// "<sandbox>/<generation>/<execution_id>" as reported by the guest.
 	HeaderExecution = "Space-Execution"
@@ -66,6 +70,9 @@ type CapabilityResponse struct {
 	// cached by the edge (never past the sandbox's end).
 	AuthorizedUntil time.Time `json:"authorized_until"`
 	EnvdVersion     string    `json:"envd_version,omitempty"`
+	// MaskRequestHost is the sandbox's network.maskRequestHost (service
+	// ports): the Host its services see, "${PORT}" standing for the port.
+	MaskRequestHost string `json:"mask_request_host,omitempty"`
 }
 
 // Worker is one entry of GET /space/v1/workers.

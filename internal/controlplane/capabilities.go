@@ -223,8 +223,17 @@ func (s *Server) issueCapability(ctx context.Context, cred credentials, id strin
 	}
 	return spacev1.CapabilityResponse{
 		Token: tok, Route: rec.Route, NodeURL: s.nodeURL(ctx, rec), ExpiresAt: claims.Expiry,
-		AuthorizedUntil: authorized, EnvdVersion: rec.EnvdVersion,
+		AuthorizedUntil: authorized, EnvdVersion: rec.EnvdVersion, MaskRequestHost: maskFor(req.Purpose, rec.MaskRequestHost),
 	}, nil
+}
+
+// maskFor is the Host mask a capability response carries: service ports
+// only.
+func maskFor(purpose, mask string) string {
+	if capability.Purpose(purpose) != capability.PurposeServicePort {
+		return ""
+	}
+	return mask
 }
 
 func minTime(a, b time.Time) time.Time {

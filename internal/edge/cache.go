@@ -37,11 +37,13 @@ type entry struct {
 	// caller-authorized response only; renewals and repairs may shorten
 	// it but never extend it.
 	authorizedUntil time.Time
+	// mask is the sandbox's maskRequestHost (service ports).
+	mask string
 }
 
 func newEntry(cr *spacev1.CapabilityResponse, authorizedUntil time.Time) *entry {
 	node, _ := url.Parse(cr.NodeURL) // validated by fetchCapability
-	return &entry{route: cr.Route, token: cr.Token, expires: cr.ExpiresAt, node: node, authorizedUntil: authorizedUntil}
+	return &entry{route: cr.Route, token: cr.Token, expires: cr.ExpiresAt, node: node, authorizedUntil: authorizedUntil, mask: cr.MaskRequestHost}
 }
 
 // capAuthorization applies a response's AuthorizedUntil to an existing

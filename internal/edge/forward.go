@@ -32,6 +32,15 @@ func (e *Edge) rewrite(pr *httputil.ProxyRequest) {
 		// node-api and netgtw learn it from these (client values replaced).
 		pr.Out.Header.Set(HeaderSandboxID, st.t.sandbox)
 		pr.Out.Header.Set(HeaderSandboxPort, strconv.Itoa(st.t.port))
+		// The Host the sandbox's service sees: the client's, or the
+		// sandbox's maskRequestHost with ${PORT} filled in.
+		host := pr.In.Host
+		if st.entry != nil && st.entry.mask != "" {
+			host = strings.ReplaceAll(st.entry.mask, "${PORT}", strconv.Itoa(st.t.port))
+		}
+		pr.Out.Header.Set(spacev1.HeaderRequestHost, host)
+	} else {
+		pr.Out.Header.Del(spacev1.HeaderRequestHost)
 	}
 	pr.Out.Host = ""
 }

@@ -361,6 +361,13 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	out := r.WithContext(ctx)
 	out.URL.Scheme = "http"
 	out.URL.Host = net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
+	// The edge names the Host the service sees (the client's, or the
+	// sandbox's maskRequestHost); without it, the port's own address.
+	out.Host = out.URL.Host
+	if h := r.Header.Get(spacev1.HeaderRequestHost); h != "" && validHost(h) {
+		out.Host = h
+	}
+	out.Header.Del(spacev1.HeaderRequestHost)
 	g.proxy.ServeHTTP(w, out)
 }
 
@@ -456,4 +463,18 @@ func writeJSON(w http.ResponseWriter, status int, outcome, msg string) {
 		reason = strings.ToLower(strings.ReplaceAll(http.StatusText(status), " ", "_"))
 	}
 	_ = json.NewEncoder(w).Encode(spacev1.Error{Code: status, Message: msg, Reason: reason})
+}
+
+// validHost accepts a Host the edge passes on: printable ASCII without
+// spaces, at most 255 bytes (anything else: the port's own address).
+func validHost(h string) bool {
+	if h == "" || len(h) > 255 {
+		return false
+	}
+	for i := 0; i < len(h); i++ {
+		if h[i] <= ' ' || h[i] >= 0x7f {
+			return false
+		}
+	}
+	return true
 }
