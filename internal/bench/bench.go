@@ -52,7 +52,8 @@ type Config struct {
 	// each (throughput), against raw ns starts at the same concurrency.
 	CreateClients, CreatesPerClient int
 	// Only, when "create", measures only sandbox creates (sequential and
-	// concurrent) with their per-phase breakdown.
+	// concurrent) with their per-phase breakdown; "vm", "isolation",
+	// "restart" and "serviceport" measure only that section.
 	Only string
 	// MemSandboxes idle sandboxes are measured after MemSettle.
 	MemSandboxes int
