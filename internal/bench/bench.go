@@ -52,7 +52,8 @@ type Config struct {
 	// each (throughput), against raw ns starts at the same concurrency.
 	CreateClients, CreatesPerClient int
 	// Only, when "create", measures only sandbox creates (sequential and
-	// concurrent) with their per-phase breakdown.
+	// concurrent) with their per-phase breakdown; "vm", "isolation",
+	// "restart" and "serviceport" measure only that section.
 	Only string
 	// MemSandboxes idle sandboxes are measured after MemSettle.
 	MemSandboxes int
@@ -160,6 +161,8 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 		return runRestartOnly(ctx, cfg, out, progress, t0)
 	case "egress":
 		return runEgressOnly(ctx, cfg, out, progress, t0)
+	case "serviceport":
+		return runServicePortOnly(ctx, cfg, out, progress, t0)
 	}
 
 	// 1. Capability verification first, while no platform competes for CPU.
@@ -299,6 +302,30 @@ func runRestartOnly(ctx context.Context, cfg Config, out io.Writer, progress fun
 	}
 	fmt.Fprintf(out, "\ntook %s\n", time.Since(t0).Round(time.Second))
 	return nil
+}
+
+// runServicePortOnly measures only the service-port section (-only
+// serviceport) on a platform of its own.
+func runServicePortOnly(ctx context.Context, cfg Config, out io.Writer, progress func(string, ...any), t0 time.Time) error {
+	root, err := os.MkdirTemp("", "space-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(root)
+	progress("starting a platform")
+	p, err := StartPlatform(ctx, cfg.BinDir, platformDir(root, "sp"), 1, false, discardLogger(cfg.Log))
+	if err != nil {
+		return err
+	}
+	defer p.Close()
+	progress("service port: HTTP through edge+netgtw vs direct, connections per second")
+	res, err := MeasureServicePort(ctx, p, 300, 3*time.Second)
+	progress("done in %s", time.Since(t0).Round(time.Second))
+	if err != nil {
+		return err
+	}
+	fmt.Fprintln(out)
+	return WriteTable(out, res.Rows())
 }
 
 // runIsolationOnly measures only the isolation section (-only isolation).

@@ -46,6 +46,9 @@ const (
 	DefaultIdleTimeout = 120 * time.Second
 	// DefaultMaxHeaderBytes bounds a request's headers.
 	DefaultMaxHeaderBytes = 64 << 10
+	// DefaultNodeIdleConnsPerHost is how many idle connections the
+	// default NodeTransport keeps to each node-api.
+	DefaultNodeIdleConnsPerHost = 256
 )
 
 // Config configures an Edge. Zero values take the documented defaults.
@@ -106,7 +109,10 @@ type Config struct {
 	ControlPlaneClient *http.Client
 	// NodeTransport forwards requests to node-api. It must not impose an
 	// overall timeout (streams are long-lived). Default: a clone of
-	// http.DefaultTransport.
+	// http.DefaultTransport that keeps DefaultNodeIdleConnsPerHost idle
+	// connections per node (http.DefaultTransport keeps 2: every
+	// concurrent request beyond that opened a connection and closed it
+	// afterwards).
 	NodeTransport http.RoundTripper
 	// Logger receives structured logs (never tokens or keys). Default
 	// slog.Default().
@@ -165,7 +171,10 @@ func (cfg Config) withDefaults() Config {
 		cfg.ControlPlaneClient = &http.Client{Timeout: DefaultControlPlaneTimeout}
 	}
 	if cfg.NodeTransport == nil {
-		cfg.NodeTransport = http.DefaultTransport.(*http.Transport).Clone()
+		tr := http.DefaultTransport.(*http.Transport).Clone()
+		tr.MaxIdleConnsPerHost = DefaultNodeIdleConnsPerHost
+		tr.MaxIdleConns = 4 * DefaultNodeIdleConnsPerHost
+		cfg.NodeTransport = tr
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

@@ -90,6 +90,7 @@ func New(cfg Config) (*Edge, error) {
 		Rewrite:        e.rewrite,
 		Transport:      &forwarder{e: e},
 		FlushInterval:  -1, // flush every write: Connect server streams, PTY output
+		BufferPool:     newBufferPool(),
 		ErrorHandler:   e.proxyError,
 		ModifyResponse: e.modifyResponse,
 		ErrorLog:       slog.NewLogLogger(e.log.Handler(), slog.LevelWarn),

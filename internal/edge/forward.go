@@ -13,6 +13,7 @@ import (
 	"net/http/httputil"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
@@ -183,4 +184,24 @@ func isPausedAnswer(res *http.Response) bool {
 	}
 	var ae spacev1.Error
 	return json.Unmarshal(b, &ae) == nil && ae.Reason == spacev1.ReasonPaused
+}
+
+// proxyBufSize is the proxy's copy buffer (httputil.ReverseProxy's own
+// size); pooled, so a forwarded request does not allocate and zero 32 KiB.
+const proxyBufSize = 32 << 10
+
+type bufferPool struct{ p sync.Pool }
+
+func newBufferPool() *bufferPool {
+	return &bufferPool{p: sync.Pool{New: func() any { b := make([]byte, proxyBufSize); return &b }}}
+}
+
+func (bp *bufferPool) Get() []byte { return *(bp.p.Get().(*[]byte)) }
+
+func (bp *bufferPool) Put(b []byte) {
+	if cap(b) != proxyBufSize {
+		return
+	}
+	b = b[:proxyBufSize]
+	bp.p.Put(&b)
 }

@@ -132,3 +132,55 @@ func TestRawTCPUpgrade(t *testing.T) {
 		t.Fatalf("capability request %+v", last)
 	}
 }
+
+// Concurrent requests to one node reuse their connections: the default
+// node transport keeps more than http.DefaultTransport's two idle
+// connections per host, so a second wave of concurrent requests opens no
+// new ones.
+func TestNodeConnectionsReused(t *testing.T) {
+	h := newHarness(t)
+	h.sandbox("sbx1")
+	const wave = 8
+	var (
+		mu      sync.Mutex
+		conns   = map[string]bool{}
+		arrived sync.WaitGroup
+		release = make(chan struct{})
+	)
+	h.node.handle("/hold", func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		conns[r.RemoteAddr] = true
+		mu.Unlock()
+		arrived.Done()
+		<-release
+		_, _ = io.WriteString(w, "ok")
+	})
+	cl := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: wave}}
+	t.Cleanup(cl.CloseIdleConnections)
+	for round := 0; round < 2; round++ {
+		arrived.Add(wave)
+		release = make(chan struct{})
+		var done sync.WaitGroup
+		for i := 0; i < wave; i++ {
+			done.Go(func() {
+				req, _ := http.NewRequest("GET", h.srv.URL+"/hold", nil)
+				req.Host = "8000-sbx1.localhost"
+				res, err := cl.Do(req)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if b := readAll(t, res); res.StatusCode != 200 || b != "ok" {
+					t.Errorf("status %d body %q", res.StatusCode, b)
+				}
+			})
+		}
+		arrived.Wait() // all of the wave in flight at once
+		close(release)
+		done.Wait()
+		time.Sleep(50 * time.Millisecond) // connections back in the pool
+	}
+	if len(conns) > wave {
+		t.Fatalf("%d requests in two waves of %d used %d node connections", 2*wave, wave, len(conns))
+	}
+}

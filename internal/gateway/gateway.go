@@ -202,6 +202,7 @@ func New(cfg Config) (*Gateway, error) {
 		Rewrite:       func(pr *httputil.ProxyRequest) {},
 		Transport:     g.tr,
 		FlushInterval: -1,
+		BufferPool:    NewBufferPool(),
 		ErrorLog:      slog.NewLogLogger(g.log.Handler(), slog.LevelWarn),
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			if r.Context().Err() != nil {
@@ -331,7 +332,14 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	proto := RequestProtocol(r)
 	ad := g.Admit(r.Header.Get(spacev1.HeaderCapability), port, proto)
 	g.count(ad.Decision.Outcome)
-	g.log.Info("decision", "outcome", ad.Decision.Outcome.String(), "reason", ad.Decision.Reason,
+	// A refusal is logged; an allowed request only at debug level: it is
+	// on every request's path, and sbx-manager's audit log records each
+	// admission already.
+	level := slog.LevelInfo
+	if ad.Decision.Outcome == identity.Allow {
+		level = slog.LevelDebug
+	}
+	g.log.Log(r.Context(), level, "decision", "outcome", ad.Decision.Outcome.String(), "reason", ad.Decision.Reason,
 		"jti", ad.Claims.JTI, "port", port, "protocol", proto)
 	switch ad.Decision.Outcome {
 	case identity.Allow:

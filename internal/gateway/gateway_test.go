@@ -384,12 +384,14 @@ while True:
 	if _, err := OpenNetns(pid, ino, start+1); !errors.Is(err, ErrNetnsMismatch) {
 		t.Fatalf("wrong start time (reused pid): %v", err)
 	}
+	fdsBefore := openFDs(t)
 	d, err := OpenNetns(pid, ino, start)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer d.Close()
-	for i := 0; i < 3; i++ {
+	dialSandbox := func() {
+		t.Helper()
 		c, err := d.DialPort(context.Background(), port)
 		if err != nil {
 			t.Fatal(err)
@@ -400,6 +402,46 @@ while True:
 			t.Fatalf("reached %q, want the sandbox's listener", b)
 		}
 	}
+	// More dials than the pool holds: the refilled sockets are made in
+	// the sandbox's namespace too.
+	for i := 0; i < 3*netnsPoolSize; i++ {
+		dialSandbox()
+	}
+	// A socket the factory cannot make is an error for the dial that
+	// takes it, not a wait (RLIMIT_NOFILE down to what is open now).
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	low := lim
+	low.Cur = uint64(openFDs(t))
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &low); err != nil {
+		t.Fatal(err)
+	}
+	var sawEMFILE bool
+	for i := 0; i < netnsPoolSize+2 && !sawEMFILE; i++ {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		c, err := d.DialPort(ctx, port)
+		cancel()
+		switch {
+		case err == nil:
+			c.Close() // a pooled socket made before the limit
+		case errors.Is(err, unix.EMFILE):
+			sawEMFILE = true
+		case errors.Is(err, context.DeadlineExceeded):
+			unix.Setrlimit(unix.RLIMIT_NOFILE, &lim)
+			t.Fatal("dial waited for a socket the factory could not make")
+		default:
+			// The dup of a pooled socket hit the limit: also refused.
+		}
+	}
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	if !sawEMFILE {
+		t.Fatal("socket creation failure never reported")
+	}
+	dialSandbox() // the factory makes sockets again
 	// A closed port inside the namespace is refused (no fallback to host).
 	if _, err := d.DialPort(context.Background(), port+1); !errors.Is(err, unix.ECONNREFUSED) {
 		t.Fatalf("closed port: %v", err)
@@ -420,4 +462,23 @@ while True:
 			t.Fatalf("a goroutine ran in namespace %d, host is %d", got, host.Ino)
 		}
 	}
+	// Close releases the namespace and every socket made ahead; a dial
+	// after it is refused.
+	d.Close()
+	if n := openFDs(t); n != fdsBefore {
+		t.Fatalf("%d descriptors open after Close, %d before OpenNetns", n, fdsBefore)
+	}
+	if _, err := d.DialPort(context.Background(), port); err == nil {
+		t.Fatal("dial after Close succeeded")
+	}
+}
+
+// openFDs counts this process's open descriptors.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents) - 1 // the directory being read
 }

@@ -241,6 +241,7 @@ func (m *Manager) startGateway(ctx context.Context, gs *gatewayState) (*gatewayP
 		},
 		Transport:     g.tr,
 		FlushInterval: -1,
+		BufferPool:    proxyBuffers,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			if r.Context().Err() != nil {
 				return
@@ -250,6 +251,9 @@ func (m *Manager) startGateway(ctx context.Context, gs *gatewayState) (*gatewayP
 	}
 	return g, nil
 }
+
+// proxyBuffers are the copy buffers of the manager's service-port proxies.
+var proxyBuffers = gateway.NewBufferPool()
 
 // control sends one control message and waits for netgtw's answer.
 func (g *gatewayProc) control(c gateway.Control) (string, error) {
