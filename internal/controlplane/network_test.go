@@ -52,6 +52,17 @@ func TestNetworkOptions(t *testing.T) {
 		t.Fatalf("GET rule header %q, want the placeholder", got)
 	}
 
+	// A new version of the secret reaches the running sandbox's worker.
+	if r := e.api("POST", "/secrets/api-key", map[string]any{"value": "rotated"}); r.Code != 200 {
+		t.Fatalf("update secret: %d %s", r.Code, r.Body)
+	}
+	node.mu.Lock()
+	if n := len(node.networks); n == 0 || node.networks[n-1].Network.Spec.Rules["api.example.com"][0].Transform.Headers["Authorization"] != "Bearer rotated" {
+		node.mu.Unlock()
+		t.Fatal("the rotated secret was not pushed to the sandbox's worker")
+	}
+	node.mu.Unlock()
+
 	// updateNetwork: replaced as a whole, pushed to the worker.
 	if r := e.api("PUT", "/sandboxes/"+sb.SandboxID+"/network", map[string]any{"allowOut": []string{"10.0.0.0/8"}}); r.Code != 204 {
 		t.Fatalf("update: %d %s", r.Code, r.Body)

@@ -1,14 +1,17 @@
 package controlplane
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 	"unicode/utf8"
 
+	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -159,8 +162,9 @@ func (s *Server) handleGetSecret(w http.ResponseWriter, r *http.Request, c calle
 }
 
 // handleUpdateSecret is E2B's POST /secrets/{secretID}: a new version.
-// Running sandboxes get the new value at their next network update,
-// resume or move (the worker holds resolved rules).
+// The team's running sandboxes whose rules name it get their policy again
+// with the new value before this answers (best effort: one that cannot be
+// reached gets it at its next network update, resume or move).
 func (s *Server) handleUpdateSecret(w http.ResponseWriter, r *http.Request, c caller) {
 	var req struct {
 		Value    string            `json:"value"`
@@ -194,6 +198,7 @@ func (s *Server) handleUpdateSecret(w http.ResponseWriter, r *http.Request, c ca
 		return
 	}
 	s.log.Info("secret updated", "team", c.TeamID, "secret", rec.ID, "version", rec.CurrentVersion)
+	s.repushSecret(r.Context(), c.TeamID, rec.Name)
 	writeJSON(w, http.StatusOK, toSecretInfo(rec))
 }
 
@@ -205,4 +210,27 @@ func (s *Server) handleDeleteSecret(w http.ResponseWriter, r *http.Request, c ca
 	}
 	s.log.Info("secret deleted", "team", c.TeamID, "secret", r.PathValue("id"))
 	w.WriteHeader(http.StatusNoContent)
+}
+
+// repushSecret sends the policy again, with the secret's new value, to
+// the team's running sandboxes whose rules name it.
+func (s *Server) repushSecret(ctx context.Context, team, name string) {
+	entries, err := s.st.ListSandboxes(ctx)
+	if err != nil {
+		s.log.Warn("secret update: listing sandboxes", "err", err)
+		return
+	}
+	for _, e := range entries {
+		rec := e.Record
+		if rec.TeamID != team || rec.State != store.StateRunning || rec.Network == nil || !slices.Contains(rec.Network.SecretRefs(), name) {
+			continue
+		}
+		nw, err := s.installNetwork(ctx, rec)
+		if err == nil {
+			err = s.node.setNetwork(ctx, rec.NodeURL, spacev1.NetworkRequest{Route: rec.Route, Network: *nw})
+		}
+		if err != nil {
+			s.log.Warn("secret update not in force on a running sandbox yet", "sandbox", rec.ID, "generation", rec.Route.Generation, "err", err)
+		}
+	}
 }
