@@ -15,7 +15,6 @@ import (
 	"math/big"
 	"net"
 	"net/netip"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -350,17 +349,6 @@ func tlsEchoServer(t testing.TB, cert tls.Certificate) string {
 		tc := tls.Server(c, cfg)
 		io.Copy(tc, tc)
 	})
-}
-
-// httpServer answers every request with "host=<Host> <header values>" for
-// the headers named in show.
-func httpLine(req string) string {
-	for _, l := range strings.Split(req, "\r\n") {
-		if strings.HasPrefix(strings.ToLower(l), "host:") {
-			return strings.TrimSpace(l[5:])
-		}
-	}
-	return ""
 }
 
 func allow(b bool) *bool { return &b }

@@ -320,7 +320,7 @@ func looksHTTP(buf []byte) error {
 func parseHTTPHost(buf []byte) (string, error) {
 	end := bytes.Index(buf, []byte("\r\n\r\n"))
 	if end < 0 {
-		if bytes.Index(buf, []byte("\n\n")) < 0 {
+		if !bytes.Contains(buf, []byte("\n\n")) {
 			return "", errNeedMore
 		}
 		end = bytes.Index(buf, []byte("\n\n"))

@@ -24,7 +24,6 @@ package netsim
 import (
 	"crypto/tls"
 	"crypto/x509"
-	"errors"
 	"fmt"
 	"net/http"
 	"net/netip"
@@ -376,5 +375,3 @@ func (t *tracker) close() <-chan struct{} {
 	}
 	return ch
 }
-
-var errClosed = errors.New("netsim: internet closed")

@@ -63,8 +63,6 @@ func withRoots(f func(up *httptest.Server) *x509.CertPool) envOpt {
 	return func(c *envConfig) { c.roots = f }
 }
 
-func withHeaders(h map[string]string) envOpt { return func(c *envConfig) { c.headers = h } }
-
 func newEnv(t *testing.T, h http.Handler, opts ...envOpt) *env {
 	t.Helper()
 	cfg := envConfig{
