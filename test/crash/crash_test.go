@@ -205,6 +205,9 @@ func runScenario(t *testing.T, sc scenario) []string {
 		if err := p2.Stop(); err != nil {
 			t.Error(err)
 		}
+		for _, l := range h.afterStop() {
+			t.Errorf("left after space up stopped (--keep-sandboxes=false): %s", l)
+		}
 	}()
 	c2 := client(t, p2)
 	var violations []string

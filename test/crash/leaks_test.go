@@ -76,14 +76,12 @@ func (h host) leaks(live map[string]identity.Route) []string {
 			out = append(out, fmt.Sprintf("loop device %s backs %s", strings.Split(l, "/")[3], f))
 		}
 	}
-	if mi, err := os.ReadFile("/proc/self/mountinfo"); err == nil {
-		for _, line := range strings.Split(string(mi), "\n") {
-			fields := strings.Fields(line)
-			if len(fields) > 4 && strings.HasPrefix(fields[4], h.dataDir+"/") {
-				if act := actOf(fields[4]); act == "" || !wantAct[act] {
-					out = append(out, "mount "+fields[4])
-				}
-			}
+	for _, m := range h.mounts() {
+		if isEgressNetns(h.dataDir, m) {
+			continue // the worker's own, while it runs (afterStop checks it went)
+		}
+		if act := actOf(m); act == "" || !wantAct[act] {
+			out = append(out, "mount "+m)
 		}
 	}
 	tmps, _ := filepath.Glob(filepath.Join(h.dataDir, "snapshots", ".tmp-*"))
@@ -91,6 +89,40 @@ func (h host) leaks(live map[string]identity.Route) []string {
 		out = append(out, "snapshot temporary "+t)
 	}
 	slices.Sort(out)
+	return out
+}
+
+// mounts lists the mount points under the data dir.
+func (h host) mounts() []string {
+	var out []string
+	mi, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return nil
+	}
+	for _, line := range strings.Split(string(mi), "\n") {
+		if fields := strings.Fields(line); len(fields) > 4 && strings.HasPrefix(fields[4], h.dataDir+"/") {
+			out = append(out, fields[4])
+		}
+	}
+	return out
+}
+
+// isEgressNetns reports whether mount point m is a worker's egress
+// network namespace (sbxnet's <worker state>/egress.netns): it lives as
+// long as its worker, not any sandbox.
+func isEgressNetns(dataDir, m string) bool {
+	ok, _ := filepath.Match(filepath.Join(dataDir, "workers", "*", "egress.netns"), m)
+	return ok
+}
+
+// afterStop lists what a platform stopped without keeping its sandboxes
+// left mounted under the data dir: nothing may be, the workers' egress
+// namespaces included.
+func (h host) afterStop() []string {
+	var out []string
+	for _, m := range h.mounts() {
+		out = append(out, "mount "+m)
+	}
 	return out
 }
 

@@ -130,6 +130,9 @@ type layerDisk struct {
 	dev  uint64 // the loop device's number = st_dev of files on the disk
 	// gone is set once Unmount has unmounted dir (or found it gone).
 	gone bool
+	// sharedBind: dir is a shared bind of itself under the disk
+	// (layerClone's fallback), unmounted after the disk.
+	sharedBind bool
 }
 
 // Dir is the mount point; Upper and Work are the overlay's upperdir and
@@ -464,6 +467,12 @@ func (d *layerDisk) Unmount() error {
 	}
 	if err := unmountDisk(d.dir); err != nil {
 		return err
+	}
+	if d.sharedBind {
+		// The bind the disk was attached on (layerClone's fallback).
+		if err := unmountDisk(d.dir); err != nil {
+			return err
+		}
 	}
 	d.gone = true
 	return nil

@@ -303,11 +303,23 @@ func (s *Substrate) layerClone(dir string, usernsFD int) (int, error) {
 	if err := os.Mkdir(mnt, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
 		return -1, fmt.Errorf("ns: disk quota: %w", err)
 	}
+	// The disk goes on a shared bind of mnt to itself: every mount
+	// namespace cloned while it is attached (another worker's warm init)
+	// holds a peer copy, and the unmount propagates to it, so the loop
+	// device ends when this process unmounts, not when that init does.
+	if err := unix.Mount(mnt, mnt, "", unix.MS_BIND, ""); err != nil {
+		return -1, fmt.Errorf("ns: disk quota: bind %s: %w", mnt, err)
+	}
+	if err := unix.Mount("", mnt, "", unix.MS_SHARED, ""); err != nil {
+		unix.Unmount(mnt, unix.MNT_DETACH)
+		return -1, fmt.Errorf("ns: disk quota: share %s: %w", mnt, err)
+	}
 	if err := unix.MoveMount(ref.disk.mfd, "", unix.AT_FDCWD, mnt, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		unix.Unmount(mnt, unix.MNT_DETACH)
 		return -1, fmt.Errorf("ns: disk quota: attach %s: %w", mnt, err)
 	}
 	unix.Close(ref.disk.mfd)
-	ref.disk.mfd, ref.disk.dir = -1, mnt
+	ref.disk.mfd, ref.disk.dir, ref.disk.sharedBind = -1, mnt, true
 	return ref.disk.Clone(usernsFD, attrs)
 }
 

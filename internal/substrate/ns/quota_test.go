@@ -4,7 +4,9 @@ package ns
 
 import (
 	"context"
+	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -188,6 +190,23 @@ func TestLayerDiskAttachedFallback(t *testing.T) {
 	mustOK(t, inst, 1000, "echo kept > /home/user/kept")
 	if b, err := os.ReadFile(filepath.Join(inst.LayerDir(), "home/user/kept")); err != nil || string(b) != "kept\n" {
 		t.Fatalf("layer through the attached disk: %q %v", b, err)
+	}
+	// A mount namespace cloned now, by a process this substrate does not
+	// know (another worker's warm init), holds a copy of the attached
+	// disk: the restart must not wait for it to end (it never does here).
+	holder := exec.Command("unshare", "--mount", "--propagation", "unchanged", "sleep", "600")
+	if err := holder.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { holder.Process.Kill(); holder.Wait() }()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		own, _ := os.Readlink("/proc/self/ns/mnt")
+		if ns, _ := os.Readlink(fmt.Sprintf("/proc/%d/ns/mnt", holder.Process.Pid)); ns != "" && ns != own {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("unshare did not enter a mount namespace of its own")
+		}
 	}
 	inst2 := restartOnSameDir(t, s, inst, spec)
 	if out := mustOK(t, inst2, 1000, "cat /home/user/kept"); out != "kept\n" {
