@@ -52,6 +52,47 @@ type Spec struct {
 	// the guest's NIC; for the others (Capabilities.Netns) the manager
 	// attaches a veth to InitPID's network namespace after Start.
 	Network *Network
+	// Image, when set, is the sandbox's root file system (a template built
+	// from an OCI image, the Debian base or template build steps); nil runs
+	// the substrate's built-in template named Template.
+	Image *Image
+	// Volumes are persistent directories mounted into the sandbox.
+	Volumes []VolumeMount
+}
+
+// Image is a root file system as a stack of read-only layers plus the
+// process defaults its builder recorded.
+type Image struct {
+	// ID names the stack's content (e.g. "sha256:<hex>" over the layer
+	// IDs in order): substrates key what they derive from it (a flattened
+	// disk image) by ID.
+	ID string
+	// Layers are host directories in overlayfs lower-layer form, bottom
+	// first: whiteouts are 0:0 character devices, opaque directories carry
+	// trusted.overlay.opaque=y and user.overlay.opaque=y, owners are the
+	// image's own ids (the substrate maps them into the sandbox's user
+	// namespace). The platform keeps them read-only and root-only (0700
+	// parents): they may hold setuid files.
+	Layers []string
+	// Env (KEY=VALUE), WorkingDir and User are the defaults of processes
+	// started in the sandbox; empty means the substrate's own.
+	Env        []string
+	WorkingDir string
+	User       string
+}
+
+// VolumeMount is one persistent volume mounted into a sandbox.
+type VolumeMount struct {
+	// Name is the volume's name (its team's namespace), for errors and logs.
+	Name string
+	// Source is the host directory holding the volume's files (on its
+	// quota-bounded file system), owned by the sandbox user's ids as the
+	// substrate maps them.
+	Source string
+	// Path is the absolute mount point inside the sandbox.
+	Path string
+	// ReadOnly mounts it read-only.
+	ReadOnly bool
 }
 
 // Network describes one execution's link to the worker's egress netns. The
