@@ -25,6 +25,7 @@ func main() {
 	apiKey := flag.String("api-key", os.Getenv("SPACE_API_KEY"), "bootstrap API key e2b_<40 hex> (env SPACE_API_KEY; generated if empty)")
 	edgeKey := flag.String("edge-key", os.Getenv("SPACE_EDGE_KEY"), "space-edge service key (env SPACE_EDGE_KEY)")
 	domain := flag.String("domain", controlplane.DefaultDomain, "domain reported to E2B clients")
+	sandboxURL := flag.String("sandbox-url", "", "the edge's URL, where template builds reach their build sandboxes (empty: builds disabled)")
 	logOpts := logsetup.Flags(flag.CommandLine, logsetup.Options{Format: os.Getenv(logsetup.EnvFormat), Level: os.Getenv(logsetup.EnvLevel)})
 	flag.Parse()
 	log, err := logsetup.New(os.Stderr, *logOpts)
@@ -39,16 +40,17 @@ func main() {
 		}
 		log.Warn("crash point armed: this process kills itself there (crash-point tests only)", "point", spec)
 	}
-	if err := run(log, *addr, *dataDir, *etcd, *apiKey, *edgeKey, *domain); err != nil {
+	cfg := controlplane.Config{Addr: *addr, DataDir: *dataDir, BootstrapAPIKey: *apiKey, EdgeKey: *edgeKey, Domain: *domain, SandboxURL: *sandboxURL}
+	if err := run(log, *etcd, cfg); err != nil {
 		fmt.Fprintln(os.Stderr, "space-api:", err)
 		os.Exit(1)
 	}
 }
 
-func run(log *slog.Logger, addr, dataDir, etcd, apiKey, edgeKey, domain string) error {
+func run(log *slog.Logger, etcd string, cfg controlplane.Config) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	scfg := store.Config{DataDir: filepath.Join(dataDir, "store"), Logger: log}
+	scfg := store.Config{DataDir: filepath.Join(cfg.DataDir, "store"), Logger: log}
 	if etcd != "" {
 		scfg.Endpoints = strings.Split(etcd, ",")
 	}
@@ -57,8 +59,7 @@ func run(log *slog.Logger, addr, dataDir, etcd, apiKey, edgeKey, domain string) 
 		return err
 	}
 	defer st.Close()
-	srv, err := controlplane.New(controlplane.Config{Addr: addr, DataDir: dataDir, BootstrapAPIKey: apiKey,
-		EdgeKey: edgeKey, Domain: domain}, controlplane.Deps{Store: st, Logger: log})
+	srv, err := controlplane.New(cfg, controlplane.Deps{Store: st, Logger: log})
 	if err != nil {
 		return err
 	}

@@ -71,6 +71,15 @@ type Config struct {
 	EdgeKey string
 	// Domain is reported in E2B "domain" fields (default "localhost").
 	Domain string
+	// SandboxURL is the edge's base URL, where template builds reach their
+	// build sandboxes' process and file APIs; empty disables template
+	// builds (they fail with a clear error).
+	SandboxURL string
+	// BuildConcurrency bounds the template builds running at once
+	// (default 2); more wait in "waiting".
+	BuildConcurrency int
+	// MaxTemplateFileBytes bounds one uploaded COPY archive (default 1 GiB).
+	MaxTemplateFileBytes int64
 	// DefaultTimeout is a sandbox's time to live when the create request
 	// names none (default 300 s); MaxTimeout bounds any requested timeout
 	// (default 24 h).
@@ -139,6 +148,8 @@ func (c Config) withDefaults() Config {
 	c.Addr = cmp.Or(c.Addr, DefaultAddr)
 	c.BootstrapTeamID = cmp.Or(c.BootstrapTeamID, DefaultTeamID)
 	c.Domain = cmp.Or(c.Domain, DefaultDomain)
+	c.BuildConcurrency = cmp.Or(c.BuildConcurrency, 2)
+	c.MaxTemplateFileBytes = cmp.Or(c.MaxTemplateFileBytes, 1<<30)
 	c.DefaultTimeout = cmp.Or(c.DefaultTimeout, DefaultTimeout)
 	c.MaxTimeout = cmp.Or(c.MaxTimeout, DefaultMaxTimeout)
 	c.Substrate = cmp.Or(c.Substrate, identity.SubstrateNS)

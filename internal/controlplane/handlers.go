@@ -21,6 +21,11 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request, c caller, 
 		s.writeError(w, r, err)
 		return
 	}
+	built, err := s.resolveBuiltTemplate(r.Context(), c, &req)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
 	snap, err := s.resolveSnapshotTemplate(r.Context(), c, &req)
 	if err != nil {
 		s.writeError(w, r, err)
@@ -35,6 +40,12 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request, c caller, 
 	rec, err := s.createSandbox(r.Context(), c, p)
 	if err != nil {
 		s.writeError(w, r, err)
+		return
+	}
+	if err := s.startTemplate(r.Context(), built, rec); err != nil {
+		// The sandbox is of no use without its server: gone, and said why.
+		_ = s.killSandbox(context.WithoutCancel(r.Context()), rec.ID, c.TeamID, "start command failed", func(store.SandboxRecord) error { return nil })
+		s.writeError(w, r, fmt.Errorf("%w: template start command: %v", errdefs.ErrUnavailable, err))
 		return
 	}
 	writeJSON(w, http.StatusCreated, s.created(rec))

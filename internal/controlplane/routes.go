@@ -34,8 +34,21 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("POST /v2/sandboxes/{id}/connect", s.withKey(func(w http.ResponseWriter, r *http.Request, c caller) { s.handleConnect(w, r, c, true) }))
 	mux.HandleFunc("POST /sandboxes/{id}/snapshots", s.withKey(s.handleCreateSnapshot))
 	mux.HandleFunc("GET /snapshots", s.withKey(s.handleListSnapshots))
-	mux.HandleFunc("DELETE /templates/{id}", s.withKey(s.handleDeleteSnapshot))
+	mux.HandleFunc("DELETE /templates/{id}", s.withKey(s.handleDeleteTemplate))
 	mux.HandleFunc("POST /sandboxes/{id}/fork", s.withKey(s.handleFork))
+
+	// E2B: template builds (templates.go).
+	mux.HandleFunc("POST /v3/templates", s.withKey(s.handleRequestBuild))
+	mux.HandleFunc("GET /templates/{id}/files/{hash}", s.withKey(s.handleFileUploadLink))
+	mux.HandleFunc("PUT /template-files/{team}/{hash}", s.handleFileUpload) // authorized by the link's signature
+	mux.HandleFunc("POST /v2/templates/{id}/builds/{buildID}", s.withKey(s.handleStartBuild))
+	mux.HandleFunc("GET /templates/{id}/builds/{buildID}/status", s.withKey(s.handleBuildStatus))
+	mux.HandleFunc("GET /templates/aliases/{alias}", s.withKey(s.handleTemplateAlias))
+	mux.HandleFunc("GET /templates", s.withKey(s.handleListTemplates))
+	mux.HandleFunc("GET /templates/{id}", s.withKey(s.handleGetTemplate))
+	mux.HandleFunc("GET /templates/{id}/tags", s.withKey(s.handleTemplateTags))
+	mux.HandleFunc("POST /templates/tags", s.withKey(s.handleAssignTags))
+	mux.HandleFunc("DELETE /templates/tags", s.withKey(s.handleDeleteTags))
 
 	// E2B: secrets (secrets.go).
 	mux.HandleFunc("POST /secrets", s.withKey(s.handleCreateSecret))

@@ -51,6 +51,8 @@ type Server struct {
 	// operation whose owner died is released at once (reaper.go).
 	instance string
 	reg      *store.Registration
+
+	tb *templateBuilds
 }
 
 // instanceTTL is how long a dead control plane's registration outlives it:
@@ -110,6 +112,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if s.reg, err = s.st.RegisterControlPlane(ctx, s.instance, instanceTTL); err != nil {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
+	s.tb = newTemplateBuilds(cfg)
 	s.handler = s.routes()
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.reapNow = make(chan struct{}, 1)

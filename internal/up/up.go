@@ -245,9 +245,23 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		return nil, fmt.Errorf("up: store: %w", err)
 	}
 	edgeKey := "edge_" + randomHex(24)
+	// The edge's address first: template builds reach their sandboxes
+	// through it.
+	edgeLn, err := net.Listen("tcp", cfg.EdgeAddr)
+	if err != nil {
+		return nil, fmt.Errorf("up: edge listen: %w", err)
+	}
+	edgeServed := false
+	defer func() {
+		if !edgeServed {
+			edgeLn.Close()
+		}
+	}()
+	p.SandboxURL = "http://" + edgeLn.Addr().String()
 	p.cp, err = controlplane.New(controlplane.Config{
 		Addr: cfg.APIAddr, DataDir: filepath.Join(cfg.DataDir, "api"), BootstrapAPIKey: cfg.APIKey,
 		EdgeKey: edgeKey, Domain: cfg.Domain, DefaultEnvdVersion: guest.EnvdVersion, EgressLimits: cfg.EgressLimits,
+		SandboxURL: p.SandboxURL,
 	}, controlplane.Deps{Store: p.st, Logger: log, Snapshots: p.host.Snapshots()})
 	if err != nil {
 		return nil, fmt.Errorf("up: control plane: %w", err)
@@ -280,11 +294,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("up: edge: %w", err)
 	}
-	edgeLn, err := net.Listen("tcp", cfg.EdgeAddr)
-	if err != nil {
-		return nil, fmt.Errorf("up: edge listen: %w", err)
-	}
-	p.SandboxURL = "http://" + edgeLn.Addr().String()
+	edgeServed = true
 	p.goRun("edge", func() error { return p.edge.Serve(rctx, edgeLn) })
 	return p, nil
 }

@@ -1,0 +1,870 @@
+package controlplane
+
+import (
+	"context"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/store"
+	"github.com/spacesbx/space/internal/templatebuild"
+	"github.com/spacesbx/space/sdk"
+)
+
+// Template builds (E2B's Template.build): a build request makes a
+// template record (by alias, per team) and a waiting build; the SDK
+// uploads its COPY files by hash through signed links, then starts the
+// build, which runs in a build sandbox (internal/templatebuild) and ends
+// in a snapshot. Creating a sandbox from the template restores that
+// snapshot on the base template and, when the template has a start
+// command, starts it and waits for its ready command before answering.
+
+// maxBuildLogs bounds the log lines a build keeps.
+const maxBuildLogs = 5000
+
+// uploadLinkTTL is how long a file upload link is valid.
+const uploadLinkTTL = time.Hour
+
+var (
+	templateAliasRE = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,127}$`)
+	templateTagRE   = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
+)
+
+// templateBuilds is the control plane's running builds.
+type templateBuilds struct {
+	uploadKey []byte
+	sem       chan struct{}
+
+	mu   sync.Mutex
+	live map[string]*liveBuild // by build id
+}
+
+func newTemplateBuilds(cfg Config) *templateBuilds {
+	k := make([]byte, 32)
+	rand.Read(k)
+	return &templateBuilds{uploadKey: k, sem: make(chan struct{}, cfg.BuildConcurrency), live: map[string]*liveBuild{}}
+}
+
+// liveBuild is a build running here: its log grows in memory and is
+// written to the record when the build ends.
+type liveBuild struct {
+	mu   sync.Mutex
+	logs []store.BuildLog
+}
+
+func (l *liveBuild) add(level, step, msg string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(msg) > 4096 {
+		msg = msg[:4096] + "..."
+	}
+	if len(l.logs) >= maxBuildLogs {
+		copy(l.logs, l.logs[1:]) // keep the newest: a failure's output is at the end
+		l.logs = l.logs[:len(l.logs)-1]
+	}
+	l.logs = append(l.logs, store.BuildLog{Time: time.Now().UTC(), Level: level, Message: msg, Step: step})
+}
+
+func (l *liveBuild) snapshot() []store.BuildLog {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.logs)
+}
+
+// splitTemplateRef splits "alias:tag" (tag default "default"), dropping a
+// "team/" prefix of the caller's own team.
+func splitTemplateRef(team, ref string) (alias, tag string, err error) {
+	if i := strings.IndexByte(ref, '/'); i >= 0 {
+		if ref[:i] != team {
+			return "", "", fmt.Errorf("%w: template %q", errdefs.ErrNotFound, truncate(ref, 64))
+		}
+		ref = ref[i+1:]
+	}
+	alias, tag, _ = strings.Cut(ref, ":")
+	if tag == "" {
+		tag = "default"
+	}
+	if !templateAliasRE.MatchString(alias) {
+		return "", "", fmt.Errorf("%w: template name %q: lower-case letters, digits, '.', '_' and '-', at most 128", errdefs.ErrInvalid, truncate(alias, 64))
+	}
+	if !templateTagRE.MatchString(tag) {
+		return "", "", fmt.Errorf("%w: tag %q", errdefs.ErrInvalid, truncate(tag, 64))
+	}
+	return alias, tag, nil
+}
+
+// findTemplate returns team's template with id or alias ref.
+func (s *Server) findTemplate(ctx context.Context, team, ref string) (store.TemplateRecord, error) {
+	if rec, err := s.st.GetTemplate(ctx, ref); err == nil {
+		if rec.TeamID != team {
+			return store.TemplateRecord{}, fmt.Errorf("%w: template %s", errdefs.ErrNotFound, ref)
+		}
+		return rec, nil
+	} else if !errors.Is(err, errdefs.ErrNotFound) {
+		return store.TemplateRecord{}, err
+	}
+	all, err := s.st.ListTemplates(ctx)
+	if err != nil {
+		return store.TemplateRecord{}, err
+	}
+	for _, rec := range all {
+		if rec.TeamID == team && slices.Contains(rec.Names, ref) {
+			return rec, nil
+		}
+	}
+	return store.TemplateRecord{}, fmt.Errorf("%w: template %q", errdefs.ErrNotFound, truncate(ref, 64))
+}
+
+// handleRequestBuild is POST /v3/templates.
+func (s *Server) handleRequestBuild(w http.ResponseWriter, r *http.Request, c caller) {
+	var req e2bapi.TemplateBuildRequestV3
+	if err := decodeJSON(w, r, &req, false); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	alias, tag, err := splitTemplateRef(c.TeamID, req.Name)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if _, ok := s.cfg.Templates[alias]; ok {
+		s.writeError(w, r, fmt.Errorf("%w: %q is a platform template; choose another name", errdefs.ErrConflict, alias))
+		return
+	}
+	tags := []string{tag}
+	for _, t := range req.Tags {
+		if !templateTagRE.MatchString(t) {
+			s.writeError(w, r, fmt.Errorf("%w: tag %q", errdefs.ErrInvalid, truncate(t, 64)))
+			return
+		}
+		if !slices.Contains(tags, t) {
+			tags = append(tags, t)
+		}
+	}
+	ctx := r.Context()
+	now := s.now().UTC()
+	tpl, err := s.findTemplate(ctx, c.TeamID, alias)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		tpl = store.TemplateRecord{ID: "tpl-" + randHex(10), TeamID: c.TeamID, Names: []string{alias}, CreatedAt: now, UpdatedAt: now}
+		err = s.st.CreateTemplate(ctx, tpl)
+	}
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if req.CPUCount != nil || req.MemoryMB != nil {
+		base := s.cfg.Templates["base"]
+		cpu, mem := base.CPUCount, base.MemoryMB
+		if req.CPUCount != nil {
+			cpu = *req.CPUCount
+		}
+		if req.MemoryMB != nil {
+			mem = *req.MemoryMB
+		}
+		if cpu < 1 || cpu > 64 || mem < 128 || mem > 256<<10 {
+			s.writeError(w, r, fmt.Errorf("%w: cpuCount 1..64 and memoryMB 128..262144", errdefs.ErrInvalid))
+			return
+		}
+	}
+	b := store.TemplateBuildRecord{ID: "bld-" + randHex(10), TemplateID: tpl.ID, TeamID: c.TeamID, Status: e2bapi.BuildWaiting,
+		Tags: tags, CreatedAt: now, UpdatedAt: now}
+	if err := s.st.CreateTemplateBuild(ctx, b); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusAccepted, e2bapi.TemplateRequestResponseV3{TemplateID: tpl.ID, BuildID: b.ID,
+		Aliases: tpl.Names, Names: qualified(c.TeamID, tpl.Names), Tags: tags})
+}
+
+func qualified(team string, names []string) []string {
+	out := make([]string, len(names))
+	for i, n := range names {
+		out[i] = team + "/" + n
+	}
+	return out
+}
+
+// filesPath is where the files uploaded under hash for team are kept.
+func (s *Server) filesPath(team, hash string) string {
+	return filepath.Join(s.cfg.DataDir, "template-files", team, hash+".tar")
+}
+
+func (s *Server) uploadSig(team, hash string, exp int64) string {
+	m := hmac.New(sha256.New, s.tb.uploadKey)
+	fmt.Fprintf(m, "%s\x00%s\x00%d", team, hash, exp)
+	return hex.EncodeToString(m.Sum(nil))
+}
+
+// handleFileUploadLink is GET /templates/{id}/files/{hash}.
+func (s *Server) handleFileUploadLink(w http.ResponseWriter, r *http.Request, c caller) {
+	hash := r.PathValue("hash")
+	if !templatebuild.ValidHash(hash) {
+		s.writeError(w, r, fmt.Errorf("%w: files hash must be hex sha256", errdefs.ErrInvalid))
+		return
+	}
+	if _, err := s.findTemplate(r.Context(), c.TeamID, r.PathValue("id")); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if _, err := os.Stat(s.filesPath(c.TeamID, hash)); err == nil {
+		writeJSON(w, http.StatusCreated, e2bapi.TemplateBuildFileUpload{Present: true})
+		return
+	}
+	scheme := "http"
+	if r.TLS != nil {
+		scheme = "https"
+	}
+	exp := s.now().Add(uploadLinkTTL).Unix()
+	u := fmt.Sprintf("%s://%s/template-files/%s/%s?exp=%d&sig=%s", scheme, r.Host, c.TeamID, hash, exp, s.uploadSig(c.TeamID, hash, exp))
+	writeJSON(w, http.StatusCreated, e2bapi.TemplateBuildFileUpload{Present: false, URL: &u})
+}
+
+// handleFileUpload is the PUT of a signed upload link: the archive is
+// kept by hash for the team (written whole, then renamed into place).
+func (s *Server) handleFileUpload(w http.ResponseWriter, r *http.Request) {
+	team, hash := r.PathValue("team"), r.PathValue("hash")
+	exp, err := strconv.ParseInt(r.URL.Query().Get("exp"), 10, 64)
+	want := s.uploadSig(team, hash, exp)
+	if err != nil || !templatebuild.ValidHash(hash) || !hmac.Equal([]byte(want), []byte(r.URL.Query().Get("sig"))) {
+		s.writeError(w, r, fmt.Errorf("%w: upload link is not valid", errdefs.ErrDenied))
+		return
+	}
+	if s.now().Unix() > exp {
+		s.writeError(w, r, fmt.Errorf("%w: upload link expired", errdefs.ErrDenied))
+		return
+	}
+	dst := s.filesPath(team, hash)
+	if err := os.MkdirAll(filepath.Dir(dst), 0o700); err != nil {
+		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
+		return
+	}
+	f, err := os.CreateTemp(filepath.Dir(dst), ".upload-*")
+	if err != nil {
+		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
+		return
+	}
+	defer os.Remove(f.Name())
+	body := http.MaxBytesReader(w, r.Body, s.cfg.MaxTemplateFileBytes)
+	_, err = io.Copy(f, body)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			s.writeError(w, r, fmt.Errorf("%w: upload exceeds %d bytes", errdefs.ErrInvalid, s.cfg.MaxTemplateFileBytes))
+			return
+		}
+		s.writeError(w, r, fmt.Errorf("%w: upload: %v", errdefs.ErrUnavailable, err))
+		return
+	}
+	if err := os.Rename(f.Name(), dst); err != nil {
+		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+// handleStartBuild is POST /v2/templates/{id}/builds/{buildID}.
+func (s *Server) handleStartBuild(w http.ResponseWriter, r *http.Request, c caller) {
+	var spec e2bapi.TemplateBuildStartV2
+	if err := decodeJSON(w, r, &spec, false); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	ctx := r.Context()
+	tpl, err := s.findTemplate(ctx, c.TeamID, r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	b, err := s.st.GetTemplateBuild(ctx, tpl.ID, r.PathValue("buildID"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if b.Status != e2bapi.BuildWaiting || len(b.Spec) > 0 {
+		s.writeError(w, r, fmt.Errorf("%w: build %s was started already", errdefs.ErrConflict, b.ID))
+		return
+	}
+	if err := templatebuild.Validate(spec.Steps); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	from, fromKey, err := s.buildParent(ctx, c.TeamID, tpl.ID, spec)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	for i, st := range spec.Steps {
+		if st.Type == "COPY" {
+			if _, err := os.Stat(s.filesPath(c.TeamID, st.FilesHash)); err != nil {
+				s.writeError(w, r, fmt.Errorf("%w: step %d: files %s were not uploaded", errdefs.ErrInvalid, i+1, st.FilesHash))
+				return
+			}
+		}
+	}
+	if s.cfg.SandboxURL == "" {
+		s.writeError(w, r, fmt.Errorf("%w: template builds are not configured on this control plane (no sandbox URL)", errdefs.ErrUnavailable))
+		return
+	}
+	b.Spec, _ = json.Marshal(spec)
+	b.UpdatedAt = s.now().UTC()
+	if b, err = s.st.UpdateTemplateBuild(ctx, b); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	lb := &liveBuild{}
+	s.tb.mu.Lock()
+	s.tb.live[b.ID] = lb
+	s.tb.mu.Unlock()
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.runBuild(caller{TeamID: c.TeamID, KeyID: "template-build"}, b, spec, from, fromKey, lb)
+	}()
+	w.WriteHeader(http.StatusAccepted)
+}
+
+// buildParent resolves where a build starts: a platform template, or the
+// default build of one of the team's templates (its snapshot).
+func (s *Server) buildParent(ctx context.Context, team, self string, spec e2bapi.TemplateBuildStartV2) (from, key string, err error) {
+	if spec.FromImage != "" {
+		return "", "", fmt.Errorf("%w: fromImage: building from an OCI image is not supported yet; use fromTemplate", errdefs.ErrInvalid)
+	}
+	ref := spec.FromTemplate
+	if ref == "" {
+		ref = "base"
+	}
+	if _, ok := s.cfg.Templates[ref]; ok {
+		return ref, "template:" + ref, nil
+	}
+	alias, tag, err := splitTemplateRef(team, ref)
+	if err != nil {
+		return "", "", err
+	}
+	tpl, err := s.findTemplate(ctx, team, alias)
+	if err != nil {
+		return "", "", fmt.Errorf("fromTemplate: %w", err)
+	}
+	if tpl.ID == self {
+		return "", "", fmt.Errorf("%w: a template cannot be built from itself", errdefs.ErrInvalid)
+	}
+	b, err := s.taggedBuild(ctx, tpl, tag)
+	if err != nil {
+		return "", "", fmt.Errorf("fromTemplate: %w", err)
+	}
+	return b.SnapshotID, "snapshot:" + b.SnapshotID, nil
+}
+
+// taggedBuild returns the ready build tpl's tag points at.
+func (s *Server) taggedBuild(ctx context.Context, tpl store.TemplateRecord, tag string) (store.TemplateBuildRecord, error) {
+	t, ok := tpl.Tags[tag]
+	if !ok {
+		return store.TemplateBuildRecord{}, fmt.Errorf("%w: template %s has no ready build tagged %q", errdefs.ErrNotFound, tpl.Names, tag)
+	}
+	b, err := s.st.GetTemplateBuild(ctx, tpl.ID, t.BuildID)
+	if err != nil {
+		return b, err
+	}
+	if b.Status != e2bapi.BuildReady || b.SnapshotID == "" {
+		return b, fmt.Errorf("%w: build %s is %s", errdefs.ErrConflict, b.ID, b.Status)
+	}
+	return b, nil
+}
+
+// runBuild runs one build to its end and records the result.
+func (s *Server) runBuild(c caller, b store.TemplateBuildRecord, spec e2bapi.TemplateBuildStartV2, from, fromKey string, lb *liveBuild) {
+	defer func() {
+		s.tb.mu.Lock()
+		delete(s.tb.live, b.ID)
+		s.tb.mu.Unlock()
+	}()
+	log := s.log.With("template", b.TemplateID, "build", b.ID)
+	select {
+	case s.tb.sem <- struct{}{}:
+		defer func() { <-s.tb.sem }()
+	case <-s.ctx.Done():
+		s.finishBuild(b, lb, templatebuild.Result{}, errors.New("the control plane stopped before the build ran"))
+		return
+	}
+	s.setBuildStatus(b, e2bapi.BuildBuilding)
+	t0 := time.Now()
+	sbxs, err := sdk.New(sdk.Config{SandboxURL: s.cfg.SandboxURL})
+	if err != nil {
+		s.finishBuild(b, lb, templatebuild.Result{}, err)
+		return
+	}
+	bld := &templatebuild.Builder{Platform: &buildPlatform{s: s, c: c}, Sandboxes: sbxs}
+	res, err := bld.Run(s.ctx, templatebuild.Job{From: from, FromKey: fromKey, Steps: spec.Steps,
+		StartCmd: spec.StartCmd, ReadyCmd: spec.ReadyCmd, Force: spec.Force, Log: lb.add})
+	if err == nil {
+		lb.add("info", "finalize", fmt.Sprintf("build finished in %s (%d of %d steps cached)", time.Since(t0).Round(time.Millisecond), res.Cached, len(spec.Steps)))
+	}
+	log.Info("template build ended", "duration", time.Since(t0), "cached_steps", res.Cached, "err", err)
+	s.finishBuild(b, lb, res, err)
+}
+
+func (s *Server) setBuildStatus(b store.TemplateBuildRecord, status string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for range 5 {
+		cur, err := s.st.GetTemplateBuild(ctx, b.TemplateID, b.ID)
+		if err != nil {
+			return
+		}
+		cur.Status, cur.UpdatedAt = status, s.now().UTC()
+		if _, err := s.st.UpdateTemplateBuild(ctx, cur); !errors.Is(err, errdefs.ErrConflict) {
+			return
+		}
+	}
+}
+
+// finishBuild records a build's end; a ready build's tags move to it.
+func (s *Server) finishBuild(b store.TemplateBuildRecord, lb *liveBuild, res templatebuild.Result, berr error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var spec e2bapi.TemplateBuildStartV2
+	_ = json.Unmarshal(b.Spec, &spec)
+	now := s.now().UTC()
+	for range 5 {
+		cur, err := s.st.GetTemplateBuild(ctx, b.TemplateID, b.ID)
+		if err != nil {
+			s.log.Warn("recording a template build's end", "build", b.ID, "err", err)
+			return
+		}
+		cur.Logs, cur.UpdatedAt, cur.FinishedAt = lb.snapshot(), now, &now
+		if berr != nil {
+			cur.Status, cur.ReasonMessage, cur.ReasonStep = e2bapi.BuildError, berr.Error(), "base"
+			var se *templatebuild.StepError
+			if errors.As(berr, &se) {
+				cur.ReasonMessage, cur.ReasonStep = se.Err.Error(), se.Step
+			}
+		} else {
+			cur.Status, cur.SnapshotID = e2bapi.BuildReady, res.SnapshotID
+			cur.Env, cur.Workdir, cur.User = res.Env, res.Workdir, res.User
+			cur.StartCmd, cur.ReadyCmd = spec.StartCmd, spec.ReadyCmd
+		}
+		if _, err = s.st.UpdateTemplateBuild(ctx, cur); errors.Is(err, errdefs.ErrConflict) {
+			continue
+		} else if err != nil {
+			s.log.Warn("recording a template build's end", "build", b.ID, "err", err)
+			return
+		}
+		break
+	}
+	if berr != nil {
+		return
+	}
+	for range 5 {
+		tpl, err := s.st.GetTemplate(ctx, b.TemplateID)
+		if err != nil {
+			return
+		}
+		if tpl.Tags == nil {
+			tpl.Tags = map[string]store.TemplateTag{}
+		}
+		for _, t := range b.Tags {
+			tpl.Tags[t] = store.TemplateTag{BuildID: b.ID, CreatedAt: now}
+		}
+		tpl.UpdatedAt = now
+		if _, err := s.st.UpdateTemplate(ctx, tpl); !errors.Is(err, errdefs.ErrConflict) {
+			return
+		}
+	}
+}
+
+// buildPlatform is templatebuild.Platform for one team's build.
+type buildPlatform struct {
+	s *Server
+	c caller
+}
+
+func (p *buildPlatform) Start(ctx context.Context, from string, env map[string]string) (string, string, error) {
+	timeout := int32(3600)
+	req := e2bapi.NewSandbox{TemplateID: from, EnvVars: env, Timeout: &timeout}
+	snap, err := p.s.resolveSnapshotTemplate(ctx, p.c, &req)
+	if err != nil {
+		return "", "", err
+	}
+	cp, err := p.s.validateCreate(p.c, req, true)
+	if err != nil {
+		return "", "", err
+	}
+	cp.RestoreSnapshot = snap
+	cp.Metadata = map[string]string{"space.template-build": "true"}
+	rec, err := p.s.createSandbox(ctx, p.c, cp)
+	if err != nil {
+		return "", "", err
+	}
+	return rec.ID, rec.AccessToken, nil
+}
+
+func (p *buildPlatform) Snapshot(ctx context.Context, id string) (string, error) {
+	snap, err := p.s.snapshotSandbox(ctx, id, p.c.TeamID, "")
+	return snap.ID, err
+}
+
+func (p *buildPlatform) Kill(ctx context.Context, id string) error {
+	return p.s.killSandbox(ctx, id, p.c.TeamID, "template build done", func(store.SandboxRecord) error { return nil })
+}
+
+func (p *buildPlatform) Files(hash string) (io.ReadCloser, error) {
+	return os.Open(p.s.filesPath(p.c.TeamID, hash))
+}
+
+func (p *buildPlatform) CacheGet(ctx context.Context, key string) (templatebuild.Cached, bool) {
+	e, err := p.s.st.GetBuildCache(ctx, p.c.TeamID, key)
+	if err != nil {
+		return templatebuild.Cached{}, false
+	}
+	// The snapshot must still exist (a deleted template drops its own).
+	if _, err := p.s.st.GetSnapshot(ctx, e.SnapshotID); err != nil {
+		return templatebuild.Cached{}, false
+	}
+	return templatebuild.Cached{SnapshotID: e.SnapshotID, State: templatebuild.State{Env: e.Env, Workdir: e.Workdir, User: e.User}}, true
+}
+
+func (p *buildPlatform) CachePut(ctx context.Context, key string, c templatebuild.Cached) error {
+	return p.s.st.PutBuildCache(ctx, p.c.TeamID, key, store.BuildCacheEntry{SnapshotID: c.SnapshotID, Env: c.Env,
+		Workdir: c.Workdir, User: c.User, CreatedAt: p.s.now().UTC()})
+}
+
+// handleBuildStatus is GET /templates/{id}/builds/{buildID}/status.
+func (s *Server) handleBuildStatus(w http.ResponseWriter, r *http.Request, c caller) {
+	tpl, err := s.findTemplate(r.Context(), c.TeamID, r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	b, err := s.st.GetTemplateBuild(r.Context(), tpl.ID, r.PathValue("buildID"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	offset := 0
+	if v := r.URL.Query().Get("logsOffset"); v != "" {
+		if offset, err = strconv.Atoi(v); err != nil || offset < 0 {
+			s.writeError(w, r, fmt.Errorf("%w: logsOffset", errdefs.ErrInvalid))
+			return
+		}
+	}
+	logs := b.Logs
+	s.tb.mu.Lock()
+	lb := s.tb.live[b.ID]
+	s.tb.mu.Unlock()
+	if lb != nil && b.FinishedAt == nil {
+		logs = lb.snapshot()
+	}
+	out := e2bapi.TemplateBuildInfo{TemplateID: tpl.ID, BuildID: b.ID, Status: b.Status, Logs: []string{}, LogEntries: []e2bapi.BuildLogEntry{}}
+	if offset < len(logs) {
+		for _, l := range logs[offset:] {
+			out.LogEntries = append(out.LogEntries, e2bapi.BuildLogEntry{Timestamp: l.Time, Level: l.Level, Message: l.Message, Step: l.Step})
+			out.Logs = append(out.Logs, l.Message)
+		}
+	}
+	if b.Status == e2bapi.BuildError {
+		out.Reason = &e2bapi.BuildStatusReason{Message: b.ReasonMessage, Step: b.ReasonStep}
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// handleTemplateAlias is GET /templates/aliases/{alias}: platform
+// templates and the team's own exist; another team's do not (no 403 that
+// would reveal them).
+func (s *Server) handleTemplateAlias(w http.ResponseWriter, r *http.Request, c caller) {
+	alias := r.PathValue("alias")
+	if _, ok := s.cfg.Templates[alias]; ok {
+		writeJSON(w, http.StatusOK, e2bapi.TemplateAliasResponse{TemplateID: alias, Public: true})
+		return
+	}
+	name, _, err := splitTemplateRef(c.TeamID, alias)
+	if err != nil {
+		s.writeError(w, r, fmt.Errorf("%w: template %q", errdefs.ErrNotFound, truncate(alias, 64)))
+		return
+	}
+	tpl, err := s.findTemplate(r.Context(), c.TeamID, name)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, e2bapi.TemplateAliasResponse{TemplateID: tpl.ID})
+}
+
+// handleListTemplates is GET /templates: the platform's templates and the
+// team's own.
+func (s *Server) handleListTemplates(w http.ResponseWriter, r *http.Request, c caller) {
+	out := []e2bapi.Template{}
+	for _, id := range slices.Sorted(mapKeys(s.cfg.Templates)) {
+		t := s.cfg.Templates[id]
+		out = append(out, e2bapi.Template{TemplateID: id, BuildID: id, CPUCount: t.CPUCount, MemoryMB: t.MemoryMB, DiskSizeMB: t.DiskSizeMB,
+			Public: true, Aliases: []string{id}, Names: []string{id}, BuildStatus: e2bapi.BuildReady, BuildCount: 1})
+	}
+	all, err := s.st.ListTemplates(r.Context())
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	for _, tpl := range all {
+		if tpl.TeamID != c.TeamID {
+			continue
+		}
+		builds, _ := s.st.ListTemplateBuilds(r.Context(), tpl.ID)
+		e := e2bapi.Template{TemplateID: tpl.ID, Aliases: tpl.Names, Names: qualified(c.TeamID, tpl.Names), CreatedAt: tpl.CreatedAt,
+			UpdatedAt: tpl.UpdatedAt, BuildCount: len(builds), BuildStatus: e2bapi.BuildWaiting}
+		if len(builds) > 0 {
+			last := builds[len(builds)-1]
+			e.BuildID, e.BuildStatus = last.ID, last.Status
+		}
+		base := s.cfg.Templates["base"]
+		e.CPUCount, e.MemoryMB, e.DiskSizeMB = base.CPUCount, base.MemoryMB, base.DiskSizeMB
+		out = append(out, e)
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func mapKeys[V any](m map[string]V) func(func(string) bool) {
+	return func(yield func(string) bool) {
+		for k := range m {
+			if !yield(k) {
+				return
+			}
+		}
+	}
+}
+
+// handleGetTemplate is GET /templates/{id}.
+func (s *Server) handleGetTemplate(w http.ResponseWriter, r *http.Request, c caller) {
+	tpl, err := s.findTemplate(r.Context(), c.TeamID, r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	builds, err := s.st.ListTemplateBuilds(r.Context(), tpl.ID)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	out := e2bapi.TemplateWithBuilds{TemplateID: tpl.ID, Aliases: tpl.Names, Names: qualified(c.TeamID, tpl.Names),
+		CreatedAt: tpl.CreatedAt, UpdatedAt: tpl.UpdatedAt, Builds: []e2bapi.TemplateBuild{}}
+	for _, b := range builds {
+		out.Builds = append(out.Builds, e2bapi.TemplateBuild{BuildID: b.ID, Status: b.Status, CreatedAt: b.CreatedAt, UpdatedAt: b.UpdatedAt, FinishedAt: b.FinishedAt})
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// handleTemplateTags is GET /templates/{id}/tags.
+func (s *Server) handleTemplateTags(w http.ResponseWriter, r *http.Request, c caller) {
+	tpl, err := s.findTemplate(r.Context(), c.TeamID, r.PathValue("id"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	out := []e2bapi.TemplateTag{}
+	for _, t := range slices.Sorted(mapKeys(tpl.Tags)) {
+		out = append(out, e2bapi.TemplateTag{Tag: t, BuildID: tpl.Tags[t].BuildID, CreatedAt: tpl.Tags[t].CreatedAt})
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// handleAssignTags is POST /templates/tags: the build "name:tag" points
+// at gets Tags too.
+func (s *Server) handleAssignTags(w http.ResponseWriter, r *http.Request, c caller) {
+	var req e2bapi.AssignTemplateTagsRequest
+	if err := decodeJSON(w, r, &req, false); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	alias, tag, err := splitTemplateRef(c.TeamID, req.Target)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	for _, t := range req.Tags {
+		if !templateTagRE.MatchString(t) {
+			s.writeError(w, r, fmt.Errorf("%w: tag %q", errdefs.ErrInvalid, truncate(t, 64)))
+			return
+		}
+	}
+	var buildID string
+	err = s.updateTemplate(r.Context(), c.TeamID, alias, func(tpl *store.TemplateRecord) error {
+		src, ok := tpl.Tags[tag]
+		if !ok {
+			return fmt.Errorf("%w: %s has no tag %q", errdefs.ErrNotFound, alias, tag)
+		}
+		buildID = src.BuildID
+		for _, t := range req.Tags {
+			tpl.Tags[t] = store.TemplateTag{BuildID: src.BuildID, CreatedAt: s.now().UTC()}
+		}
+		return nil
+	})
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, e2bapi.AssignedTemplateTags{BuildID: buildID, Tags: req.Tags})
+}
+
+// handleDeleteTags is DELETE /templates/tags.
+func (s *Server) handleDeleteTags(w http.ResponseWriter, r *http.Request, c caller) {
+	var req e2bapi.DeleteTemplateTagsRequest
+	if err := decodeJSON(w, r, &req, false); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	alias, _, err := splitTemplateRef(c.TeamID, req.Name)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	err = s.updateTemplate(r.Context(), c.TeamID, alias, func(tpl *store.TemplateRecord) error {
+		for _, t := range req.Tags {
+			if _, ok := tpl.Tags[t]; !ok {
+				return fmt.Errorf("%w: %s has no tag %q", errdefs.ErrNotFound, alias, t)
+			}
+			delete(tpl.Tags, t)
+		}
+		return nil
+	})
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *Server) updateTemplate(ctx context.Context, team, ref string, f func(*store.TemplateRecord) error) error {
+	for range 5 {
+		tpl, err := s.findTemplate(ctx, team, ref)
+		if err != nil {
+			return err
+		}
+		if tpl.Tags == nil {
+			tpl.Tags = map[string]store.TemplateTag{}
+		}
+		if err := f(&tpl); err != nil {
+			return err
+		}
+		tpl.UpdatedAt = s.now().UTC()
+		if _, err := s.st.UpdateTemplate(ctx, tpl); !errors.Is(err, errdefs.ErrConflict) {
+			return err
+		}
+	}
+	return fmt.Errorf("%w: template %s changed concurrently", errdefs.ErrConflict, ref)
+}
+
+// handleDeleteTemplate is DELETE /templates/{id}: one of the team's built
+// templates (its records; the builds' snapshots go with them unless a
+// paused sandbox still needs one), else a snapshot (Sandbox.deleteSnapshot).
+func (s *Server) handleDeleteTemplate(w http.ResponseWriter, r *http.Request, c caller) {
+	tpl, err := s.findTemplate(r.Context(), c.TeamID, r.PathValue("id"))
+	if errors.Is(err, errdefs.ErrNotFound) {
+		s.handleDeleteSnapshot(w, r, c)
+		return
+	}
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	builds, _ := s.st.ListTemplateBuilds(r.Context(), tpl.ID)
+	for _, b := range builds {
+		if b.Status == e2bapi.BuildBuilding || b.Status == e2bapi.BuildWaiting && len(b.Spec) > 0 {
+			s.writeError(w, r, fmt.Errorf("%w: template %s has a build running", errdefs.ErrConflict, tpl.ID))
+			return
+		}
+	}
+	if err := s.st.DeleteTemplate(r.Context(), tpl.ID); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	for _, b := range builds {
+		if b.SnapshotID == "" {
+			continue
+		}
+		if snap, err := s.st.GetSnapshot(r.Context(), b.SnapshotID); err == nil {
+			if err := s.dropSnapshot(r.Context(), snap); err != nil {
+				s.log.Warn("dropping a deleted template's snapshot", "template", tpl.ID, "snapshot", snap.ID, "err", err)
+			}
+		}
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// builtTemplate is a create request's template when it names one of the
+// team's built templates.
+type builtTemplate struct {
+	build store.TemplateBuildRecord
+}
+
+// resolveBuiltTemplate turns a create naming one of the team's built
+// templates ("alias", "alias:tag", "team/alias" or its id) into a create
+// from its build's snapshot; nil when req names something else.
+func (s *Server) resolveBuiltTemplate(ctx context.Context, c caller, req *e2bapi.NewSandbox) (*builtTemplate, error) {
+	if req.TemplateID == "" || len(req.TemplateID) > 256 {
+		return nil, nil
+	}
+	if _, ok := s.cfg.Templates[req.TemplateID]; ok {
+		return nil, nil
+	}
+	alias, tag, err := splitTemplateRef(c.TeamID, req.TemplateID)
+	if err != nil {
+		return nil, nil
+	}
+	tpl, err := s.findTemplate(ctx, c.TeamID, alias)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	b, err := s.taggedBuild(ctx, tpl, tag)
+	if err != nil {
+		return nil, err
+	}
+	req.TemplateID = b.SnapshotID
+	if len(b.Env) > 0 {
+		env := make(map[string]string, len(b.Env)+len(req.EnvVars))
+		for k, v := range b.Env {
+			env[k] = v
+		}
+		for k, v := range req.EnvVars {
+			env[k] = v
+		}
+		req.EnvVars = env
+	}
+	return &builtTemplate{build: b}, nil
+}
+
+// startTemplate runs a built template's start command in a new sandbox
+// and waits for its ready command (the sandbox is answered only then).
+func (s *Server) startTemplate(ctx context.Context, bt *builtTemplate, rec store.SandboxRecord) error {
+	if bt == nil || bt.build.StartCmd == "" {
+		return nil
+	}
+	if s.cfg.SandboxURL == "" {
+		return fmt.Errorf("%w: template %s has a start command but this control plane has no sandbox URL", errdefs.ErrUnavailable, bt.build.TemplateID)
+	}
+	cl, err := sdk.New(sdk.Config{SandboxURL: s.cfg.SandboxURL})
+	if err != nil {
+		return err
+	}
+	b := &templatebuild.Builder{Sandboxes: cl}
+	return b.Start(ctx, cl.Attach(rec.ID, rec.AccessToken), templatebuild.Job{StartCmd: bt.build.StartCmd, ReadyCmd: bt.build.ReadyCmd},
+		templatebuild.State{Env: rec.EnvVars, Workdir: bt.build.Workdir, User: bt.build.User})
+}
