@@ -36,6 +36,8 @@ var layer = map[string]int{
 	// 3: state, policies and the substrate interface.
 	"internal/store": 3, "internal/scheduler": 3, "internal/snapshot": 3, "internal/substrate": 3,
 	"internal/guest": 3, "sdk": 3, "internal/egress": 3,
+	// 4 also: a template build, a client of sandboxes.
+	"internal/templatebuild": 4,
 	// 4: substrates, per-activation host processes.
 	"internal/substrate/ns": 4, "internal/substrate/microvm": 4,
 	"internal/bridge": 4, "internal/gateway": 4,

@@ -43,10 +43,11 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("PUT /template-files/{team}/{hash}", s.handleFileUpload) // authorized by the link's signature
 	mux.HandleFunc("POST /v2/templates/{id}/builds/{buildID}", s.withKey(s.handleStartBuild))
 	mux.HandleFunc("GET /templates/{id}/builds/{buildID}/status", s.withKey(s.handleBuildStatus))
-	mux.HandleFunc("GET /templates/aliases/{alias}", s.withKey(s.handleTemplateAlias))
+	// /templates/aliases/{alias} and /templates/{id}/tags overlap for the
+	// mux ("/templates/aliases/tags"): one pattern, told apart here.
+	mux.HandleFunc("GET /templates/{id}/{sub}", s.withKey(s.handleTemplateSub))
 	mux.HandleFunc("GET /templates", s.withKey(s.handleListTemplates))
 	mux.HandleFunc("GET /templates/{id}", s.withKey(s.handleGetTemplate))
-	mux.HandleFunc("GET /templates/{id}/tags", s.withKey(s.handleTemplateTags))
 	mux.HandleFunc("POST /templates/tags", s.withKey(s.handleAssignTags))
 	mux.HandleFunc("DELETE /templates/tags", s.withKey(s.handleDeleteTags))
 
