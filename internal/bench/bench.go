@@ -129,7 +129,10 @@ type Report struct {
 	// against the same client on the host (egress.go).
 	Egress    EgressResult
 	EgressErr error
-	Took      time.Duration
+	// Tpl is template build time, cold and cached.
+	Tpl    TemplateResult
+	TplErr error
+	Took   time.Duration
 }
 
 // Run measures everything and writes the table and notes to out. A figure
@@ -163,6 +166,8 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 		return runEgressOnly(ctx, cfg, out, progress, t0)
 	case "serviceport":
 		return runServicePortOnly(ctx, cfg, out, progress, t0)
+	case "template":
+		return runTemplateOnly(ctx, cfg, out, progress, t0)
 	}
 
 	// 1. Capability verification first, while no platform competes for CPU.
@@ -214,6 +219,9 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 
 		progress("service port: HTTP through edge+netgtw vs direct, connections per second")
 		rep.SP, rep.SPErr = MeasureServicePort(ctx, on, 300, 3*time.Second)
+
+		progress("template builds: 3 rounds of a 3-step template, cold then cached")
+		rep.Tpl, rep.TplErr = MeasureTemplateBuild(ctx, on, 3)
 	}
 	closeOff()
 	closeOn()
@@ -238,7 +246,7 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	}
 	fmt.Fprintln(out)
 	fmt.Fprint(out, rep.Notes())
-	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.IsoErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr, rep.ReadoptErr, rep.EgressErr)
+	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.IsoErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr, rep.ReadoptErr, rep.EgressErr, rep.TplErr)
 }
 
 // runEgressOnly measures only the egress path (-only egress).

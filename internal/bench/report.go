@@ -77,6 +77,11 @@ func (r *Report) Rows() []Row {
 	} else if r.Readopt.N > 0 {
 		rows = append(rows, r.Readopt.Rows()...)
 	}
+	if r.TplErr != nil {
+		fail("template build", r.TplErr)
+	} else if len(r.Tpl.Cold) > 0 {
+		rows = append(rows, r.Tpl.Rows()...)
+	}
 	if r.EgressErr != nil {
 		fail("egress", r.EgressErr)
 	} else if r.Egress.Rounds > 0 {
