@@ -38,6 +38,8 @@ var layer = map[string]int{
 	"internal/guest": 3, "sdk": 3, "internal/egress": 3,
 	// 4 also: a template build, a client of sandboxes.
 	"internal/templatebuild": 4,
+	// 2 also: a Dockerfile read into E2B template build steps.
+	"internal/dockerfile": 2,
 	// 4: substrates, per-activation host processes.
 	"internal/substrate/ns": 4, "internal/substrate/microvm": 4,
 	"internal/bridge": 4, "internal/gateway": 4,

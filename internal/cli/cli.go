@@ -51,6 +51,10 @@ Commands:
   fs put <id> <local> <remote>
   fs get <id> <remote> <local>
   term <id> [--user u] [--cwd dir]
+  template build --name N[:tag] [--file Dockerfile] [--build-arg k=v]... [--tag t]...
+                 [--ready-cmd cmd] [--no-cache] [context]
+                 build a template from a Dockerfile (FROM a template or an image;
+                 RUN, COPY, ADD, ENV, WORKDIR, USER, ARG; CMD/ENTRYPOINT start it)
 
 Global flags (also accepted after the command):
   --api-url      control plane URL   (env SPACE_API_URL, E2B_API_URL; default ` + DefaultAPIURL + `)
@@ -238,6 +242,11 @@ func dispatch(ctx context.Context, args []string, e *env) error {
 		return usagef("fs: unknown subcommand %q", args[0])
 	case "term", "terminal":
 		return cmdTerm(ctx, g, args, e)
+	case "template", "tpl":
+		if len(args) == 0 || args[0] != "build" {
+			return usagef("template: missing or unknown subcommand (build)")
+		}
+		return cmdTemplateBuild(ctx, g, args[1:], e)
 	case "up":
 		if code := up.Run(ctx, args, e.getenv, e.stdout, e.stderr); code != 0 {
 			return exitCode(code)

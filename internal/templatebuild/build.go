@@ -262,8 +262,16 @@ func (b *Builder) Run(ctx context.Context, job Job) (Result, error) {
 	for i := 0; i < start; i++ {
 		log("info", strconv.Itoa(i+1), fmt.Sprintf("CACHED [%d/%d] %s", i+1, len(job.Steps), describe(job.Steps[i])))
 	}
-	if start == len(job.Steps) && job.StartCmd == "" && res.SnapshotID != "" {
-		return res, nil
+	// The start check is cached too: keyed after the last step.
+	startKey := Key(prev, e2bapi.TemplateStep{Type: "START", Args: []string{job.StartCmd, job.ReadyCmd}})
+	if start == len(job.Steps) && res.SnapshotID != "" {
+		if job.StartCmd == "" {
+			return res, nil
+		}
+		if c, ok := b.Platform.CacheGet(ctx, startKey); ok && !job.Force && c.SnapshotID == res.SnapshotID {
+			log("info", "finalize", "CACHED start and ready check")
+			return res, nil
+		}
 	}
 	log("info", "base", "starting the build sandbox from "+from)
 	id, token, err := b.Platform.Start(ctx, from, nil)
@@ -297,6 +305,11 @@ func (b *Builder) Run(ctx context.Context, job Job) (Result, error) {
 	if job.StartCmd != "" {
 		if err := b.checkStart(ctx, sbx, job, res.State, func(level, msg string) { log(level, "finalize", msg) }); err != nil {
 			return res, &StepError{Step: "finalize", Err: err}
+		}
+		if res.SnapshotID != "" {
+			if err := b.Platform.CachePut(ctx, startKey, Cached{SnapshotID: res.SnapshotID, State: res.State.clone()}); err != nil {
+				log("warn", "finalize", "caching the start check: "+err.Error())
+			}
 		}
 	}
 	if res.SnapshotID == "" {

@@ -122,5 +122,90 @@ func TestCLI(t *testing.T) {
 	if _, code := space("exec", id, "--", "true"); code == 0 {
 		t.Fatal("exec in a killed sandbox succeeded")
 	}
+	testTemplateBuildCLI(t, p)
 	fmt.Fprintln(os.Stderr, "cli ok")
+}
+
+// testTemplateBuildCLI builds a template from a Dockerfile with `space
+// template build`, starts a sandbox from it, and builds it again from the
+// cache.
+func testTemplateBuildCLI(t *testing.T, p *platform) {
+	dir := t.TempDir()
+	files := map[string]string{
+		"Dockerfile": `FROM base
+ARG GREETING=hi
+ENV APP_HOME=/srv/app
+WORKDIR $APP_HOME
+COPY index.html ./
+COPY conf conf
+RUN echo "$GREETING from run" > run.txt
+EXPOSE 8000
+CMD ["python3", "-m", "http.server", "8000"]
+`,
+		"index.html":  "served by a dockerfile template\n",
+		"conf/a.conf": "a=1\n",
+	}
+	for name, body := range files {
+		os.MkdirAll(filepath.Dir(filepath.Join(dir, name)), 0o755)
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	build := func(args ...string) (string, string, int) {
+		cmd := exec.Command(filepath.Join(p.bin, "space"), append([]string{"template", "build"}, args...)...)
+		cmd.Env = p.env()
+		var stdout, stderr strings.Builder
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		err := cmd.Run()
+		code := 0
+		if ee, ok := err.(*exec.ExitError); ok {
+			code = ee.ExitCode()
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		return stdout.String(), stderr.String(), code
+	}
+	ready := "ss -Htln sport = :8000 | grep -q ."
+	t0 := time.Now()
+	out, logs, code := build("--name", "cli-web", "--build-arg", "GREETING=hello", "--ready-cmd", ready, dir)
+	cold := time.Since(t0)
+	if code != 0 || strings.TrimSpace(out) == "" {
+		t.Fatalf("template build: %d\n%s", code, logs)
+	}
+	if !strings.Contains(logs, "EXPOSE is ignored") || !strings.Contains(logs, "uploaded index.html") {
+		t.Fatalf("build output lacks the warning or the upload:\n%s", logs)
+	}
+	run := func(args ...string) string {
+		cmd := exec.Command(filepath.Join(p.bin, "space"), args...)
+		cmd.Env = p.env()
+		b, err := cmd.Output()
+		if err != nil {
+			t.Fatalf("space %v: %v", args, err)
+		}
+		return string(b)
+	}
+	id := strings.TrimSpace(run("sandbox", "create", "--template", "cli-web"))
+	defer run("sandbox", "kill", id)
+	if got := run("exec", id, "--", "cat", "/srv/app/run.txt"); got != "hello from run\n" {
+		t.Fatalf("RUN with the build arg: %q", got)
+	}
+	if got := run("exec", id, "--", "cat", "/srv/app/conf/a.conf"); got != "a=1\n" {
+		t.Fatalf("COPY of a directory: %q", got)
+	}
+	if got := run("exec", id, "--", "curl", "-s", "http://127.0.0.1:8000/index.html"); got != "served by a dockerfile template\n" {
+		t.Fatalf("CMD as the start command, served at the first request: %q", got)
+	}
+	if got := run("exec", id, "--", "sh", "-c", "echo $APP_HOME"); got != "/srv/app\n" {
+		t.Fatalf("ENV: %q", got)
+	}
+	t1 := time.Now()
+	_, logs, code = build("--name", "cli-web", "--build-arg", "GREETING=hello", "--ready-cmd", ready, dir)
+	if code != 0 || !strings.Contains(logs, "CACHED [5/5]") || !strings.Contains(logs, "index.html already uploaded") {
+		t.Fatalf("second build not from the cache: %d\n%s", code, logs)
+	}
+	t.Logf("dockerfile template build: cold %s, cached %s", cold.Round(time.Millisecond), time.Since(t1).Round(time.Millisecond))
+	os.WriteFile(filepath.Join(dir, "Dockerfile"), []byte("FROM base\nRUN true\nCOPY ../x /x\n"), 0o644)
+	if _, logs, code := build("--name", "cli-bad", dir); code == 0 || !strings.Contains(logs, "line 3") {
+		t.Fatalf("a Dockerfile escaping its context: %d %s", code, logs)
+	}
 }
