@@ -98,3 +98,14 @@ test('another template name from a built one, and bad names', async () => {
   await assert.rejects(Template.build(Template().fromTemplate('base').runCmd('true'), 'Bad Name!'))
   await assert.rejects(Template.build(Template().fromTemplate('base').runCmd('true'), 'base'))
 })
+
+test('a build step reaches the network under the operator policy', async () => {
+  const inet = JSON.parse(process.env.SPACE_TEST_INET ?? 'null')
+  if (!inet) return // only through go test ./test/e2e
+  const [h0] = inet.hosts
+  const t = Template().fromTemplate('base').runCmd(`curl -sS --max-time 10 http://${h0}/ -o /tmp/fetched && test -s /tmp/fetched`)
+  await Template.build(t, `net-${run}`)
+  // The metadata endpoint stays out of reach, whatever a build asks.
+  const bad = Template().fromTemplate('base').runCmd('curl -sS --max-time 3 http://169.254.169.254/')
+  await assert.rejects(Template.build(bad, `meta-${run}`), BuildError)
+})
