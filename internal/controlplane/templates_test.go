@@ -144,3 +144,22 @@ func TestTemplateBuildFailsWithoutWorkers(t *testing.T) {
 		t.Fatalf("a build with no worker to run on: %+v", info)
 	}
 }
+
+// A build sandbox asks for the internet (the operator's policy bounds it);
+// a team denied egress builds without it.
+func TestBuildSandboxNetwork(t *testing.T) {
+	st := openStore(t)
+	e := newEnv(t, st, func(c *Config) { c.SandboxURL = "http://127.0.0.1:1" })
+	node := newFakeNode(t, "w1", st)
+	e.register(node, 10)
+	p := &buildPlatform{s: e.srv, c: caller{TeamID: "default", KeyID: "template-build"}}
+	if _, _, err := p.Start(t.Context(), "base", nil); err != nil {
+		t.Fatal(err)
+	}
+	node.mu.Lock()
+	req := node.installs[len(node.installs)-1]
+	node.mu.Unlock()
+	if req.Network == nil || req.Network.Spec.AllowInternetAccess == nil || !*req.Network.Spec.AllowInternetAccess {
+		t.Fatalf("build sandbox network: %+v", req.Network)
+	}
+}

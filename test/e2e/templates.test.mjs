@@ -104,7 +104,7 @@ test('a build step reaches the network under the operator policy', async () => {
   if (!inet) return // only through go test ./test/e2e
   const [h0] = inet.hosts
   const t = Template().fromTemplate('base').runCmd(`curl -sS --max-time 10 http://${h0}/ -o /tmp/fetched && test -s /tmp/fetched`)
-  await Template.build(t, `net-${run}`)
+  await Template.build(t, `net-${run}`).catch((e) => { throw new Error(`build with the network: ${e.message}`) })
   // The metadata endpoint stays out of reach, whatever a build asks.
   const bad = Template().fromTemplate('base').runCmd('curl -sS --max-time 3 http://169.254.169.254/')
   await assert.rejects(Template.build(bad, `meta-${run}`), BuildError)
