@@ -393,13 +393,13 @@ func (a *applier) entry(hdr *tar.Header, r io.Reader) error {
 		if err := unix.Symlinkat(hdr.Linkname, pfd, base); err != nil {
 			return err
 		}
-		a.dropCache()
 		if err := unix.Fchownat(pfd, base, hdr.Uid, hdr.Gid, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 			return err
 		}
 		if err := setTimes(pfd, base, hdr.ModTime); err != nil {
 			return err
 		}
+		a.dropCache() // paths through name now resolve elsewhere
 		a.seen[name] = true
 		a.st.Symlinks++
 		return nil
