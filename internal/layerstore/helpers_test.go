@@ -55,7 +55,7 @@ func mkTar(t testing.TB, ents ...tent) []byte {
 			}
 		}
 		h := &tar.Header{Name: e.Name, Typeflag: typ, Linkname: e.Link, Mode: mode, Uid: e.Uid, Gid: e.Gid,
-			ModTime: testTime, Devmajor: e.Major, Devminor: e.Minor, Format: tar.FormatPAX}
+			ModTime: testTime, Devmajor: e.Major, Devminor: e.Minor}
 		if typ == tar.TypeReg {
 			h.Size = int64(len(e.Body))
 		}
