@@ -78,6 +78,11 @@ const (
 	maxTrailing = 1 << 20
 	// zstdMaxWindow bounds a zstd decoder's memory.
 	zstdMaxWindow = 128 << 20
+	// MaxManifestSize and MaxConfigSize bound what is read into memory
+	// from a registry (the distribution spec has registries accept
+	// manifests up to 4 MiB).
+	MaxManifestSize = 4 << 20
+	MaxConfigSize   = 8 << 20
 )
 
 var platform = v1.Platform{OS: "linux", Architecture: "amd64"}
@@ -148,6 +153,9 @@ func pull(ctx context.Context, st *layerstore.Store, ref string, opt PullOptions
 	m, err := im.Manifest()
 	if err != nil {
 		return Image{}, classifyRemote(ctx, "manifest", err)
+	}
+	if m.Config.Size < 0 || m.Config.Size > MaxConfigSize {
+		return Image{}, fmt.Errorf("%w: config of %d bytes (at most %d)", errdefs.ErrTooLarge, m.Config.Size, MaxConfigSize)
 	}
 	cfg, err := im.ConfigFile() // fetched by digest and verified
 	if err != nil {
@@ -433,5 +441,28 @@ func (t *httpsOnly) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		return nil, fmt.Errorf("%w: plain-HTTP request to %s refused (not an insecure pull)", errdefs.ErrDenied, req.URL.Host)
 	}
-	return t.base.RoundTrip(req)
+	resp, err := t.base.RoundTrip(req)
+	if err == nil && strings.Contains(req.URL.Path, "/manifests/") {
+		resp.Body = &limitedBody{ReadCloser: resp.Body, left: MaxManifestSize}
+	}
+	return resp, err
+}
+
+// limitedBody fails a response body longer than its limit (instead of
+// truncating it: a cut manifest must not parse as a smaller one).
+type limitedBody struct {
+	io.ReadCloser
+	left int64
+}
+
+func (b *limitedBody) Read(p []byte) (int, error) {
+	if int64(len(p)) > b.left+1 {
+		p = p[:b.left+1]
+	}
+	n, err := b.ReadCloser.Read(p)
+	b.left -= int64(n)
+	if b.left < 0 {
+		return 0, fmt.Errorf("%w: manifest larger than %d bytes", errdefs.ErrTooLarge, MaxManifestSize)
+	}
+	return n, err
 }

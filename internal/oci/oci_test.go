@@ -9,10 +9,12 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -525,4 +527,48 @@ func TestPullContextCanceled(t *testing.T) {
 		t.Fatalf("Pull = %v, want context.Canceled", err)
 	}
 	storeEmpty(t, st)
+}
+
+// TestPullRefusesHugeMetadata: a registry declaring or serving oversized
+// manifests and configs is refused before they are read into memory.
+func TestPullRefusesHugeMetadata(t *testing.T) {
+	requireRoot(t)
+	cfgDigest := "sha256:" + strings.Repeat("c", 64)
+	small := `{"schemaVersion":2,"mediaType":"application/vnd.docker.distribution.manifest.v2+json",` +
+		`"config":{"mediaType":"application/vnd.docker.container.image.v1+json","size":1099511627776,"digest":"` + cfgDigest + `"},"layers":[]}`
+	huge := `{"schemaVersion":2,"mediaType":"application/vnd.docker.distribution.manifest.v2+json","annotations":{"pad":"` +
+		strings.Repeat("x", MaxManifestSize) + `"},"config":{"mediaType":"application/vnd.docker.container.image.v1+json","size":2,"digest":"` + cfgDigest + `"},"layers":[]}`
+	var configGets atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch {
+		case r.URL.Path == "/v2/":
+		case strings.HasSuffix(r.URL.Path, "/manifests/bigconfig"):
+			w.Header().Set("Content-Type", "application/vnd.docker.distribution.manifest.v2+json")
+			_, _ = io.WriteString(w, small)
+		case strings.HasSuffix(r.URL.Path, "/manifests/bigmanifest"):
+			w.Header().Set("Content-Type", "application/vnd.docker.distribution.manifest.v2+json")
+			_, _ = io.WriteString(w, huge)
+		case strings.Contains(r.URL.Path, "/blobs/"):
+			configGets.Add(1)
+			http.Error(w, "no", http.StatusNotFound)
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	defer srv.Close()
+	host := strings.TrimPrefix(srv.URL, "http://")
+	for _, tag := range []string{"bigconfig", "bigmanifest"} {
+		t.Run(tag, func(t *testing.T) {
+			st := newStore(t)
+			_, err := Pull(context.Background(), st, host+"/x:"+tag, PullOptions{Insecure: true})
+			if !errors.Is(err, errdefs.ErrTooLarge) {
+				t.Fatalf("Pull = %v, want ErrTooLarge", err)
+			}
+			t.Logf("refused: %v", err)
+			storeEmpty(t, st)
+		})
+	}
+	if n := configGets.Load(); n != 0 {
+		t.Errorf("config fetched %d times", n)
+	}
 }
