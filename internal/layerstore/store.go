@@ -83,7 +83,35 @@ func New(cfg Config) (*Store, error) {
 			return nil, fmt.Errorf("layerstore: %w", err)
 		}
 	}
-	return &Store{root: root, inUse: map[string]*idLock{}}, nil
+	s := &Store{root: root, inUse: map[string]*idLock{}}
+	s.removeLeftovers()
+	return s, nil
+}
+
+// removeLeftovers removes the tmp dirs of fillers that died (a crash, a
+// kill): those whose id's flock nobody holds. A live filler holds it.
+func (s *Store) removeLeftovers() {
+	ents, err := os.ReadDir(filepath.Join(s.root, "tmp"))
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		name, _, ok := strings.Cut(e.Name(), ".")
+		if !ok {
+			continue
+		}
+		if _, err := dirName(strings.Replace(name, "-", ":", 1)); err != nil {
+			continue
+		}
+		f, err := os.OpenFile(filepath.Join(s.root, "locks", name), os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o600)
+		if err != nil {
+			continue
+		}
+		if unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) == nil {
+			_ = os.RemoveAll(filepath.Join(s.root, "tmp", e.Name()))
+		}
+		f.Close()
+	}
 }
 
 // Root is the store's directory.

@@ -149,6 +149,42 @@ func TestStoreAddRemovesLeftovers(t *testing.T) {
 	}
 }
 
+func TestNewRemovesDeadFillersLeftovers(t *testing.T) {
+	root := filepath.Join(t.TempDir(), "store")
+	s := newStoreAt(t, root)
+	name := strings.Replace(testID, ":", "-", 1)
+	other := strings.Replace(upperID, ":", "-", 1)
+	dead := filepath.Join(root, "tmp", name+".dead")
+	live := filepath.Join(root, "tmp", other+".live")
+	for _, d := range []string{dead, live} {
+		if err := os.MkdirAll(filepath.Join(d, "x"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A live filler (here: this test) holds its id's lock.
+	unlock, err := s.lock(context.Background(), other)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlock()
+	newStoreAt(t, root)
+	if _, err := os.Stat(dead); !os.IsNotExist(err) {
+		t.Errorf("a dead filler's dir kept: %v", err)
+	}
+	if _, err := os.Stat(live); err != nil {
+		t.Errorf("a live filler's dir removed: %v", err)
+	}
+}
+
+func newStoreAt(t *testing.T, root string) *Store {
+	t.Helper()
+	s, err := New(Config{Root: root})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
 func TestStoreAddWaitHonoursContext(t *testing.T) {
 	s := newStore(t)
 	release := make(chan struct{})
