@@ -24,6 +24,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/authn"
@@ -175,6 +176,8 @@ func pull(ctx context.Context, st *layerstore.Store, ref string, opt PullOptions
 		Env: cfg.Config.Env, WorkingDir: cfg.Config.WorkingDir, User: cfg.Config.User,
 		Entrypoint: cfg.Config.Entrypoint, Cmd: cfg.Config.Cmd,
 	}
+	var missing []int
+	inImage := map[string]bool{}
 	for i, ld := range m.Layers {
 		diffID := cfg.RootFS.DiffIDs[i]
 		if err := checkLayerDesc(ld, diffID); err != nil {
@@ -182,17 +185,66 @@ func pull(ctx context.Context, st *layerstore.Store, ref string, opt PullOptions
 		}
 		id := diffID.String()
 		out.Layers = append(out.Layers, id)
+		if inImage[id] {
+			continue
+		}
+		inImage[id] = true
 		if _, err := st.Dir(id); err == nil {
 			continue // in the store already: not downloaded again
 		}
-		_, err := st.Add(ctx, id, func(dir string) error {
-			return fetchLayer(ctx, puller, r.Context().Digest(ld.Digest.String()), ld, diffID, dir)
-		})
-		if err != nil {
-			return Image{}, fmt.Errorf("layer %s: %w", id, err)
-		}
+		missing = append(missing, i)
+	}
+	if err := fetchLayers(ctx, st, puller, r, m, cfg, missing); err != nil {
+		return Image{}, err
 	}
 	return out, nil
+}
+
+// pullJobs is how many layers of one image are fetched at once.
+const pullJobs = 3
+
+// fetchLayers adds the layers at indexes missing to the store, pullJobs
+// at a time; the first failure cancels the others.
+func fetchLayers(ctx context.Context, st *layerstore.Store, p *remote.Puller, r name.Reference, m *v1.Manifest, cfg *v1.ConfigFile, missing []int) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	sem := make(chan struct{}, pullJobs)
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		cause error // the first failure; the others' are mostly its cancellation
+	)
+	fail := func(err error) {
+		mu.Lock()
+		if cause == nil {
+			cause = err
+		}
+		mu.Unlock()
+		cancel()
+	}
+	for _, i := range missing {
+		ld, diffID := m.Layers[i], cfg.RootFS.DiffIDs[i]
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			select {
+			case sem <- struct{}{}:
+			case <-ctx.Done():
+				fail(ctx.Err())
+				return
+			}
+			defer func() { <-sem }()
+			id := diffID.String()
+			_, err := st.Add(ctx, id, func(dir string) error {
+				return fetchLayer(ctx, p, r.Context().Digest(ld.Digest.String()), ld, diffID, dir)
+			})
+			if err != nil {
+				fail(fmt.Errorf("layer %s: %w", id, err))
+			}
+		}()
+	}
+	wg.Wait()
+	return cause
 }
 
 // platformImage picks the linux/amd64 image of an index.

@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -14,6 +15,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -351,6 +353,43 @@ func TestPull(t *testing.T) {
 		d, _ = st2.Dir(img.Layers[2])
 		if b, err := os.ReadFile(filepath.Join(d, "plain.txt")); err != nil || string(b) != "uncompressed" {
 			t.Errorf("uncompressed layer content: %q %v", b, err)
+		}
+	})
+
+	t.Run("concurrent-pulls-fetch-each-layer-once", func(t *testing.T) {
+		var layers []v1.Layer
+		for i := range 6 {
+			layers = append(layers, layerOf(t, tarOf(t, file(fmt.Sprintf("l%d/data", i), strings.Repeat(fmt.Sprint(i), 50000), 0o644))))
+		}
+		push.image(t, reg.Host+"/app:many", imageOf(t, empty.Image, "amd64", v1.Config{}, layers...))
+		px.reset()
+		st2 := newStore(t)
+		var wg sync.WaitGroup
+		errs := make([]error, 3)
+		for i := range errs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_, errs[i] = Pull(ctx, st2, px.Host+"/app:many", insecure)
+			}()
+		}
+		wg.Wait()
+		for _, err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, l := range layers {
+			if n := px.blobGets(digestOf(t, l)); n != 1 {
+				t.Errorf("layer fetched %d times by 3 concurrent pulls, want 1", n)
+			}
+			d, err := st2.Dir(diffID(t, l))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ents, _ := os.ReadDir(d); len(ents) != 1 {
+				t.Errorf("layer %s: %d entries", d, len(ents))
+			}
 		}
 	})
 
