@@ -26,7 +26,8 @@ import (
 
 // ApplyOptions bound what ApplyTar accepts. Zero fields take the defaults.
 type ApplyOptions struct {
-	// MaxEntries is the most tar entries (default 1<<20).
+	// MaxEntries is the most tar entries plus parent directories created
+	// without an entry (default 1<<20).
 	MaxEntries int64
 	// MaxBytes is the most content bytes, the sum of regular files'
 	// (logical) sizes (default 32 GiB).
@@ -284,6 +285,11 @@ func (a *applier) mkdirs(rel string) (int, error) {
 		prefix := strings.Join(comps[:i+1], "/")
 		fd, err := a.openDir(prefix, unix.O_PATH)
 		if errors.Is(err, unix.ENOENT) {
+			// Implicit parents count as entries: one deep name must not
+			// make hundreds of directories on the limit's back.
+			if a.st.Entries+a.st.ImplicitDirs >= a.opt.MaxEntries {
+				return -1, &ApplyError{Entry: rel, Reason: fmt.Sprintf("more than %d entries (with implicit parents)", a.opt.MaxEntries), Class: errdefs.ErrTooLarge}
+			}
 			pfd := a.root
 			if cur >= 0 {
 				pfd = cur

@@ -261,6 +261,9 @@ func hostileCases() []hostileCase {
 			}
 			return e
 		}, wantErr: errdefs.ErrTooLarge},
+		{name: "too-many-implicit-dirs", opt: ApplyOptions{MaxEntries: 5}, ents: func(s string) []tent {
+			return []tent{file("a/b/c/d/e/f/g")}
+		}, wantErr: errdefs.ErrTooLarge},
 		{name: "too-deep", opt: ApplyOptions{MaxDepth: 8}, ents: func(s string) []tent {
 			return []tent{file(strings.Repeat("d/", 8) + "f")}
 		}, wantErr: errdefs.ErrTooLarge},
