@@ -35,7 +35,8 @@ import (
 // Config configures a Store.
 type Config struct {
 	// Root is the store's directory, created 0700 if missing (and made
-	// 0700 if it exists). Required; must be absolute.
+	// 0700 if it exists). Required; must be absolute and free of ':', ','
+	// and '\\' (layer dirs go into overlay's lowerdir option).
 	Root string
 }
 
@@ -46,6 +47,11 @@ func (c Config) Validate() error {
 	}
 	if !filepath.IsAbs(c.Root) {
 		return fmt.Errorf("layerstore: %w: Root %q is not absolute", errdefs.ErrInvalid, c.Root)
+	}
+	// Layer dirs end up in overlay's lowerdir option, where these are
+	// separators or escapes.
+	if strings.ContainsAny(c.Root, ":,\\\x00") {
+		return fmt.Errorf("layerstore: %w: Root %q holds one of ':' ',' '\\' (overlay option syntax)", errdefs.ErrInvalid, c.Root)
 	}
 	return nil
 }

@@ -39,7 +39,7 @@ func newStore(t testing.TB) *Store {
 }
 
 func TestStoreNew(t *testing.T) {
-	for _, cfg := range []Config{{}, {Root: "relative/dir"}} {
+	for _, cfg := range []Config{{}, {Root: "relative/dir"}, {Root: "/var/lib/a:b"}, {Root: "/var/lib/a,upperdir=/x"}, {Root: `/var/lib/a\b`}} {
 		if _, err := New(cfg); !errors.Is(err, errdefs.ErrInvalid) {
 			t.Errorf("New(%+v) = %v, want ErrInvalid", cfg, err)
 		}
