@@ -50,6 +50,21 @@ func startRegistry(t testing.TB, user, password string) *testRegistry {
 	if _, err := os.Stat(registryBin); err != nil {
 		testenv.Skipf(t, "%s missing (make registry-deps installs Debian's docker-registry): %v", registryBin, err)
 	}
+	// The free port is free only until something else takes it: a
+	// registry that exits at once gets another port.
+	for attempt := 1; ; attempt++ {
+		reg, out, err := tryStartRegistry(t, user, password)
+		if err == nil {
+			return reg
+		}
+		if attempt == 3 {
+			t.Fatalf("docker-registry: %v\n%s", err, out)
+		}
+	}
+}
+
+func tryStartRegistry(t testing.TB, user, password string) (*testRegistry, string, error) {
+	t.Helper()
 	dir := t.TempDir()
 	storage := filepath.Join(dir, "storage")
 	host := fmt.Sprintf("127.0.0.1:%d", freePort(t))
@@ -104,7 +119,7 @@ http:
 		select {
 		case err := <-exited:
 			exited <- err
-			t.Fatalf("docker-registry exited: %v\n%s", err, out.String())
+			return nil, out.String(), fmt.Errorf("exited: %v", err)
 		default:
 		}
 		if time.Now().After(deadline) {
@@ -112,7 +127,7 @@ http:
 		}
 		time.Sleep(30 * time.Millisecond)
 	}
-	return &testRegistry{Host: host, Storage: storage}
+	return &testRegistry{Host: host, Storage: storage}, "", nil
 }
 
 // blobPath is where the filesystem driver keeps a blob.
