@@ -43,6 +43,16 @@ sandbox-deps:
 deps:
 	@command -v node >/dev/null || { apt-get update -qq && apt-get install -y -qq nodejs npm; }
 
+## registry-deps: Debian's docker-registry (the CNCF distribution registry),
+## which internal/oci's tests start on 127.0.0.1 with a temp storage dir.
+## Only the binary is used: the package's own service (port 5000) is
+## disabled and stopped where systemd runs.
+.PHONY: registry-deps
+registry-deps:
+	@dpkg -s docker-registry >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-registry && \
+	  { ! command -v systemctl >/dev/null || systemctl disable --now docker-registry.service >/dev/null 2>&1 || true; }; }
+
 ## e2e-deps: the unmodified e2b npm SDK for the end-to-end tests
 e2e-deps: deps test/e2e/node_modules/.package-lock.json
 test/e2e/node_modules/.package-lock.json: test/e2e/package.json test/e2e/package-lock.json
@@ -63,7 +73,7 @@ $(VM_KERNEL_DIR)/.done:
 ## test: the whole suite, every tier: unit, root, platform (space up, the
 ## hostile suite, end to end with the e2b SDK) and kvm; run it as root.
 ## Ends with the list of what did not run (docs/TESTING.md).
-test: build e2e-deps
+test: build e2e-deps registry-deps
 	@[ "$$(id -u)" = 0 ] || echo 'make test: not root: the root and platform tiers will not run (see the NOT RUN list at the end)'
 	set -o pipefail; SPACE_BIN_DIR=$(BIN) $(GO) test $(GOTESTFLAGS) -json $(PKGS) | $(NOTRUN)
 
