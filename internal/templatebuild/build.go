@@ -268,8 +268,9 @@ func (b *Builder) Run(ctx context.Context, job Job) (Result, error) {
 		if job.StartCmd == "" {
 			return res, nil
 		}
-		if c, ok := b.Platform.CacheGet(ctx, startKey); ok && !job.Force && c.SnapshotID == res.SnapshotID {
+		if c, ok := b.Platform.CacheGet(ctx, startKey); ok && !job.Force {
 			log("info", "finalize", "CACHED start and ready check")
+			res.SnapshotID = c.SnapshotID
 			return res, nil
 		}
 	}
@@ -306,10 +307,16 @@ func (b *Builder) Run(ctx context.Context, job Job) (Result, error) {
 		if err := b.checkStart(ctx, sbx, job, res.State, func(level, msg string) { log(level, "finalize", msg) }); err != nil {
 			return res, &StepError{Step: "finalize", Err: err}
 		}
-		if res.SnapshotID != "" {
-			if err := b.Platform.CachePut(ctx, startKey, Cached{SnapshotID: res.SnapshotID, State: res.State.clone()}); err != nil {
-				log("warn", "finalize", "caching the start check: "+err.Error())
-			}
+		// The template is the sandbox with its server up: a substrate
+		// whose snapshots keep processes (a microVM's memory) starts
+		// sandboxes of it with the server already serving.
+		snap, err := b.Platform.Snapshot(ctx, id)
+		if err != nil {
+			return res, &StepError{Step: "finalize", Err: fmt.Errorf("snapshot after the start: %w", err)}
+		}
+		res.SnapshotID = snap
+		if err := b.Platform.CachePut(ctx, startKey, Cached{SnapshotID: snap, State: res.State.clone()}); err != nil {
+			log("warn", "finalize", "caching the start check: "+err.Error())
 		}
 	}
 	if res.SnapshotID == "" {
@@ -477,14 +484,24 @@ func (b *Builder) copyStep(ctx context.Context, sbx *sdk.Sandbox, s e2bapi.Templ
 
 // Start runs job's start command in sbx and waits for its ready command
 // (a new sandbox of a template with a start command).
+//
+// A sandbox restored with its processes (a microVM from the template's
+// memory snapshot) serves already: the ready command succeeds at once and
+// nothing is started twice.
 func (b *Builder) Start(ctx context.Context, sbx *sdk.Sandbox, job Job, st State) error {
-	return b.checkStart(ctx, sbx, job, st, func(string, string) {})
+	quiet := func(string, string) {}
+	if job.ReadyCmd != "" && b.run(ctx, sbx, job.ReadyCmd, st.user(), st, quiet) == nil {
+		return nil
+	}
+	return b.checkStart(ctx, sbx, job, st, quiet)
 }
 
 // checkStart starts the start command and waits for the ready command.
 func (b *Builder) checkStart(ctx context.Context, sbx *sdk.Sandbox, job Job, st State, log func(level, msg string)) error {
 	log("info", "starting: "+truncate(job.StartCmd, 200))
-	bg := fmt.Sprintf("nohup bash -l -c %s >/tmp/.space-start.log 2>&1 &", shellQuote(job.StartCmd))
+	// No nohup (busybox userlands lack it): without a terminal nothing
+	// sends the server a hangup when this shell exits.
+	bg := fmt.Sprintf("bash -l -c %s >/tmp/.space-start.log 2>&1 </dev/null &", shellQuote(job.StartCmd))
 	if err := b.run(ctx, sbx, bg, st.user(), st, log); err != nil {
 		return fmt.Errorf("start command: %w", err)
 	}
