@@ -275,9 +275,22 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		defer cancel()
 	}
 	t0 := time.Now()
-	lower, err := s.ensureTemplate(spec.Template)
+	img, err := s.imageFor(&spec)
 	if err != nil {
 		return nil, err
+	}
+	var lowers []string // top first
+	if img != nil {
+		lowers = topFirst(img.Layers)
+		if spec.AgentEnv, err = withImageDefaults(spec.AgentEnv, img); err != nil {
+			return nil, err
+		}
+	} else {
+		lower, err := s.ensureTemplate(spec.Template)
+		if err != nil {
+			return nil, err
+		}
+		lowers = []string{lower}
 	}
 	lim := mergeLimits(spec.Limits, s.cfg.Limits)
 	socket := filepath.Join(spec.Dir, SocketName)
@@ -336,7 +349,8 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	cfgW, stR := sp.cfgW, sp.stR
 	icfg := initConfig{
 		Hostname: hostnameFor(spec.Route.SandboxID),
-		Lower:    lower,
+		Lowers:   lowers,
+		HostUsr:  img == nil,
 		Layer:    filepath.Join(spec.Dir, DiskMountName),
 		Rootfs:   filepath.Join(spec.Dir, rootfsDir),
 		Usr:      s.cfg.UsrDir,
@@ -347,8 +361,8 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	icfg.MaxPTYs = s.cfg.MaxPTYs
 	var fds []int
 	if inst.uids != nil {
-		icfg.UserNS = true
-		fds, err = s.usernsFiles(inst.pid, lower, spec)
+		icfg.UserNS, icfg.NLower, icfg.Suid = true, len(lowers), img != nil
+		fds, err = s.usernsFiles(inst.pid, lowers, img == nil, spec)
 	} else {
 		// The layer as a detached mount: a warm init's mount namespace
 		// was copied before the layer disk was mounted.

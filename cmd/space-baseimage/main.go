@@ -1,0 +1,25 @@
+// Command space-baseimage builds the Debian root file system of the
+// `base` template into the machine-wide image cache once per content ID
+// (make base-image runs it) and prints its ID and directory.
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spacesbx/space/internal/baseimage"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	if err := baseimage.Command(ctx, os.Args[1:], os.Stdout, log); err != nil {
+		fmt.Fprintln(os.Stderr, "space-baseimage:", err)
+		os.Exit(1)
+	}
+}
