@@ -29,7 +29,7 @@ var layer = map[string]int{
 	"internal/vmchan": 1, "internal/substrate/uidlease": 1, "internal/substrate/spawner": 1,
 	"internal/guest/cgexec": 1, "internal/logsetup": 1, "internal/crashpoint": 1,
 	"internal/netpolicy": 1, "internal/sbxnet": 1, "internal/netsim": 1,
-	"internal/egress/intercept": 1, "internal/egress/socks5": 1,
+	"internal/egress/intercept": 1, "internal/egress/socks5": 1, "internal/baseimage": 1,
 	// 2: contracts built on identity, envd connect stubs.
 	"api/spacev1": 2, "internal/capability": 2,
 	"api/envd/filesystem/filesystempbconnect": 2, "api/envd/process/processpbconnect": 2,

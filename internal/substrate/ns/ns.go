@@ -18,9 +18,12 @@
 // the owners they have inside, on disk and in snapshots (idmapped mounts).
 // The layers below hold with or without it:
 //
-//   - root filesystem: overlayfs with the template as the read-only lower
-//     layer and Spec.Dir/upper as the writable layer, mounted nosuid,nodev;
-//     the host's /usr bind-mounted read-only,nosuid,nodev; a fresh /proc
+//   - root filesystem: overlayfs with Spec.Dir/upper as the writable layer
+//     over either an image's layers (Spec.Image, or Config.Images for the
+//     template: image.go; no host path at all) or the built-in host
+//     template (a generated /etc) with the host's /usr bind-mounted
+//     read-only,nosuid,nodev; always nodev, and nosuid except for an image
+//     in a user namespace (its sudo makes root of that namespace only); a fresh /proc
 //     (with /proc/sys, /proc/sysrq-trigger, ... read-only and /proc/kcore,
 //     /proc/keys, ... masked); /dev a read-only tmpfs with null, zero, full,
 //     random, urandom and tty bound from the host, a private devpts and
