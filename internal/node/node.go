@@ -133,7 +133,7 @@ func (c Config) Validate() error {
 		return err
 	}
 	switch c.BaseImage {
-	case BaseImageAuto, BaseImageBuild, BaseImageOff:
+	case "", BaseImageAuto, BaseImageBuild, BaseImageOff:
 	default:
 		return fmt.Errorf("node: %w: base image %q: want auto, build or off", errdefs.ErrInvalid, c.BaseImage)
 	}
