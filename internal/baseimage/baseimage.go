@@ -47,7 +47,7 @@ import (
 // BuilderVersion is part of every image's content ID: bump it whenever
 // the build (its mmdebstrap options or the customization after it)
 // changes, so caches built the old way are not reused.
-const BuilderVersion = "space-debian-base-v2"
+const BuilderVersion = "space-debian-base-v3"
 
 // Defaults of Config.
 const (
@@ -62,7 +62,7 @@ const (
 // DefaultPackages is what E2B's base image users rely on, beyond
 // Debian's essential set and apt.
 var DefaultPackages = []string{
-	"bash", "coreutils", "python3", "python3-pip", "python3-venv", "nodejs", "npm",
+	"bash", "coreutils", "python3", "python3-pip", "python3-venv", "python-is-python3", "nodejs", "npm",
 	"git", "curl", "wget", "ca-certificates", "sudo", "build-essential", "procps",
 	"iproute2", "less", "vim-tiny", "nano", "unzip", "openssh-client", "passwd",
 	"xz-utils", "gnupg", "tzdata",

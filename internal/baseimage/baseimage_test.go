@@ -221,7 +221,7 @@ func TestBuiltImage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, p := range []string{"python3", "python3-pip", "python3-venv", "nodejs", "npm", "git", "curl", "sudo", "build-essential", "procps", "iproute2"} {
+	for _, p := range []string{"python3", "python-is-python3", "python3-pip", "python3-venv", "nodejs", "npm", "git", "curl", "sudo", "build-essential", "procps", "iproute2"} {
 		if !bytes.Contains(m, []byte("\n"+p+"\t")) && !bytes.HasPrefix(m, []byte(p+"\t")) {
 			t.Errorf("manifest lacks %s", p)
 		}
@@ -239,6 +239,9 @@ func TestBuiltImage(t *testing.T) {
 	}
 	if err := syscall.Stat(filepath.Join(b.Dir, "home/user"), &st); err != nil || st.Uid != UserID || st.Gid != UserID {
 		t.Errorf("/home/user: %d:%d %v", st.Uid, st.Gid, err)
+	}
+	if m, _ := filepath.Glob(filepath.Join(b.Dir, "usr/lib/python3*/EXTERNALLY-MANAGED")); len(m) != 0 {
+		t.Errorf("pip refuses installs: %v", m)
 	}
 	if ents, err := os.ReadDir(filepath.Join(b.Dir, "dev")); err != nil || len(ents) != 0 {
 		t.Errorf("/dev of the layer is not empty: %d entries, %v", len(ents), err)

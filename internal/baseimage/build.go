@@ -199,6 +199,15 @@ func customize(ctx context.Context, root string) error {
 			return err
 		}
 	}
+	// pip installs as in E2B's images (and Docker's python ones): without
+	// PEP 668's marker, `pip install` as user goes to ~/.local instead of
+	// refusing.
+	markers, _ := filepath.Glob(filepath.Join(root, "usr/lib/python3*/EXTERNALLY-MANAGED"))
+	for _, p := range markers {
+		if err := os.Remove(p); err != nil {
+			return err
+		}
+	}
 	// What apt and ldconfig leave behind is rebuilt on demand.
 	for _, g := range []string{"var/cache/apt/*.bin", "var/cache/apt/archives/*.deb", "var/cache/ldconfig/aux-cache", "var/log/apt/*"} {
 		m, _ := filepath.Glob(filepath.Join(root, g))

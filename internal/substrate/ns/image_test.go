@@ -117,6 +117,10 @@ func TestDebianBase(t *testing.T) {
 	// The hostname resolves (sudo looks it up) and the agent's mount
 	// point is the image's own.
 	mustOK(t, inst, 1000, "getent hosts $(hostname) && test -f /.space/spaced-guest")
+	// pip installs as user (into ~/.local), as in E2B's images.
+	mustOK(t, inst, 1000, `mkdir -p /tmp/hello && cd /tmp/hello && echo 'def hi(): return "hi"' > hello.py &&
+printf 'from setuptools import setup\nsetup(name="hello", version="1", py_modules=["hello"])\n' > setup.py &&
+pip install -q --no-index --no-build-isolation . && cd / && python -c 'import hello; print(hello.hi())' | grep -qx hi`)
 	// Files persist across a restart on the same directory.
 	mustOK(t, inst, 1000, "echo kept > /home/user/kept && pip3 --version >/dev/null && python3 -m venv /tmp/venv")
 	next := restartOnSameDir(t, s, inst, spec)
