@@ -5,8 +5,6 @@ package main
 
 import (
 	"context"
-	"fmt"
-	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
@@ -16,10 +14,7 @@ import (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
-	if err := baseimage.Command(ctx, os.Args[1:], os.Stdout, log); err != nil {
-		fmt.Fprintln(os.Stderr, "space-baseimage:", err)
-		os.Exit(1)
-	}
+	code := baseimage.Command(ctx, os.Args[1:], os.Getenv, os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
 }

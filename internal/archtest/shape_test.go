@@ -29,13 +29,13 @@ var layer = map[string]int{
 	"internal/vmchan": 1, "internal/substrate/uidlease": 1, "internal/substrate/spawner": 1,
 	"internal/guest/cgexec": 1, "internal/logsetup": 1, "internal/crashpoint": 1,
 	"internal/netpolicy": 1, "internal/sbxnet": 1, "internal/netsim": 1,
-	"internal/egress/intercept": 1, "internal/egress/socks5": 1, "internal/baseimage": 1,
+	"internal/egress/intercept": 1, "internal/egress/socks5": 1,
 	// 2: contracts built on identity, envd connect stubs.
 	"api/spacev1": 2, "internal/capability": 2,
 	"api/envd/filesystem/filesystempbconnect": 2, "api/envd/process/processpbconnect": 2,
 	// 3: state, policies and the substrate interface.
 	"internal/store": 3, "internal/scheduler": 3, "internal/snapshot": 3, "internal/substrate": 3,
-	"internal/guest": 3, "sdk": 3, "internal/egress": 3,
+	"internal/guest": 3, "sdk": 3, "internal/egress": 3, "internal/baseimage": 3,
 	// 4: substrates, per-activation host processes.
 	"internal/substrate/ns": 4, "internal/substrate/microvm": 4,
 	"internal/bridge": 4, "internal/gateway": 4,

@@ -5,16 +5,19 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"strings"
 	"time"
+
+	"github.com/spacesbx/space/internal/logsetup"
 )
 
-// Command is cmd/space-baseimage: it builds (or finds) the image its flags
-// describe and prints its ID and directory. args exclude the program name.
-func Command(ctx context.Context, args []string, out io.Writer, log *slog.Logger) error {
+// Command is cmd/space-baseimage: it builds (or, with -lookup, only
+// finds) the image its flags describe and prints its ID and directory.
+// args exclude the program name; getenv supplies the log defaults. It
+// returns the exit code.
+func Command(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("space-baseimage", flag.ContinueOnError)
-	fs.SetOutput(out)
+	fs.SetOutput(stderr)
 	var cfg Config
 	var pkgs string
 	fs.StringVar(&cfg.CacheDir, "cache-dir", DefaultCacheDir, "directory of built images (root-only)")
@@ -23,14 +26,19 @@ func Command(ctx context.Context, args []string, out io.Writer, log *slog.Logger
 	fs.StringVar(&pkgs, "packages", "", "comma-separated packages (default: E2B's base set)")
 	lookupOnly := fs.Bool("lookup", false, "only report whether the image is built; never build")
 	timeout := fs.Duration("timeout", 30*time.Minute, "bound on the build")
+	logOpts := logsetup.Flags(fs, logsetup.Options{Format: getenv(logsetup.EnvFormat), Level: getenv(logsetup.EnvLevel)})
 	if err := fs.Parse(args); err != nil {
-		return err
+		return 2
+	}
+	log, err := logsetup.New(stderr, *logOpts)
+	if err != nil {
+		fmt.Fprintln(stderr, "space-baseimage:", err)
+		return 2
 	}
 	if pkgs != "" {
 		cfg.Packages = strings.Split(pkgs, ",")
 	}
 	var b Base
-	var err error
 	if *lookupOnly {
 		b, err = Lookup(cfg)
 	} else {
@@ -39,8 +47,9 @@ func Command(ctx context.Context, args []string, out io.Writer, log *slog.Logger
 		b, err = Ensure(ctx, cfg, log)
 	}
 	if err != nil {
-		return err
+		fmt.Fprintln(stderr, "space-baseimage:", err)
+		return 1
 	}
-	fmt.Fprintf(out, "%s %s\n", b.ID, b.Dir)
-	return nil
+	fmt.Fprintf(stdout, "%s %s\n", b.ID, b.Dir)
+	return 0
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/spacesbx/space/internal/baseimage"
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // BenchmarkStartImageVsHost: raw Start of the Debian base image against
@@ -17,7 +18,7 @@ func BenchmarkStartImageVsHost(b *testing.B) {
 	s := needRoot(b)
 	bi, err := baseimage.Lookup(baseimage.Config{})
 	if err != nil {
-		b.Skip(err)
+		testenv.Skipf(b, "the Debian base image is not built: %v", err)
 	}
 	img := &substrate.Image{ID: bi.ID, Layers: []string{bi.Dir}, Env: bi.Env}
 	ctx := context.Background()
