@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 
@@ -148,7 +150,7 @@ func TestFailedBuildLeavesNothing(t *testing.T) {
 	fake := filepath.Join(dir, "mmdebstrap")
 	// Leaves a partial tree behind, then fails, as an interrupted
 	// download would.
-	script := "#!/bin/sh\nfor a; do t=$p; p=$a; done\nmkdir -p \"$t/usr/bin\" && echo partial > \"$t/usr/bin/x\"\necho 'E: cannot reach the mirror' >&2\nexit 1\n"
+	script := "#!/bin/sh\nfor a; do case \"$a\" in */rootfs) t=$a;; esac; done\nmkdir -p \"$t/usr/bin\" && echo partial > \"$t/usr/bin/x\"\necho 'E: cannot reach the mirror' >&2\nexit 1\n"
 	if err := os.WriteFile(fake, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -245,5 +247,89 @@ func TestBuiltImage(t *testing.T) {
 	}
 	if ents, err := os.ReadDir(filepath.Join(b.Dir, "dev")); err != nil || len(ents) != 0 {
 		t.Errorf("/dev of the layer is not empty: %d entries, %v", len(ents), err)
+	}
+}
+
+// fakeBuilder is an mmdebstrap stand-in that makes a tiny tree (a static
+// busybox, an useradd of its own, device nodes as mmdebstrap's root mode
+// makes) after a second, counting its runs in counter.
+const fakeBuilder = `#!/bin/sh
+set -e
+for a; do case "$a" in */rootfs) t=$a;; esac; done
+echo run >> %q
+sleep 1
+mkdir -p "$t/usr/bin" "$t/usr/sbin" "$t/etc" "$t/dev" "$t/var/lib/dpkg" "$t/home"
+ln -s usr/bin "$t/bin"
+cp %q "$t/usr/bin/busybox"
+ln -s busybox "$t/usr/bin/sh"
+printf 'root:x:0:0:root:/root:/bin/sh\n' > "$t/etc/passwd"
+printf 'root:x:0:\n' > "$t/etc/group"
+printf '#!/bin/sh\necho user:x:1000:1000::/home/user:/bin/bash >> /etc/passwd\n/bin/busybox mkdir -p /home/user\n/bin/busybox chown 1000:1000 /home/user\n' > "$t/usr/sbin/useradd"
+chmod 755 "$t/usr/sbin/useradd"
+touch "$t/var/lib/dpkg/status"
+mknod "$t/dev/null" c 1 3
+`
+
+// TestConcurrentEnsureBuildsOnce: Ensures racing for one image (here
+// goroutines; processes take the same flock) run the builder once, and
+// every one gets the complete, customized tree.
+func TestConcurrentEnsureBuildsOnce(t *testing.T) {
+	testenv.RequireRoot(t, "a build runs as root")
+	busybox := "/bin/busybox"
+	if _, err := os.Stat(busybox); err != nil {
+		testenv.Skipf(t, "no static busybox for the stand-in builder (make vm-deps installs busybox-static): %v", err)
+	}
+	dir := t.TempDir()
+	counter := filepath.Join(dir, "runs")
+	fake := filepath.Join(dir, "mmdebstrap")
+	if err := os.WriteFile(fake, []byte(fmt.Sprintf(fakeBuilder, counter, busybox)), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cfg := Config{CacheDir: filepath.Join(dir, "cache"), Mmdebstrap: fake, Packages: []string{"bash"}}
+	var wg sync.WaitGroup
+	got := make([]Base, 3)
+	errs := make([]error, 3)
+	for i := range got {
+		wg.Go(func() { got[i], errs[i] = Ensure(context.Background(), cfg, nil) })
+	}
+	wg.Wait()
+	for i := range got {
+		if errs[i] != nil {
+			t.Fatalf("Ensure %d: %v", i, errs[i])
+		}
+		if got[i].Dir != got[0].Dir || got[i].ID != got[0].ID {
+			t.Fatalf("Ensures disagree: %+v %+v", got[i], got[0])
+		}
+	}
+	if _, err := Ensure(context.Background(), cfg, nil); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(counter); err != nil || string(b) != "run\n" {
+		t.Fatalf("the builder ran %q times (%v), want once", b, err)
+	}
+	b := got[0]
+	if passwd, err := os.ReadFile(filepath.Join(b.Dir, "etc/passwd")); err != nil || !strings.Contains(string(passwd), "user:x:1000:") {
+		t.Errorf("no user account: %q %v", passwd, err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(filepath.Join(b.Dir, "etc/sudoers.d/user"), &st); err != nil || st.Mode&0o777 != 0o440 {
+		t.Errorf("sudoers.d/user: mode %o %v", st.Mode&0o777, err)
+	}
+	if ents, err := os.ReadDir(filepath.Join(b.Dir, "dev")); err != nil || len(ents) != 0 {
+		t.Errorf("device nodes kept in the layer: %d %v", len(ents), err)
+	}
+	for _, f := range []string{".space/spaced-guest", "etc/hosts", "etc/resolv.conf"} {
+		if _, err := os.Stat(filepath.Join(b.Dir, f)); err != nil {
+			t.Errorf("customization: %v", err)
+		}
+	}
+	if fi, err := os.Stat(filepath.Dir(b.Dir)); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Errorf("image dir mode: %v", err)
+	}
+	ents, _ := os.ReadDir(cfg.CacheDir)
+	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), ".build-") {
+			t.Errorf("a build directory left: %s", e.Name())
+		}
 	}
 }
