@@ -17,7 +17,9 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/substrate"
 )
 
@@ -56,8 +58,10 @@ func validateImage(img *substrate.Image) error {
 	return nil
 }
 
-// checkLayers reports a layer that is not a directory (a missing layer
-// would otherwise surface as the init's mount error).
+// checkLayers refuses a layer that is not a directory (a missing layer
+// would otherwise surface as the init's mount error) or whose parent
+// others could change: layers hold set-uid files and are trusted as the
+// platform published them, so their parents must be root's alone.
 func checkLayers(img *substrate.Image) error {
 	for _, l := range img.Layers {
 		fi, err := os.Stat(l)
@@ -66,6 +70,14 @@ func checkLayers(img *substrate.Image) error {
 		}
 		if !fi.IsDir() {
 			return fmt.Errorf("layer %s: not a directory", l)
+		}
+		pi, err := os.Stat(filepath.Dir(l))
+		if err != nil {
+			return fmt.Errorf("layer: %w", err)
+		}
+		st, ok := pi.Sys().(*syscall.Stat_t)
+		if !ok || st.Uid != 0 || pi.Mode().Perm()&0o022 != 0 {
+			return fmt.Errorf("layer %s: its parent must be root's and writable by root only (mode %v)", l, pi.Mode())
 		}
 	}
 	return nil
@@ -86,10 +98,10 @@ func (s *Substrate) imageFor(spec *substrate.Spec) (*substrate.Image, error) {
 		img = &i
 	}
 	if err := validateImage(img); err != nil {
-		return nil, fmt.Errorf("ns: %w", err)
+		return nil, fmt.Errorf("ns: %w: %w", errdefs.ErrInvalid, err)
 	}
 	if err := checkLayers(img); err != nil {
-		return nil, fmt.Errorf("ns: %w", err)
+		return nil, fmt.Errorf("ns: %w: %w", errdefs.ErrInvalid, err)
 	}
 	return img, nil
 }

@@ -263,11 +263,28 @@ func TestImageRejected(t *testing.T) {
 	if err := os.WriteFile(file, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
+	// A layer under a directory others may write (they could swap it).
+	open := filepath.Join(t.TempDir(), "open")
+	if err := os.MkdirAll(filepath.Join(open, "layer"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(open, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	foreign := filepath.Join(t.TempDir(), "foreign")
+	if err := os.MkdirAll(filepath.Join(foreign, "layer"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(foreign, 1000, 1000); err != nil {
+		t.Fatal(err)
+	}
 	for name, img := range map[string]*substrate.Image{
 		"no layers":   {},
 		"relative":    {Layers: []string{"layer"}},
 		"missing":     {Layers: []string{"/nonexistent/layer"}},
 		"a file":      {Layers: []string{file}},
+		"open parent": {Layers: []string{filepath.Join(open, "layer")}},
+		"user parent": {Layers: []string{filepath.Join(foreign, "layer")}},
 		"colon":       {Layers: []string{"/tmp/a:b"}},
 		"unclean":     {Layers: []string{"/tmp/../etc"}},
 		"env":         {Layers: []string{"/"}, Env: []string{"NOEQUALS"}},
@@ -275,8 +292,8 @@ func TestImageRejected(t *testing.T) {
 	} {
 		spec := newSpec(t, substrate.Limits{})
 		spec.Image = img
-		if _, err := s.Start(context.Background(), spec); err == nil {
-			t.Errorf("%s: started", name)
+		if _, err := s.Start(context.Background(), spec); !errors.Is(err, errdefs.ErrInvalid) {
+			t.Errorf("%s: %v, want ErrInvalid", name, err)
 		}
 	}
 }
