@@ -5,6 +5,7 @@ package ns
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -295,5 +296,43 @@ func TestImageRejected(t *testing.T) {
 		if _, err := s.Start(context.Background(), spec); !errors.Is(err, errdefs.ErrInvalid) {
 			t.Errorf("%s: %v, want ErrInvalid", name, err)
 		}
+	}
+}
+
+// TestImageManyLayers: a stack whose host paths together are longer than
+// overlay's options can carry (a page) still mounts, top first, with and
+// without user namespaces.
+func TestImageManyLayers(t *testing.T) {
+	base := needBaseImage(t)
+	img := &substrate.Image{ID: "sha256:many", Layers: []string{base.Layers[0]}}
+	parent := t.TempDir()
+	for i := range 60 {
+		dir := filepath.Join(parent, fmt.Sprintf("a-layer-with-a-long-name-as-content-stores-give-them-%03d", i))
+		if err := os.MkdirAll(filepath.Join(dir, "opt"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, "opt/n"), []byte(fmt.Sprintf("%d\n", i)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		img.Layers = append(img.Layers, dir)
+	}
+	if n := len(strings.Join(img.Layers, ":")); n < 4096 {
+		t.Fatalf("the stack's paths are only %d bytes", n)
+	}
+	for _, noUserNS := range []bool{false, true} {
+		t.Run(map[bool]string{false: "userns", true: "nouserns"}[noUserNS], func(t *testing.T) {
+			s, err := New(Config{StateDir: testState, NoUserNamespaces: noUserNS, NoWarmInit: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { s.Close() })
+			if !noUserNS && !s.userns {
+				testenv.Skipf(t, "user namespaces unavailable here: %s", userNamespacesUnsupported())
+			}
+			inst, _ := startImage(t, s, img)
+			if out := mustOK(t, inst, 1000, "cat /opt/n && test -e /etc/debian_version && echo base"); out != "59\nbase\n" {
+				t.Errorf("top of a 61-layer stack: %q", out)
+			}
+		})
 	}
 }

@@ -244,8 +244,12 @@ func setupRootfs(c *initConfig, layerFD int) (int, error) {
 		return -1, errors.New("no lower layer")
 	}
 	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s/upper,workdir=%s/work", strings.Join(c.Lowers, ":"), c.Layer, c.Layer)
-	if len(opts) >= 4096 {
-		return -1, fmt.Errorf("overlay options of %d lower layers exceed a page", len(c.Lowers))
+	if len(opts) >= 4000 { // mount options are at most a page
+		lowers, err := stageLowers(c)
+		if err != nil {
+			return -1, err
+		}
+		opts = fmt.Sprintf("lowerdir=%s,upperdir=%s/upper,workdir=%s/work", strings.Join(lowers, ":"), c.Layer, c.Layer)
 	}
 	// nodev everywhere writable: CAP_MKNOD nodes are inert (no device
 	// cgroup needed). nosuid: without a user namespace set-uid root would
@@ -363,6 +367,42 @@ func setupDev(r string, maxPTYs int) error {
 	// Nothing else is ever added: make /dev's tmpfs read-only and nodev
 	// (the binds above keep their own flags).
 	return mount("", d, "", unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NOEXEC|unix.MS_NODEV, "mode=755,size=65536k,nr_inodes=4096")
+}
+
+// stageLowers binds the lower layers under short names in a private
+// tmpfs (in this mount namespace only; pivot detaches it) when their host
+// paths together are too long for overlay's options. The tmpfs goes on a
+// directory that holds none of the paths the overlay needs.
+func stageLowers(c *initConfig) ([]string, error) {
+	under := func(p, dir string) bool { return p == dir || strings.HasPrefix(p, dir+"/") }
+	staging := ""
+	for _, d := range []string{"/mnt", "/run", "/tmp", "/media", "/srv"} {
+		ok := !under(c.Rootfs, d) && !under(c.Layer, d)
+		for _, l := range c.Lowers {
+			ok = ok && !under(l, d)
+		}
+		if fi, err := os.Stat(d); ok && err == nil && fi.IsDir() {
+			staging = d
+			break
+		}
+	}
+	if staging == "" {
+		return nil, fmt.Errorf("overlay options of %d lower layers exceed a page and there is no directory to stage them under", len(c.Lowers))
+	}
+	if err := mount("tmpfs", staging, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=0700,size=64k"); err != nil {
+		return nil, err
+	}
+	out := make([]string, len(c.Lowers))
+	for i, l := range c.Lowers {
+		out[i] = filepath.Join(staging, strconv.Itoa(i))
+		if err := os.Mkdir(out[i], 0o700); err != nil {
+			return nil, err
+		}
+		if err := mount(l, out[i], "", unix.MS_BIND, ""); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
 }
 
 // ensureMountPoints makes what the init mounts on in the root file system
