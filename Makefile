@@ -17,12 +17,12 @@ STATICCHECK_VERSION ?= v0.8.2
 
 CMDS := space space-api space-edge space-node spaced-host netgtw space-nsinit
 
-.PHONY: all build run test test-unit bench density check fuzz e2e-deps deps vm-deps sandbox-deps clean churn crash
+.PHONY: all build run test test-unit bench density check fuzz e2e-deps deps vm-deps sandbox-deps base-image clean churn crash
 
 all: build
 
 ## build: all binaries into ./bin (spaced-guest is static: it runs inside sandboxes)
-build: vm-deps sandbox-deps
+build: vm-deps sandbox-deps base-image
 	@mkdir -p $(BIN)
 	$(GO) build -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/spaced-guest ./cmd/spaced-guest
@@ -38,6 +38,16 @@ run: build
 sandbox-deps:
 	@dpkg -s sudo python3 e2fsprogs curl ca-certificates >/dev/null 2>&1 || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends sudo python3 e2fsprogs curl ca-certificates; }
+
+## base-image: the Debian root file system of the `base` template (E2B's
+## base set: python3, nodejs, git, build tools, sudo, user 1000), built by
+## mmdebstrap from deb.debian.org once per content ID into
+## /var/cache/space/images (minutes the first time, instant after). If it
+## cannot be built, `base` sandboxes run on the host's /usr (base-host).
+base-image:
+	@command -v mmdebstrap >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap; } || true
+	@$(GO) run ./cmd/space-baseimage || echo 'base-image: not built (see above): base sandboxes will run on the host /usr (template base-host)'
 
 ## deps: system packages the tests use
 deps:

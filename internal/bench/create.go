@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spacesbx/space/internal/baseimage"
 	"github.com/spacesbx/space/internal/guest"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/node"
@@ -26,6 +27,13 @@ import (
 type CreateResult struct {
 	Create   []time.Duration
 	RawStart []time.Duration
+	// BaseImage is what template base ran: the Debian base image's ID, or
+	// "" when it ran the host's /usr (the image was not built).
+	BaseImage string
+	// HostBase are creates of template base-host (the host-/usr base),
+	// each right after a create of base: the baseline of the Debian
+	// image's cost. Empty when base itself ran the host's /usr.
+	HostBase []time.Duration
 	// Phases are the control plane's and the worker's per-phase timings
 	// of the sequential creates (PhaseCollector), by phase name.
 	Phases map[string][]time.Duration
@@ -226,9 +234,14 @@ func MeasureCreateConcurrent(ctx context.Context, p *Platform, raw *RawSubstrate
 // small; every rawEvery-th create is followed by a raw substrate start.
 func MeasureCreate(ctx context.Context, p *Platform, raw *RawSubstrate, warmup, n, rawEvery int) (CreateResult, error) {
 	var res CreateResult
-	one := func() (time.Duration, error) {
+	// The workers' choice for base (node.BaseImageAuto): the image when
+	// it is built.
+	if b, err := baseimage.Lookup(baseimage.Config{}); err == nil {
+		res.BaseImage = b.ID
+	}
+	create := func(template string) (time.Duration, error) {
 		t0 := time.Now()
-		sbx, err := p.Client.CreateSandbox(ctx, sdk.CreateOptions{Timeout: 5 * time.Minute})
+		sbx, err := p.Client.CreateSandbox(ctx, sdk.CreateOptions{Template: template, Timeout: 5 * time.Minute})
 		d := time.Since(t0)
 		if err != nil {
 			return 0, fmt.Errorf("create: %w", err)
@@ -238,8 +251,22 @@ func MeasureCreate(ctx context.Context, p *Platform, raw *RawSubstrate, warmup, 
 		}
 		return d, nil
 	}
+	one := func() (time.Duration, error) { return create("") }
+	host := func() (time.Duration, error) {
+		if res.BaseImage == "" {
+			return 0, nil
+		}
+		d, err := create(ns.TemplateBaseHost)
+		if err != nil {
+			return 0, fmt.Errorf("%s: %w", ns.TemplateBaseHost, err)
+		}
+		return d, nil
+	}
 	for range warmup {
 		if _, err := one(); err != nil {
+			return res, err
+		}
+		if _, err := host(); err != nil {
 			return res, err
 		}
 		if raw != nil {
@@ -254,6 +281,11 @@ func MeasureCreate(ctx context.Context, p *Platform, raw *RawSubstrate, warmup, 
 			return res, err
 		}
 		res.Create = append(res.Create, d)
+		if d, err = host(); err != nil {
+			return res, err
+		} else if res.BaseImage != "" {
+			res.HostBase = append(res.HostBase, d)
+		}
 		if raw != nil && rawEvery > 0 && i%rawEvery == 0 {
 			d, err := raw.StartStop(ctx)
 			if err != nil {

@@ -169,6 +169,13 @@ func (r *Report) createRows() []Row {
 		{fmt.Sprintf("sandbox create p50, n=%d (ms)", len(c)), fmt.Sprintf("%.1f", Median(c)), b50, ratio(Median(c), Median(raw)), "<= 25 ms", atMost(Median(c), 25)},
 		{fmt.Sprintf("sandbox create p99, n=%d (ms)", len(c)), fmt.Sprintf("%.1f", Percentile(c, 99)), b99, ratio(Percentile(c, 99), Percentile(raw, 99)), "", NotJudged},
 	}
+	if h := ms(r.Create.HostBase); len(h) > 0 {
+		rows = append(rows, Row{fmt.Sprintf("create p50, base (Debian image) vs base-host (host /usr), n=%d (ms)", len(c)),
+			fmt.Sprintf("%.1f", Median(c)), fmt.Sprintf("%.1f base-host", Median(h)), ratio(Median(c), Median(h)), "<= 1.2x",
+			atMost(Median(c)/Median(h), 1.2)})
+	} else {
+		rows = append(rows, Row{Figure: "create p50, base (Debian image) vs base-host", Value: "not measured: the Debian base image is not built (make base-image)"})
+	}
 	cc := r.Create.Conc
 	fig := fmt.Sprintf("create throughput, %d clients, n=%d (creates/s)", cc.Clients, cc.Clients*max(1, cc.Creates/max(1, cc.Clients)))
 	switch {
@@ -203,6 +210,10 @@ func (r *Report) createNotes() string {
 		"  configured like the workers' (space-nsinit as the init, the next init started ahead of time: sequential starts find it warm);\n"+
 		"  the difference is control plane + etcd + sbx-manager record (bbolt fsync) + spaced-host bridge start and verification.\n",
 		slicesMin(c), slicesMax(c), len(r.Create.RawStart))
+	if len(r.Create.HostBase) > 0 {
+		fmt.Fprintf(&b, "  base ran the Debian base image %s (overlay of its one layer, no host /usr); each base create was\n"+
+			"  followed by one of base-host (the generated /etc over the host's /usr, the base before it) on the same worker.\n", r.Create.BaseImage)
+	}
 	if len(r.Create.Phases) > 0 {
 		fmt.Fprintf(&b, "  phases, sequential (median ms; api.* in space-api, worker.* inside api.install): %s\n", formatPhases(r.Create.Phases, createPhaseOrder))
 	}

@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 )
@@ -88,6 +89,9 @@ type Config struct {
 	Env map[string]string `json:"env,omitempty"`
 	// DefaultUser is the user when a request names none. Default "user".
 	DefaultUser string `json:"default_user,omitempty"`
+	// DefaultCwd is a process's working directory when its request names
+	// none (an image's WORKDIR); empty or missing: the user's home.
+	DefaultCwd string `json:"default_cwd,omitempty"`
 	// PasswdPath and GroupPath are the account databases users are looked up
 	// in. Defaults /etc/passwd and /etc/group.
 	PasswdPath string `json:"passwd_path,omitempty"`
@@ -210,6 +214,9 @@ func (c Config) Validate() error {
 	var errs []error
 	if err := c.Identity.Validate(); err != nil {
 		errs = append(errs, err)
+	}
+	if c.DefaultCwd != "" && (!filepath.IsAbs(c.DefaultCwd) || strings.ContainsRune(c.DefaultCwd, 0)) {
+		errs = append(errs, fmt.Errorf("default_cwd %q: not an absolute path", c.DefaultCwd))
 	}
 	if strings.ContainsAny(c.DefaultUser, ":\n\x00") {
 		errs = append(errs, fmt.Errorf("default_user %q: invalid user name", c.DefaultUser))

@@ -391,3 +391,32 @@ func TestStartTimeoutKillsProcess(t *testing.T) {
 		t.Fatalf("process without timeout: %v %v", l, err)
 	}
 }
+
+// TestDefaultCwd: an image's working directory is where commands start
+// when their request names none; a missing one falls back to the home.
+func TestDefaultCwd(t *testing.T) {
+	e := newEnv(t)
+	id := e.srv.Identity()
+	if err := e.srv.Reactivate(Config{Identity: id, DefaultCwd: "/tmp"}); err != nil {
+		t.Fatal(err)
+	}
+	if r := e.run("user", sh("pwd")); strings.TrimSpace(r.stdout) != "/tmp" {
+		t.Fatalf("default cwd: %q", r.stdout)
+	}
+	req := sh("pwd")
+	req.Process.Cwd = ptr("/")
+	if r := e.run("user", req); strings.TrimSpace(r.stdout) != "/" {
+		t.Fatalf("a request's cwd: %q", r.stdout)
+	}
+	if err := e.srv.Reactivate(Config{Identity: id, DefaultCwd: "/no/such/dir"}); err != nil {
+		t.Fatal(err)
+	}
+	if r := e.run("user", sh("pwd")); strings.TrimSpace(r.stdout) != e.home() {
+		t.Fatalf("missing default cwd: %q, want the home", r.stdout)
+	}
+	for _, bad := range []string{"rel", "/a\x00b"} {
+		if err := e.srv.Reactivate(Config{Identity: id, DefaultCwd: bad}); err == nil {
+			t.Errorf("default cwd %q accepted", bad)
+		}
+	}
+}

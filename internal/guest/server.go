@@ -74,7 +74,7 @@ func New(cfg Config) (*Server, error) {
 		drains:   make(map[*os.File]struct{}),
 		watchers: make(map[string]*pollWatcher),
 	}
-	s.act.Store(&activation{Identity: cfg.Identity, Env: cfg.Env, DefaultUser: cfg.DefaultUser})
+	s.act.Store(&activation{Identity: cfg.Identity, Env: cfg.Env, DefaultUser: cfg.DefaultUser, DefaultCwd: cfg.DefaultCwd})
 	opts := []connect.HandlerOption{connect.WithReadMaxBytes(cfg.MaxMessageBytes)}
 	mux := http.NewServeMux()
 	mux.Handle(processpbconnect.NewProcessHandler(&processService{s}, opts...))
@@ -134,6 +134,7 @@ type activation struct {
 	Identity    Identity
 	Env         map[string]string
 	DefaultUser string
+	DefaultCwd  string
 }
 
 // Identity returns the identity the agent currently holds.
@@ -149,7 +150,7 @@ func (s *Server) Reactivate(cfg Config) error {
 	if err := cfg.Validate(); err != nil {
 		return fmt.Errorf("guest: invalid config: %w", err)
 	}
-	old := s.act.Swap(&activation{Identity: cfg.Identity, Env: cfg.Env, DefaultUser: cfg.DefaultUser})
+	old := s.act.Swap(&activation{Identity: cfg.Identity, Env: cfg.Env, DefaultUser: cfg.DefaultUser, DefaultCwd: cfg.DefaultCwd})
 	s.log.Info("agent reactivated", "sandbox", cfg.Identity.Sandbox, "generation", cfg.Identity.Generation,
 		"execution", cfg.Identity.Execution, "activation", cfg.Identity.Activation, "previous_activation", old.Identity.Activation)
 	s.applyNetwork(cfg.Network)

@@ -60,6 +60,11 @@ func (s *Server) startProcess(h http.Header, req *processpb.StartRequest) (*proc
 		}
 	}
 	cwd := acct.Home
+	if d := s.act.Load().DefaultCwd; d != "" {
+		if st, err := os.Stat(d); err == nil && st.IsDir() {
+			cwd = d
+		}
+	}
 	if pc.Cwd != nil && pc.GetCwd() != "" {
 		cwd, err = ResolvePath(pc.GetCwd(), acct.Home)
 		if err != nil {

@@ -61,6 +61,13 @@ type Config struct {
 	// user namespaces and layer disks (ns.Config; both on by default where
 	// the host supports them).
 	NSNoUserNamespaces, NSNoDiskQuota bool
+	// BaseImage is where the ns `base` template's root file system comes
+	// from (BaseImageAuto, BaseImageBuild, BaseImageOff; default auto).
+	// The host template stays reachable as ns.TemplateBaseHost.
+	BaseImage string
+	// BaseImageCache is the Debian base image cache (default
+	// baseimage.DefaultCacheDir).
+	BaseImageCache string
 	// Capacity is how many sandboxes the scheduler places on each worker
 	// (worker.Config.Capacity). Default 100.
 	Capacity int
@@ -83,6 +90,19 @@ type Config struct {
 	Log logsetup.Options
 }
 
+// Config.BaseImage's values.
+const (
+	// BaseImageAuto: the Debian base image when it is in the cache (make
+	// base-image builds it), else the host template, with a warning saying
+	// why. Starting a worker never waits for a build.
+	BaseImageAuto = "auto"
+	// BaseImageBuild: build the image first when it is missing (minutes);
+	// the host template only if that fails.
+	BaseImageBuild = "build"
+	// BaseImageOff: the host template (the host's /usr).
+	BaseImageOff = "off"
+)
+
 // DefaultCapacity is Config.Capacity's default.
 const DefaultCapacity = 100
 
@@ -94,6 +114,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.Capacity == 0 {
 		c.Capacity = DefaultCapacity
+	}
+	if c.BaseImage == "" {
+		c.BaseImage = BaseImageAuto
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -108,6 +131,11 @@ func (c Config) Validate() error {
 	}
 	if err := c.Egress.Validate(); err != nil {
 		return err
+	}
+	switch c.BaseImage {
+	case "", BaseImageAuto, BaseImageBuild, BaseImageOff:
+	default:
+		return fmt.Errorf("node: %w: base image %q: want auto, build or off", errdefs.ErrInvalid, c.BaseImage)
 	}
 	if c.Capacity < 0 {
 		return fmt.Errorf("node: %w: capacity %d: want a positive number of sandboxes per worker", errdefs.ErrInvalid, c.Capacity)
@@ -124,6 +152,8 @@ type Host struct {
 	// ns holds each worker's ns substrate (NS), by worker id.
 	nsMu sync.Mutex
 	ns   map[string]*ns.Substrate
+	// images are the ns substrates' template images (Config.BaseImage).
+	images map[string]substrate.Image
 
 	vmOnce  sync.Once
 	vmReady chan vmResult // nil: no microvm configured
@@ -168,6 +198,7 @@ func Open(cfg Config) (_ *Host, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("node: snapshot store: %w", err)
 	}
+	h.images = baseImages(cfg)
 	return h, nil
 }
 
@@ -198,7 +229,7 @@ func (h *Host) NS(workerID string) (*ns.Substrate, error) {
 		return sub, nil
 	}
 	sub, err := ns.New(ns.Config{StateDir: filepath.Join(h.cfg.DataDir, "ns"), CgroupParent: NSCgroupParent(h.cfg.DataDir, workerID),
-		InitPath: NSInitPath(h.cfg.BinDir), Logger: h.cfg.Logger,
+		InitPath: NSInitPath(h.cfg.BinDir), Logger: h.cfg.Logger, Images: h.images,
 		NoUserNamespaces: h.cfg.NSNoUserNamespaces, NoDiskQuota: h.cfg.NSNoDiskQuota})
 	if err != nil {
 		return nil, fmt.Errorf("node: ns substrate of worker %s: %w", workerID, err)

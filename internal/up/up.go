@@ -24,6 +24,7 @@ import (
 	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/store"
+	"github.com/spacesbx/space/internal/substrate/ns"
 	"github.com/spacesbx/space/internal/worker"
 )
 
@@ -75,6 +76,13 @@ type Config struct {
 	// user namespaces and layer disks (ns.Config; both on by default where
 	// the host supports them).
 	NSNoUserNamespaces, NSNoDiskQuota bool
+	// BaseImage is where the `base` template's root file system comes
+	// from: node.BaseImageAuto (default; the Debian base image when make
+	// base-image built it, else the host's /usr), BaseImageBuild or
+	// BaseImageOff. BaseImageCache is its cache (default
+	// /var/cache/space/images). The host-/usr template is always
+	// creatable as "base-host".
+	BaseImage, BaseImageCache string
 	// DefaultLimits apply to sandboxes (zero: substrate defaults).
 	DefaultLimits spacev1.Limits
 	// KeepSandboxesOnExit leaves the sandboxes running when the platform
@@ -233,6 +241,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		DataDir: cfg.DataDir, SnapshotDir: cfg.SnapshotDir, BinDir: cfg.BinDir,
 		VMKernelDir: cfg.VMKernelDir, VMAccel: cfg.VMAccel, VMPrewarm: cfg.VMPrewarm, VMNoTemplates: cfg.VMNoTemplates,
 		NSNoUserNamespaces: cfg.NSNoUserNamespaces, NSNoDiskQuota: cfg.NSNoDiskQuota,
+		BaseImage: cfg.BaseImage, BaseImageCache: cfg.BaseImageCache,
 		Capacity: cfg.Capacity, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
 		KeepSandboxesOnExit: cfg.KeepSandboxesOnExit, Egress: cfg.Egress,
 		Logger: log, Log: cfg.Log,
@@ -262,6 +271,10 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		Addr: cfg.APIAddr, DataDir: filepath.Join(cfg.DataDir, "api"), BootstrapAPIKey: cfg.APIKey,
 		EdgeKey: edgeKey, Domain: cfg.Domain, DefaultEnvdVersion: guest.EnvdVersion, EgressLimits: cfg.EgressLimits,
 		SandboxURL: p.SandboxURL,
+		Templates: map[string]controlplane.Template{
+			"base": controlplane.DefaultTemplate, "base-vm": controlplane.DefaultVMTemplate,
+			ns.TemplateBaseHost: controlplane.DefaultTemplate,
+		},
 	}, controlplane.Deps{Store: p.st, Logger: log, Snapshots: p.host.Snapshots()})
 	if err != nil {
 		return nil, fmt.Errorf("up: control plane: %w", err)

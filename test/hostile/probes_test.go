@@ -266,7 +266,9 @@ func TestFilesAsUser(t *testing.T) {
 		}
 	})
 	t.Run("write to read-only places answers 4xx", func(t *testing.T) {
-		for _, path := range []string{"/usr/hostile-ro", "/proc/sys/kernel/hostile", "/proc/version"} {
+		// /dev is read-only in every template (an image's /usr is the
+		// sandbox's own to change, as root, like in E2B).
+		for _, path := range []string{"/dev/hostile-ro", "/proc/sys/kernel/hostile", "/proc/version"} {
 			_, err := s.WriteFile(ctx, path, []byte("x"), sdk.FileOptions{User: "root"})
 			var e *sdk.Error
 			switch {

@@ -67,9 +67,15 @@ type Config struct {
 	// DefaultDiskSizeMB (the writable layer's quota).
 	Limits substrate.Limits
 	// UsrDir is the host directory bind-mounted read-only at /usr inside
-	// every sandbox (default "/usr"). It must be a merged-usr tree
-	// containing bin/sh.
+	// every sandbox of the built-in host template (default "/usr"). It
+	// must be a merged-usr tree containing bin/sh.
 	UsrDir string
+	// Images are the root file systems of named templates: a Spec without
+	// an Image whose Template is named here runs that image (image.go;
+	// internal/node gives "base" the Debian base image). Other templates,
+	// and TemplateBaseHost always, run the built-in host template (a
+	// generated /etc over the host's UsrDir).
+	Images map[string]substrate.Image
 	// StartTimeout bounds Start when the caller's context has no earlier
 	// deadline (default 15 s).
 	StartTimeout time.Duration
@@ -156,6 +162,11 @@ func (c Config) Validate() error {
 	}
 	if c.CgroupParent != "" && !validCgroupParent(c.CgroupParent) {
 		return fmt.Errorf("ns: CgroupParent %q must be '/'-separated path components of [A-Za-z0-9._-]", c.CgroupParent)
+	}
+	for name, img := range c.Images {
+		if err := validateImage(&img); err != nil {
+			return fmt.Errorf("ns: image of template %q: %w", name, err)
+		}
 	}
 	if c.UsrDir != "" && !filepath.IsAbs(c.UsrDir) {
 		return fmt.Errorf("ns: UsrDir must be absolute, got %q", c.UsrDir)

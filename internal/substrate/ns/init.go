@@ -36,7 +36,15 @@ const (
 // initConfig is what the init needs to build the sandbox.
 type initConfig struct {
 	Hostname string `json:"hostname"`
-	Lower    string `json:"lower"`
+	// Lowers are the overlay's lower layers, top first (host paths, used
+	// without a user namespace): the host template, or an image's stack.
+	Lowers []string `json:"lowers"`
+	// HostUsr binds Usr at /usr (the host template; an image has its own).
+	HostUsr bool `json:"hostUsr"`
+	// Suid mounts the root file system without nosuid (an image in a user
+	// namespace: its set-uid binaries, sudo, become root of the
+	// sandbox's namespace only).
+	Suid bool `json:"suid"`
 	// Layer is where the writable layer (upper/ and work/) is attached:
 	// it arrives as a detached mount, the one descriptor sent with the
 	// configuration without a user namespace.
@@ -49,23 +57,27 @@ type initConfig struct {
 	// MaxPTYs is the devpts instance's max=.
 	MaxPTYs int `json:"maxPtys"`
 	// UserNS: the init runs in a user namespace of its own and gets, with
-	// the configuration, five descriptors (userns.go): the template, the
-	// writable layer, the activation directory (for the agent's socket)
-	// and /usr as idmapped detached mounts and the agent binary as a
-	// detached bind. Lower, Layer, Rootfs, Usr, Socket and Agent are then
-	// unused.
+	// the configuration, descriptors (userns.go, nsFDs): NLower lower
+	// layers (top first), the writable layer, the activation directory
+	// (for the agent's socket) and, with HostUsr, /usr as idmapped
+	// detached mounts, and the agent binary as a detached bind. Lowers,
+	// Layer, Rootfs, Usr, Socket and Agent are then unused.
 	UserNS bool `json:"userns"`
+	NLower int  `json:"nlower"`
 }
 
-// Descriptors of a user-namespaced init, in the order they are sent.
-const (
-	nsFDLower = iota
-	nsFDLayer
-	nsFDDir
-	nsFDUsr
-	nsFDAgent
-	nsFDCount
-)
+// nsFDs are the positions of a user-namespaced init's descriptors, in the
+// order they are sent; usr is -1 without HostUsr.
+type nsFDs struct{ layer, dir, usr, agent, count int }
+
+func (c *initConfig) nsFDs() nsFDs {
+	f := nsFDs{layer: c.NLower, dir: c.NLower + 1, usr: -1, agent: c.NLower + 2}
+	if c.HostUsr {
+		f.usr, f.agent = c.NLower+2, c.NLower+3
+	}
+	f.count = f.agent + 1
+	return f
+}
 
 // MaybeInit must be the first statement of main() in every binary that
 // hosts the ns substrate. When the process was started by Start as a
@@ -117,8 +129,8 @@ func runInit() error {
 		return fmt.Errorf("decode config: %w", err)
 	}
 	if cfg.UserNS {
-		if len(fds) != nsFDCount {
-			return fmt.Errorf("config came with %d descriptors, want %d", len(fds), nsFDCount)
+		if cfg.NLower < 1 || len(fds) != cfg.nsFDs().count {
+			return fmt.Errorf("config came with %d descriptors for %d lower layers", len(fds), cfg.NLower)
 		}
 		if err := becomeNamespaceRoot(); err != nil {
 			return err
@@ -228,15 +240,32 @@ func setupRootfs(c *initConfig, layerFD int) (int, error) {
 	}
 	_ = unix.Close(layerFD)
 	r := c.Rootfs
-	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s/upper,workdir=%s/work", c.Lower, c.Layer, c.Layer)
-	// nodev everywhere writable: CAP_MKNOD nodes are inert (no device cgroup needed).
+	if len(c.Lowers) == 0 {
+		return -1, errors.New("no lower layer")
+	}
+	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s/upper,workdir=%s/work", strings.Join(c.Lowers, ":"), c.Layer, c.Layer)
+	if len(opts) >= 4000 { // mount options are at most a page
+		lowers, err := stageLowers(c)
+		if err != nil {
+			return -1, err
+		}
+		opts = fmt.Sprintf("lowerdir=%s,upperdir=%s/upper,workdir=%s/work", strings.Join(lowers, ":"), c.Layer, c.Layer)
+	}
+	// nodev everywhere writable: CAP_MKNOD nodes are inert (no device
+	// cgroup needed). nosuid: without a user namespace set-uid root would
+	// be host root (c.Suid is never set here).
 	if err := mount("overlay", r, "overlay", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 		return -1, err
 	}
 	if err := addHostsEntry(r, c.Hostname); err != nil {
 		return -1, err
 	}
-	if err := bindRO(c.Usr, filepath.Join(r, "usr"), unix.MS_NOSUID|unix.MS_NODEV); err != nil {
+	if c.HostUsr {
+		if err := bindRO(c.Usr, filepath.Join(r, "usr"), unix.MS_NOSUID|unix.MS_NODEV); err != nil {
+			return -1, err
+		}
+	}
+	if err := ensureMountPoints(r); err != nil {
 		return -1, err
 	}
 	if err := setupProc(r); err != nil {
@@ -340,6 +369,65 @@ func setupDev(r string, maxPTYs int) error {
 	return mount("", d, "", unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NOEXEC|unix.MS_NODEV, "mode=755,size=65536k,nr_inodes=4096")
 }
 
+// stageLowers binds the lower layers under short names in a private
+// tmpfs (in this mount namespace only; pivot detaches it) when their host
+// paths together are too long for overlay's options. The tmpfs goes on a
+// directory that holds none of the paths the overlay needs.
+func stageLowers(c *initConfig) ([]string, error) {
+	under := func(p, dir string) bool { return p == dir || strings.HasPrefix(p, dir+"/") }
+	staging := ""
+	for _, d := range []string{"/mnt", "/run", "/tmp", "/media", "/srv"} {
+		ok := !under(c.Rootfs, d) && !under(c.Layer, d)
+		for _, l := range c.Lowers {
+			ok = ok && !under(l, d)
+		}
+		if fi, err := os.Stat(d); ok && err == nil && fi.IsDir() {
+			staging = d
+			break
+		}
+	}
+	if staging == "" {
+		return nil, fmt.Errorf("overlay options of %d lower layers exceed a page and there is no directory to stage them under", len(c.Lowers))
+	}
+	if err := mount("tmpfs", staging, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=0700,size=64k"); err != nil {
+		return nil, err
+	}
+	out := make([]string, len(c.Lowers))
+	for i, l := range c.Lowers {
+		out[i] = filepath.Join(staging, strconv.Itoa(i))
+		if err := os.Mkdir(out[i], 0o700); err != nil {
+			return nil, err
+		}
+		if err := mount(l, out[i], "", unix.MS_BIND, ""); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// ensureMountPoints makes what the init mounts on in the root file system
+// r if its image lacks it (written into the sandbox's writable layer):
+// /proc, /dev and the agent binary's file.
+func ensureMountPoints(r string) error {
+	for _, d := range []string{"proc", "dev", filepath.Dir(strings.TrimPrefix(agentMount, "/"))} {
+		p := filepath.Join(r, d)
+		if fi, err := os.Lstat(p); err == nil && fi.IsDir() {
+			continue
+		}
+		if err := os.Mkdir(p, 0o755); err != nil {
+			return fmt.Errorf("mount point /%s: %w", d, err)
+		}
+	}
+	p := filepath.Join(r, agentMount)
+	if fi, err := os.Lstat(p); err == nil && fi.Mode().IsRegular() {
+		return nil
+	}
+	if err := os.WriteFile(p, nil, 0o755); err != nil {
+		return fmt.Errorf("mount point %s: %w", agentMount, err)
+	}
+	return nil
+}
+
 // addHostsEntry makes the sandbox's hostname resolve (sudo, and many
 // tools, look it up) by adding it to the rootfs's /etc/hosts unless a
 // line there names it already. The file is the sandbox's own (copied up
@@ -369,106 +457,6 @@ func addHostsEntry(r, hostname string) error {
 		return fmt.Errorf("write /etc/hosts: %w", err)
 	}
 	return nil
-}
-
-// becomeNamespaceRoot makes every id of the init the namespace's root
-// (the clone left the real and saved ids at host ids the namespace does
-// not map) and drops the host's supplementary groups. Changing the
-// effective gid cleared the parent-death signal; it is set again.
-func becomeNamespaceRoot() error {
-	if err := unix.Setgroups(nil); err != nil {
-		return fmt.Errorf("setgroups: %w", err)
-	}
-	if err := unix.Setresgid(0, 0, 0); err != nil {
-		return fmt.Errorf("setresgid: %w", err)
-	}
-	if err := unix.Setresuid(0, 0, 0); err != nil {
-		return fmt.Errorf("setresuid: %w", err)
-	}
-	if err := unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGKILL), 0, 0, 0); err != nil {
-		return fmt.Errorf("parent-death signal: %w", err)
-	}
-	return nil
-}
-
-// setupUserNSRootfs is setupRootfs for an init in a user namespace: the
-// layers come as descriptors (fds, see initConfig.UserNS), are attached
-// under a private tmpfs (staging, in this mount namespace only) and the
-// overlay is mounted there with userxattr. It returns the agent's
-// listening socket.
-func setupUserNSRootfs(c *initConfig, fds []int) (int, error) {
-	if err := mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
-		return -1, err
-	}
-	staging := ""
-	for _, d := range []string{"/tmp", "/mnt", "/run"} {
-		if fi, err := os.Stat(d); err == nil && fi.IsDir() {
-			staging = d
-			break
-		}
-	}
-	if staging == "" {
-		return -1, errors.New("no directory to stage the root file system under (/tmp, /mnt, /run)")
-	}
-	if err := mount("tmpfs", staging, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=0700,size=64k"); err != nil {
-		return -1, err
-	}
-	lower, layer, dir, r := filepath.Join(staging, "l"), filepath.Join(staging, "y"), filepath.Join(staging, "d"), filepath.Join(staging, "r")
-	for _, d := range []string{lower, layer, dir, r} {
-		if err := os.Mkdir(d, 0o700); err != nil {
-			return -1, err
-		}
-	}
-	attach := func(fd int, dst string) error {
-		if err := unix.MoveMount(fd, "", unix.AT_FDCWD, dst, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
-			return fmt.Errorf("attach mount on %s: %w", dst, err)
-		}
-		return nil
-	}
-	if err := attach(fds[nsFDLower], lower); err != nil {
-		return -1, err
-	}
-	if err := attach(fds[nsFDLayer], layer); err != nil {
-		return -1, err
-	}
-	if err := attach(fds[nsFDDir], dir); err != nil {
-		return -1, err
-	}
-	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s/%s,workdir=%s/%s,userxattr", lower, layer, "upper", layer, "work")
-	if err := mount("overlay", r, "overlay", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
-		return -1, err
-	}
-	if err := addHostsEntry(r, c.Hostname); err != nil {
-		return -1, err
-	}
-	if err := attach(fds[nsFDUsr], filepath.Join(r, "usr")); err != nil {
-		return -1, err
-	}
-	if err := setupProc(r); err != nil {
-		return -1, err
-	}
-	if err := setupDev(r, c.MaxPTYs); err != nil {
-		return -1, err
-	}
-	if err := attach(fds[nsFDAgent], filepath.Join(r, agentMount)); err != nil {
-		return -1, err
-	}
-	for _, fd := range fds {
-		_ = unix.Close(fd)
-	}
-	// The socket is made here, in the sandbox's network namespace (where
-	// spaced-host looks for the listener) and by the agent's process (a
-	// client's SO_PEERCRED is the listener's); it is bound through the
-	// idmapped activation directory, where the init owns what host root
-	// owns, so it lands at <Spec.Dir>/guest.sock on the host.
-	lfd, err := listenUnix(filepath.Join(dir, filepath.Base(c.Socket)))
-	if err != nil {
-		return -1, err
-	}
-	if err := pivot(r); err != nil {
-		return -1, err
-	}
-	return lfd, nil
 }
 
 // listenUnix binds and listens on path (still a host path: we have not

@@ -18,9 +18,12 @@
 // the owners they have inside, on disk and in snapshots (idmapped mounts).
 // The layers below hold with or without it:
 //
-//   - root filesystem: overlayfs with the template as the read-only lower
-//     layer and Spec.Dir/upper as the writable layer, mounted nosuid,nodev;
-//     the host's /usr bind-mounted read-only,nosuid,nodev; a fresh /proc
+//   - root filesystem: overlayfs with Spec.Dir/upper as the writable layer
+//     over either an image's layers (Spec.Image, or Config.Images for the
+//     template: image.go; no host path at all) or the built-in host
+//     template (a generated /etc) with the host's /usr bind-mounted
+//     read-only,nosuid,nodev; always nodev, and nosuid except for an image
+//     in a user namespace (its sudo makes root of that namespace only); a fresh /proc
 //     (with /proc/sys, /proc/sysrq-trigger, ... read-only and /proc/kcore,
 //     /proc/keys, ... masked); /dev a read-only tmpfs with null, zero, full,
 //     random, urandom and tty bound from the host, a private devpts and
@@ -275,9 +278,22 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 		defer cancel()
 	}
 	t0 := time.Now()
-	lower, err := s.ensureTemplate(spec.Template)
+	img, err := s.imageFor(&spec)
 	if err != nil {
 		return nil, err
+	}
+	var lowers []string // top first
+	if img != nil {
+		lowers = topFirst(img.Layers)
+		if spec.AgentEnv, err = withImageDefaults(spec.AgentEnv, img); err != nil {
+			return nil, err
+		}
+	} else {
+		lower, err := s.ensureTemplate(spec.Template)
+		if err != nil {
+			return nil, err
+		}
+		lowers = []string{lower}
 	}
 	lim := mergeLimits(spec.Limits, s.cfg.Limits)
 	socket := filepath.Join(spec.Dir, SocketName)
@@ -336,7 +352,8 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	cfgW, stR := sp.cfgW, sp.stR
 	icfg := initConfig{
 		Hostname: hostnameFor(spec.Route.SandboxID),
-		Lower:    lower,
+		Lowers:   lowers,
+		HostUsr:  img == nil,
 		Layer:    filepath.Join(spec.Dir, DiskMountName),
 		Rootfs:   filepath.Join(spec.Dir, rootfsDir),
 		Usr:      s.cfg.UsrDir,
@@ -347,8 +364,8 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	icfg.MaxPTYs = s.cfg.MaxPTYs
 	var fds []int
 	if inst.uids != nil {
-		icfg.UserNS = true
-		fds, err = s.usernsFiles(inst.pid, lower, spec)
+		icfg.UserNS, icfg.NLower, icfg.Suid = true, len(lowers), img != nil
+		fds, err = s.usernsFiles(inst.pid, lowers, img == nil, spec)
 	} else {
 		// The layer as a detached mount: a warm init's mount namespace
 		// was copied before the layer disk was mounted.

@@ -14,8 +14,16 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// TemplateBase is the only template the ns substrate builds today.
+// TemplateBase is the default template. It runs the image Config.Images
+// names for it (the Debian base image, set by internal/node) or, without
+// one, the built-in host template below.
 const TemplateBase = "base"
+
+// TemplateBaseHost always runs the built-in host template: a generated
+// /etc over the host's /usr (Config.UsrDir). It is base's fallback when
+// no image is available, and the baseline the Debian base is benchmarked
+// against.
+const TemplateBaseHost = "base-host"
 
 // baseVersion is stamped into the template; a different stamp on disk makes
 // ensureTemplate rebuild it. Bump it whenever buildBase changes.
@@ -28,8 +36,13 @@ const templateStamp = ".space/template-version"
 // agentMount is where the agent binary appears inside a sandbox.
 const agentMount = "/.space/spaced-guest"
 
-// templateDir is the lower layer of every sandbox of template name.
+// templateDir is the lower layer of every sandbox of template name. Both
+// names of the host template share one tree (base's: sandboxes adopted
+// from an earlier worker have it as their lower layer).
 func (s *Substrate) templateDir(name string) string {
+	if name == TemplateBaseHost {
+		name = TemplateBase
+	}
 	return filepath.Join(s.cfg.StateDir, "templates", name)
 }
 
@@ -37,9 +50,10 @@ func (s *Substrate) templateDir(name string) string {
 // stamp differs), serialized within the process by s.tmplMu and across
 // processes by an flock on StateDir/templates/.lock.
 func (s *Substrate) ensureTemplate(name string) (string, error) {
-	if name != TemplateBase {
+	if name != TemplateBase && name != TemplateBaseHost {
 		return "", fmt.Errorf("ns: unknown template %q", name)
 	}
+	name = TemplateBase
 	s.tmplMu.Lock()
 	defer s.tmplMu.Unlock()
 	dir := s.templateDir(name)

@@ -23,6 +23,8 @@ func TestConfigValidate(t *testing.T) {
 		"tiny memory":    {StateDir: "/s", Limits: substrate.Limits{MemoryBytes: 1024}},
 		"negative pids":  {StateDir: "/s", Limits: substrate.Limits{Pids: -1}},
 		"relative usr":   {StateDir: "/s", UsrDir: "usr"},
+		"image no layer": {StateDir: "/s", Images: map[string]substrate.Image{"base": {}}},
+		"image relative": {StateDir: "/s", Images: map[string]substrate.Image{"base": {Layers: []string{"l"}}}},
 	} {
 		if err := c.Validate(); err == nil {
 			t.Errorf("%s: accepted", name)

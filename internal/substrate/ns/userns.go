@@ -162,10 +162,13 @@ func kernelVersion(rel string) (major, minor int, ok bool) {
 }
 
 // usernsFiles makes what the init of a user-namespaced sandbox gets as
-// descriptors, in the order of initConfig's documentation: the template,
-// the writable layer (upper/ and work/), the activation directory (the
-// init binds the agent's socket in it), /usr and the agent binary.
-func (s *Substrate) usernsFiles(pid int, lower string, spec substrate.Spec) (fds []int, err error) {
+// descriptors, in the order of initConfig's documentation: the lower
+// layers (top first), the writable layer (upper/ and work/), the
+// activation directory (the init binds the agent's socket in it), /usr
+// when hostUsr (the host template) and the agent binary. An image's
+// layers (hostUsr false) are not nosuid: their set-uid binaries (sudo)
+// make a process root of the sandbox's namespace only.
+func (s *Substrate) usernsFiles(pid int, lowers []string, hostUsr bool, spec substrate.Spec) (fds []int, err error) {
 	defer func() {
 		if err != nil {
 			closeFDs(fds)
@@ -177,19 +180,29 @@ func (s *Substrate) usernsFiles(pid int, lower string, spec substrate.Spec) (fds
 		return nil, fmt.Errorf("ns: user namespace of init %d: %w", pid, err)
 	}
 	defer unix.Close(uns)
-	for _, m := range []struct {
+	type mnt struct {
 		path   string
 		userns int
 		attrs  uint64
-	}{
-		{lower, uns, unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV},
-		{"", uns, 0}, // the writable layer: s.layerClone
-		{spec.Dir, uns, unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC},
+	}
+	lowerAttrs := uint64(unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NODEV)
+	if hostUsr {
+		lowerAttrs |= unix.MOUNT_ATTR_NOSUID // the generated template has no set-uid files
+	}
+	var ms []mnt
+	for _, l := range lowers {
+		ms = append(ms, mnt{l, uns, lowerAttrs})
+	}
+	ms = append(ms,
+		mnt{"", uns, 0}, // the writable layer: s.layerClone
+		mnt{spec.Dir, uns, unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC})
+	if hostUsr {
 		// Set-uid binaries here (sudo) only make a process root in the
 		// sandbox's namespace.
-		{s.cfg.UsrDir, uns, unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NODEV},
-		{spec.AgentPath, -1, unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV},
-	} {
+		ms = append(ms, mnt{s.cfg.UsrDir, uns, unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NODEV})
+	}
+	ms = append(ms, mnt{spec.AgentPath, -1, unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV})
+	for _, m := range ms {
 		var fd int
 		var err error
 		if m.path == "" {
@@ -241,7 +254,7 @@ func sendConfig(w *os.File, b []byte, fds []int) error {
 // (CLOEXEC) until the sender closes its end.
 func recvConfig(fd int) (raw []byte, fds []int, err error) {
 	buf := make([]byte, 4096)
-	oob := make([]byte, unix.CmsgSpace(16*4))
+	oob := make([]byte, unix.CmsgSpace(253*4)) // SCM_MAX_FD
 	for {
 		n, oobn, _, _, err := unix.Recvmsg(fd, buf, oob, unix.MSG_CMSG_CLOEXEC)
 		if err == unix.EINTR {

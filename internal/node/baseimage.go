@@ -1,0 +1,34 @@
+package node
+
+import (
+	"context"
+
+	"github.com/spacesbx/space/internal/baseimage"
+	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/substrate/ns"
+)
+
+// baseImages gives the ns `base` template the Debian base image as
+// cfg.BaseImage says; none (the host template) when it is off or the
+// image is unavailable, which is logged with the reason.
+func baseImages(cfg Config) map[string]substrate.Image {
+	if cfg.BaseImage == BaseImageOff {
+		cfg.Logger.Info("base template: the host's /usr (base image off)")
+		return nil
+	}
+	bcfg := baseimage.Config{CacheDir: cfg.BaseImageCache}
+	var b baseimage.Base
+	var err error
+	if cfg.BaseImage == BaseImageBuild {
+		b, err = baseimage.Ensure(context.Background(), bcfg, cfg.Logger)
+	} else {
+		b, err = baseimage.Lookup(bcfg)
+	}
+	if err != nil {
+		cfg.Logger.Warn("base template: the Debian base image is unavailable; base sandboxes run on the host's /usr (as "+ns.TemplateBaseHost+")",
+			"reason", err.Error())
+		return nil
+	}
+	cfg.Logger.Info("base template: the Debian base image", "id", b.ID, "dir", b.Dir)
+	return map[string]substrate.Image{ns.TemplateBase: {ID: b.ID, Layers: []string{b.Dir}, Env: b.Env}}
+}
