@@ -141,6 +141,17 @@ type InstallRequest struct {
 	// Network, when set, gives the execution a link to the worker's
 	// egress proxy under that policy; nil: loopback only.
 	Network *Network `json:"network,omitempty"`
+	// Image, when set, is the root file system: an OCI image the worker
+	// pulls (once per layer) into its layer store; nil runs Template's
+	// own. It carries registry credentials: never log it.
+	Image *ImageSource `json:"image,omitempty"`
+}
+
+// ImageSource names an OCI image and the credentials to pull it with.
+type ImageSource struct {
+	Ref      string `json:"ref"`
+	Username string `json:"username,omitempty"`
+	Password string `json:"password,omitempty"`
 }
 
 // Network is an execution's egress configuration as a worker enforces it.

@@ -45,6 +45,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	capacity := fs.Int("capacity", node.DefaultCapacity, "sandboxes the scheduler may place on this worker (each idle ns sandbox holds about 13 host tasks against kernel.pid_max; a warning says when the host cannot hold them)")
 	noUserNS := fs.Bool("no-user-namespaces", false, "run ns sandboxes without user namespaces (root in a sandbox is then host root for uid checks)")
 	noQuota := fs.Bool("no-disk-quota", false, "keep ns sandboxes' writable layers in plain directories (no per-sandbox disk quota)")
+	var insecure []string
+	fs.Func("insecure-registry", "a registry (host:port) templates may pull images from over plain HTTP or on a private address (repeatable)", func(s string) error { insecure = append(insecure, s); return nil })
 	baseImage := fs.String("base-image", node.BaseImageAuto, "the base template's root file system: auto (the Debian image when make base-image built it, else the host's /usr), build (build it first if missing), off (the host's /usr)")
 	keep := fs.Bool("keep-sandboxes", true, "leave the sandboxes running when space-node stops (SIGTERM); the next start on the same --data-dir re-adopts them. false: stop them")
 	vmAccel := fs.String("vm-accel", "", "force the microvm accelerator, kvm or tcg (default: probe kvm, then tcg)")
@@ -90,7 +92,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	host, err := node.Open(node.Config{
 		DataDir: *dataDir, SnapshotDir: *snapDir, BinDir: *binDir, Capacity: *capacity,
 		VMKernelDir: *vmKernel, VMRequired: true, VMAccel: *vmAccel,
-		NSNoUserNamespaces: *noUserNS, NSNoDiskQuota: *noQuota, BaseImage: *baseImage, KeepSandboxesOnExit: *keep, Egress: eg, Logger: log, Log: *logOpts,
+		NSNoUserNamespaces: *noUserNS, NSNoDiskQuota: *noQuota, BaseImage: *baseImage, InsecureRegistries: insecure, KeepSandboxesOnExit: *keep, Egress: eg, Logger: log, Log: *logOpts,
 	})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)

@@ -37,6 +37,9 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request, c caller, 
 		return
 	}
 	p.RestoreSnapshot = snap
+	if built != nil {
+		p.Image = built.build.Image
+	}
 	rec, err := s.createSandbox(r.Context(), c, p)
 	if err != nil {
 		s.writeError(w, r, err)

@@ -50,6 +50,9 @@ type createParams struct {
 	Network         *netpolicy.Spec
 	MaskRequestHost string
 	HTTPSPorts      []int
+	// Image is the OCI image of a template built fromImage (nil: the
+	// template's own root file system).
+	Image *spacev1.ImageSource
 }
 
 func (s *Server) validateCreate(c caller, req e2bapi.NewSandbox, v2 bool) (createParams, error) {
@@ -149,6 +152,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		rec.TrafficAccessToken = randHex(32)
 	}
 	rec.Network, rec.MaskRequestHost, rec.HTTPSPorts = p.Network, p.MaskRequestHost, p.HTTPSPorts
+	rec.Image = p.Image
 	if err := newEgressCA(&rec); err != nil {
 		return rec, err
 	}
@@ -194,7 +198,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		tRecord := time.Now()
 		resp, err := s.node.install(ctx, w.NodeURL, spacev1.InstallRequest{
 			Route: rec.Route, Template: rec.TemplateID, EnvVars: rec.EnvVars,
-			Limits: limitsOf(rec), RestoreSnapshot: p.RestoreSnapshot, Network: nw,
+			Limits: limitsOf(rec), RestoreSnapshot: p.RestoreSnapshot, Network: nw, Image: rec.Image,
 		})
 		if err != nil {
 			log.Warn("install failed", "err", err)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 	"github.com/spacesbx/space/internal/templatebuild"
@@ -20,7 +21,7 @@ import (
 // snapshot, kill, files, cache) and the records of a build's end.
 
 // runBuild runs one build to its end and records the result.
-func (s *Server) runBuild(c caller, b store.TemplateBuildRecord, spec e2bapi.TemplateBuildStartV2, from, fromKey string, lb *liveBuild) {
+func (s *Server) runBuild(c caller, b store.TemplateBuildRecord, spec e2bapi.TemplateBuildStartV2, src buildSource, lb *liveBuild) {
 	defer func() {
 		s.tb.mu.Lock()
 		delete(s.tb.live, b.ID)
@@ -31,24 +32,24 @@ func (s *Server) runBuild(c caller, b store.TemplateBuildRecord, spec e2bapi.Tem
 	case s.tb.sem <- struct{}{}:
 		defer func() { <-s.tb.sem }()
 	case <-s.ctx.Done():
-		s.finishBuild(b, lb, templatebuild.Result{}, errors.New("the control plane stopped before the build ran"))
+		s.finishBuild(b, lb, templatebuild.Result{}, nil, errors.New("the control plane stopped before the build ran"))
 		return
 	}
 	s.setBuildStatus(b, e2bapi.BuildBuilding)
 	t0 := time.Now()
 	sbxs, err := sdk.New(sdk.Config{SandboxURL: s.cfg.SandboxURL})
 	if err != nil {
-		s.finishBuild(b, lb, templatebuild.Result{}, err)
+		s.finishBuild(b, lb, templatebuild.Result{}, nil, err)
 		return
 	}
-	bld := &templatebuild.Builder{Platform: &buildPlatform{s: s, c: c}, Sandboxes: sbxs}
-	res, err := bld.Run(s.ctx, templatebuild.Job{From: from, FromKey: fromKey, Steps: spec.Steps,
+	bld := &templatebuild.Builder{Platform: &buildPlatform{s: s, c: c, image: src.Image}, Sandboxes: sbxs}
+	res, err := bld.Run(s.ctx, templatebuild.Job{From: src.From, FromKey: src.Key, Steps: spec.Steps, Setup: src.Setup,
 		StartCmd: spec.StartCmd, ReadyCmd: spec.ReadyCmd, Force: spec.Force, Log: lb.add})
 	if err == nil {
 		lb.add("info", "finalize", fmt.Sprintf("build finished in %s (%d of %d steps cached)", time.Since(t0).Round(time.Millisecond), res.Cached, len(spec.Steps)))
 	}
 	log.Info("template build ended", "duration", time.Since(t0), "cached_steps", res.Cached, "err", err)
-	s.finishBuild(b, lb, res, err)
+	s.finishBuild(b, lb, res, src.Image, err)
 }
 
 func (s *Server) setBuildStatus(b store.TemplateBuildRecord, status string) {
@@ -67,7 +68,7 @@ func (s *Server) setBuildStatus(b store.TemplateBuildRecord, status string) {
 }
 
 // finishBuild records a build's end; a ready build's tags move to it.
-func (s *Server) finishBuild(b store.TemplateBuildRecord, lb *liveBuild, res templatebuild.Result, berr error) {
+func (s *Server) finishBuild(b store.TemplateBuildRecord, lb *liveBuild, res templatebuild.Result, image *spacev1.ImageSource, berr error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	var spec e2bapi.TemplateBuildStartV2
@@ -87,7 +88,7 @@ func (s *Server) finishBuild(b store.TemplateBuildRecord, lb *liveBuild, res tem
 				cur.ReasonMessage, cur.ReasonStep = se.Err.Error(), se.Step
 			}
 		} else {
-			cur.Status, cur.SnapshotID = e2bapi.BuildReady, res.SnapshotID
+			cur.Status, cur.SnapshotID, cur.Image = e2bapi.BuildReady, res.SnapshotID, image
 			cur.Env, cur.Workdir, cur.User = res.Env, res.Workdir, res.User
 			cur.StartCmd, cur.ReadyCmd = spec.StartCmd, spec.ReadyCmd
 		}
@@ -124,6 +125,8 @@ func (s *Server) finishBuild(b store.TemplateBuildRecord, lb *liveBuild, res tem
 type buildPlatform struct {
 	s *Server
 	c caller
+	// image is the OCI image the build sandboxes run on (nil: none).
+	image *spacev1.ImageSource
 }
 
 func (p *buildPlatform) Start(ctx context.Context, from string, env map[string]string) (string, string, error) {
@@ -146,6 +149,7 @@ func (p *buildPlatform) Start(ctx context.Context, from string, env map[string]s
 		return "", "", err
 	}
 	cp.RestoreSnapshot = snap
+	cp.Image = p.image
 	cp.Metadata = map[string]string{"space.template-build": "true"}
 	rec, err := p.s.createSandbox(ctx, p.c, cp)
 	if err != nil {

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 	"github.com/spacesbx/space/internal/templatebuild"
@@ -306,7 +307,7 @@ func (s *Server) handleStartBuild(w http.ResponseWriter, r *http.Request, c call
 		s.writeError(w, r, err)
 		return
 	}
-	from, fromKey, err := s.buildParent(ctx, c.TeamID, tpl.ID, spec)
+	parent, err := s.buildParent(ctx, c.TeamID, tpl.ID, spec)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -336,40 +337,71 @@ func (s *Server) handleStartBuild(w http.ResponseWriter, r *http.Request, c call
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		s.runBuild(caller{TeamID: c.TeamID, KeyID: "template-build"}, b, spec, from, fromKey, lb)
+		s.runBuild(caller{TeamID: c.TeamID, KeyID: "template-build"}, b, spec, parent, lb)
 	}()
 	w.WriteHeader(http.StatusAccepted)
 }
 
-// buildParent resolves where a build starts: a platform template, or the
-// default build of one of the team's templates (its snapshot).
-func (s *Server) buildParent(ctx context.Context, team, self string, spec e2bapi.TemplateBuildStartV2) (from, key string, err error) {
+// buildSource is where a build starts.
+type buildSource struct {
+	// From is a platform template or a parent build's snapshot; Key names
+	// it for the step cache.
+	From, Key string
+	// Image is the OCI image under it (nil: the template's own files).
+	Image *spacev1.ImageSource
+	// Setup runs before the first step when the build starts from From
+	// itself.
+	Setup string
+}
+
+// imageSetup gives an OCI image the sandbox user E2B's templates have
+// (uid 1000, home /home/user), with whatever tool the image has.
+const imageSetup = `id -u user >/dev/null 2>&1 || useradd -m -u 1000 -s /bin/bash user 2>/dev/null || adduser -D -u 1000 -s /bin/sh user 2>/dev/null || { echo 'user:x:1000:1000::/home/user:/bin/sh' >> /etc/passwd && echo 'user:x:1000:' >> /etc/group && mkdir -p /home/user && chown 1000:1000 /home/user; }`
+
+// maxImageRef bounds an image reference.
+const maxImageRef = 512
+
+// buildParent resolves where a build starts: an OCI image (on the base
+// template's substrate and limits), a platform template, or the default
+// build of one of the team's templates (its snapshot, on its image).
+func (s *Server) buildParent(ctx context.Context, team, self string, spec e2bapi.TemplateBuildStartV2) (buildSource, error) {
 	if spec.FromImage != "" {
-		return "", "", fmt.Errorf("%w: fromImage: building from an OCI image is not supported yet; use fromTemplate", errdefs.ErrInvalid)
+		ref := spec.FromImage
+		if len(ref) > maxImageRef || strings.ContainsAny(ref, " \t\n\r\x00") {
+			return buildSource{}, fmt.Errorf("%w: fromImage %q is not an image reference", errdefs.ErrInvalid, truncate(ref, 64))
+		}
+		src := &spacev1.ImageSource{Ref: ref}
+		if r := spec.FromImageRegistry; r != nil {
+			if r.Type != "" && r.Type != "registry" {
+				return buildSource{}, fmt.Errorf("%w: fromImageRegistry type %q is not supported (only \"registry\" with username and password)", errdefs.ErrInvalid, truncate(r.Type, 32))
+			}
+			src.Username, src.Password = r.Username, r.Password
+		}
+		return buildSource{From: "base", Key: "image:" + ref, Image: src, Setup: imageSetup}, nil
 	}
 	ref := spec.FromTemplate
 	if ref == "" {
 		ref = "base"
 	}
 	if _, ok := s.cfg.Templates[ref]; ok {
-		return ref, "template:" + ref, nil
+		return buildSource{From: ref, Key: "template:" + ref}, nil
 	}
 	alias, tag, err := splitTemplateRef(team, ref)
 	if err != nil {
-		return "", "", err
+		return buildSource{}, err
 	}
 	tpl, err := s.findTemplate(ctx, team, alias)
 	if err != nil {
-		return "", "", fmt.Errorf("fromTemplate: %w", err)
+		return buildSource{}, fmt.Errorf("fromTemplate: %w", err)
 	}
 	if tpl.ID == self {
-		return "", "", fmt.Errorf("%w: a template cannot be built from itself", errdefs.ErrInvalid)
+		return buildSource{}, fmt.Errorf("%w: a template cannot be built from itself", errdefs.ErrInvalid)
 	}
 	b, err := s.taggedBuild(ctx, tpl, tag)
 	if err != nil {
-		return "", "", fmt.Errorf("fromTemplate: %w", err)
+		return buildSource{}, fmt.Errorf("fromTemplate: %w", err)
 	}
-	return b.SnapshotID, "snapshot:" + b.SnapshotID, nil
+	return buildSource{From: b.SnapshotID, Key: "snapshot:" + b.SnapshotID, Image: b.Image}, nil
 }
 
 // taggedBuild returns the ready build tpl's tag points at.

@@ -88,7 +88,10 @@ func TestTemplateBuildAPIRejects(t *testing.T) {
 	missing := strings.Repeat("e", 64)
 	expectError(t, e.api("POST", start, map[string]any{"fromTemplate": "base",
 		"steps": []map[string]any{{"type": "COPY", "args": []string{"a", "/b"}, "filesHash": missing}}}), 400)
-	expectError(t, e.api("POST", start, map[string]any{"fromImage": "debian:12", "steps": []any{}}), 400)
+	expectError(t, e.api("POST", start, map[string]any{"fromImage": "debian 12", "steps": []any{}}), 400)
+	expectError(t, e.api("POST", start, map[string]any{"fromImage": strings.Repeat("a", 600), "steps": []any{}}), 400)
+	expectError(t, e.api("POST", start, map[string]any{"fromImage": "debian:12", "steps": []any{},
+		"fromImageRegistry": map[string]string{"type": "aws", "awsAccessKeyId": "x"}}), 400)
 	expectError(t, e.api("POST", start, map[string]any{"fromTemplate": "web", "steps": []any{}}), 400) // itself
 	expectError(t, e.api("POST", start, map[string]any{"fromTemplate": "nosuch", "steps": []any{}}), 404)
 	expectError(t, e.api("POST", start, map[string]any{"fromTemplate": "base", "steps": []any{}}), 503)

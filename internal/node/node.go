@@ -68,6 +68,13 @@ type Config struct {
 	// BaseImageCache is the Debian base image cache (default
 	// baseimage.DefaultCacheDir).
 	BaseImageCache string
+	// ImageDir is the layer store of pulled OCI images, shared by the
+	// host's workers (default DataDir/images).
+	ImageDir string
+	// InsecureRegistries (host[:port]) may be pulled from over plain HTTP
+	// and on private addresses; every other registry must be public and
+	// speak HTTPS.
+	InsecureRegistries []string
 	// Capacity is how many sandboxes the scheduler places on each worker
 	// (worker.Config.Capacity). Default 100.
 	Capacity int
@@ -154,6 +161,8 @@ type Host struct {
 	ns   map[string]*ns.Substrate
 	// images are the ns substrates' template images (Config.BaseImage).
 	images map[string]substrate.Image
+	// pulls resolves the OCI images of templates built fromImage.
+	pulls *imageResolver
 
 	vmOnce  sync.Once
 	vmReady chan vmResult // nil: no microvm configured
@@ -199,6 +208,13 @@ func Open(cfg Config) (_ *Host, err error) {
 		return nil, fmt.Errorf("node: snapshot store: %w", err)
 	}
 	h.images = baseImages(cfg)
+	imgDir := cfg.ImageDir
+	if imgDir == "" {
+		imgDir = filepath.Join(cfg.DataDir, "images")
+	}
+	if h.pulls, err = newImageResolver(imgDir, cfg.InsecureRegistries); err != nil {
+		return nil, err
+	}
 	return h, nil
 }
 
@@ -370,7 +386,7 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 	}, worker.Deps{
 		Substrates: subs,
 		Registrar:  d.Registrar, Bundles: d.Store, Sandboxes: d.Sandboxes, Snapshots: h.snaps, Lost: d.Store,
-		Egress: egressOpen,
+		Egress: egressOpen, Images: h.pulls,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("node: worker %s: %w", wc.ID, err)

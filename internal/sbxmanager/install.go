@@ -77,7 +77,7 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 
 	limits := m.withDefaultLimits(req.Limits)
 	dir := activationDir(m.cfg.StateDir, r)
-	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC(), Network: req.Network}
+	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC(), Network: req.Network, Image: req.Image}
 	if req.RestoreSnapshot != "" && m.caps(r).SavesState {
 		rec.restoreState = filepath.Join(dir, stateFile) // prepareInstall fetched it
 		defer os.Remove(rec.restoreState)                // loaded by now, or useless
@@ -182,6 +182,16 @@ func (m *Manager) activate(ctx context.Context, rec *record, tm *installTiming) 
 		Route: r, Template: rec.Template, Dir: rec.Dir, AgentPath: m.cfg.AgentPath,
 		Limits:       substrateLimits(rec.Limits),
 		RestoreState: rec.restoreState,
+	}
+	if rec.Image != nil {
+		if m.images == nil {
+			return nil, fmt.Errorf("%w: this worker does not run OCI images", errdefs.ErrInvalid)
+		}
+		img, err := m.images.Resolve(ctx, *rec.Image)
+		if err != nil {
+			return nil, fmt.Errorf("image of %s: %w", r.SandboxID, err)
+		}
+		spec.Image = img
 	}
 	caps := m.caps(r)
 	// The egress link: a VMM's tap exists before the VM starts; an ns

@@ -140,6 +140,15 @@ type Deps struct {
 	// Egress gives executions installed with a network their link and
 	// policy; nil: loopback only for every execution.
 	Egress Egress
+	// Images resolves an execution's OCI image into layers on this
+	// worker; nil: installs naming an image are refused as invalid.
+	Images ImageResolver
+}
+
+// ImageResolver makes an OCI image's layers available on the worker
+// (pulled once per layer) and describes them for the substrate.
+type ImageResolver interface {
+	Resolve(ctx context.Context, src spacev1.ImageSource) (*substrate.Image, error)
 }
 
 // ErrorWriter writes err as the answer to a request.
@@ -152,6 +161,7 @@ type Manager struct {
 	watchers sync.WaitGroup
 	onLost   func(identity.Route)
 	egress   Egress
+	images   ImageResolver
 	// startReport is what adoptAll found at start.
 	startReport StartReport
 	// unreclaimed holds the sandboxes whose leftovers adoptAll could
@@ -269,7 +279,7 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 		cfg: cfg, subs: subs, ver: deps.Verifier, snaps: deps.Snapshots, store: st, audit: audit,
 		metrics: newMetrics(cfg.Registerer), log: cfg.Logger.With("worker", cfg.WorkerID),
 		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{},
-		writeError: deps.WriteError, onLost: deps.OnLost, lock: lock, egress: deps.Egress,
+		writeError: deps.WriteError, onLost: deps.OnLost, lock: lock, egress: deps.Egress, images: deps.Images,
 	}
 	// The running bridges accept this process once the manager file
 	// names it; without that every adoption would fail and end live

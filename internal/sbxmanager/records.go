@@ -38,6 +38,9 @@ type record struct {
 	// it (secrets resolved: the state dir is the worker's, mode 0700);
 	// Link the link it was given. Both nil: loopback only.
 	Network *spacev1.Network `json:"network,omitempty"`
+	// Image is the OCI image the root file system comes from (nil: the
+	// template's own); kept so a restart or restore resolves it again.
+	Image *spacev1.ImageSource `json:"image,omitempty"`
 	Link    *Link            `json:"link,omitempty"`
 	// restoreState is the instance state file an install restores (a
 	// substrate that saves state); not persisted.

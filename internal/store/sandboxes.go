@@ -121,6 +121,9 @@ type SandboxRecord struct {
 	// it (secret placeholders unresolved); nil: none given (the
 	// operator's default applies).
 	Network *netpolicy.Spec `json:"network,omitempty"`
+	// Image is the OCI image the sandbox's root file system comes from
+	// (a template built fromImage); nil: the template's own.
+	Image *spacev1.ImageSource `json:"image,omitempty"`
 	// EgressCACert and EgressCAKey are the sandbox's interception CA
 	// (network.rules); the key never reaches the sandbox or the API.
 	EgressCACert string `json:"egress_ca_cert,omitempty"`

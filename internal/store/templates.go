@@ -10,6 +10,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
@@ -66,6 +67,9 @@ type TemplateBuildRecord struct {
 	SnapshotID string `json:"snapshot_id,omitempty"`
 	// BaseTemplate is the platform template the snapshot's files go on.
 	BaseTemplate string `json:"base_template,omitempty"`
+	// Image is the OCI image under the snapshot's files (a build
+	// fromImage, or built on one); nil: the base template's own.
+	Image *spacev1.ImageSource `json:"image,omitempty"`
 	// Env, Workdir, User, StartCmd and ReadyCmd are what sandboxes of the
 	// build start with.
 	Env      map[string]string `json:"env,omitempty"`

@@ -76,6 +76,10 @@ type Job struct {
 	ReadyTimeout       time.Duration
 	// Force runs every step, cached or not (skipCache).
 	Force bool
+	// Setup runs as root in a build sandbox started from From itself (not
+	// from a cached step), before the first step: what every template of
+	// that parent needs (an OCI image's sandbox user).
+	Setup string
 	// Log receives the build's output line by line; step is the step's
 	// index as the SDK numbers it ("base", "1".., "finalize").
 	Log func(level, step, msg string)
@@ -287,6 +291,11 @@ func (b *Builder) Run(ctx context.Context, job Job) (Result, error) {
 		}
 	}()
 	sbx := b.Sandboxes.Attach(id, token)
+	if job.Setup != "" && start == 0 {
+		if err := b.run(ctx, sbx, job.Setup, "root", State{}, func(level, msg string) { log(level, "base", msg) }); err != nil {
+			return res, &StepError{Step: "base", Err: fmt.Errorf("setting up the image: %w", err)}
+		}
+	}
 	for i := start; i < len(job.Steps); i++ {
 		step := strconv.Itoa(i + 1)
 		s := job.Steps[i]

@@ -31,6 +31,10 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	fs.StringVar(&cfg.Domain, "domain", DefaultDomain, "public sandbox domain for <port>-<id>.<domain>")
 	fs.BoolVar(&cfg.NSNoUserNamespaces, "no-user-namespaces", false, "run ns sandboxes without user namespaces (root in a sandbox is then host root for uid checks)")
 	fs.BoolVar(&cfg.KeepSandboxesOnExit, "keep-sandboxes", true, "leave the sandboxes running when space up stops (SIGTERM, Ctrl-C); the next start on the same --data-dir re-adopts them. false: stop them")
+	fs.Func("insecure-registry", "a registry (host:port) templates may pull images from over plain HTTP or on a private address (repeatable)", func(s string) error {
+		cfg.InsecureRegistries = append(cfg.InsecureRegistries, s)
+		return nil
+	})
 	fs.StringVar(&cfg.BaseImage, "base-image", node.BaseImageAuto, "the base template's root file system: auto (the Debian image when make base-image built it, else the host's /usr), build (build it first if missing), off (the host's /usr)")
 	fs.BoolVar(&cfg.NSNoDiskQuota, "no-disk-quota", false, "keep ns sandboxes' writable layers in plain directories (no per-sandbox disk quota)")
 	etcd := fs.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")

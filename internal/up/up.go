@@ -83,6 +83,9 @@ type Config struct {
 	// /var/cache/space/images). The host-/usr template is always
 	// creatable as "base-host".
 	BaseImage, BaseImageCache string
+	// InsecureRegistries may serve templates' OCI images over plain HTTP
+	// and on private addresses (node.Config.InsecureRegistries).
+	InsecureRegistries []string
 	// DefaultLimits apply to sandboxes (zero: substrate defaults).
 	DefaultLimits spacev1.Limits
 	// KeepSandboxesOnExit leaves the sandboxes running when the platform
@@ -241,7 +244,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		DataDir: cfg.DataDir, SnapshotDir: cfg.SnapshotDir, BinDir: cfg.BinDir,
 		VMKernelDir: cfg.VMKernelDir, VMAccel: cfg.VMAccel, VMPrewarm: cfg.VMPrewarm, VMNoTemplates: cfg.VMNoTemplates,
 		NSNoUserNamespaces: cfg.NSNoUserNamespaces, NSNoDiskQuota: cfg.NSNoDiskQuota,
-		BaseImage: cfg.BaseImage, BaseImageCache: cfg.BaseImageCache,
+		BaseImage: cfg.BaseImage, BaseImageCache: cfg.BaseImageCache, InsecureRegistries: cfg.InsecureRegistries,
 		Capacity: cfg.Capacity, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
 		KeepSandboxesOnExit: cfg.KeepSandboxesOnExit, Egress: cfg.Egress,
 		Logger: log, Log: cfg.Log,

@@ -123,6 +123,9 @@ type Deps struct {
 	// denials (the audit log). The worker runs it while it serves and
 	// closes it last. Nil: sandboxes have loopback only.
 	Egress func(reg prometheus.Registerer, audit func(sbxmanager.EgressDenial)) (EgressService, error)
+	// Images resolves OCI images for installs that name one (nil: such
+	// installs are refused).
+	Images sbxmanager.ImageResolver
 }
 
 // EgressService is a worker's egress as the worker runs it.
@@ -204,7 +207,7 @@ func New(cfg Config, deps Deps) (*Worker, error) {
 			return nil, fmt.Errorf("worker %s: egress: %w", cfg.ID, err)
 		}
 	}
-	md := sbxmanager.Deps{Substrates: deps.Substrates, Verifier: ver, Snapshots: deps.Snapshots, WriteError: nodeapi.WriteError, OnLost: onLost}
+	md := sbxmanager.Deps{Substrates: deps.Substrates, Verifier: ver, Snapshots: deps.Snapshots, WriteError: nodeapi.WriteError, OnLost: onLost, Images: deps.Images}
 	if eg != nil {
 		md.Egress = eg
 	}
