@@ -55,6 +55,11 @@ type initConfig struct {
 	// detached bind. Lower, Layer, Rootfs, Usr, Socket and Agent are then
 	// unused.
 	UserNS bool `json:"userns"`
+	// Volumes are the mount paths of Spec.Volumes, in order: their
+	// detached mounts follow the descriptors above (volumes.go).
+	Volumes []string `json:"volumes,omitempty"`
+	// volFDs are the volumes' descriptors (taken off the received ones).
+	volFDs []int
 }
 
 // Descriptors of a user-namespaced init, in the order they are sent.
@@ -116,6 +121,11 @@ func runInit() error {
 	if err := json.Unmarshal(raw, &cfg); err != nil {
 		return fmt.Errorf("decode config: %w", err)
 	}
+	nv := len(cfg.Volumes)
+	if nv > len(fds) {
+		return fmt.Errorf("config came with %d descriptors for %d volumes", len(fds), nv)
+	}
+	cfg.volFDs, fds = fds[len(fds)-nv:], fds[:len(fds)-nv]
 	if cfg.UserNS {
 		if len(fds) != nsFDCount {
 			return fmt.Errorf("config came with %d descriptors, want %d", len(fds), nsFDCount)
@@ -246,6 +256,9 @@ func setupRootfs(c *initConfig, layerFD int) (int, error) {
 		return -1, err
 	}
 	if err := bindRO(c.Agent, filepath.Join(r, agentMount), unix.MS_NOSUID|unix.MS_NODEV); err != nil {
+		return -1, err
+	}
+	if err := mountVolumes(r, c.Volumes, c.volFDs); err != nil {
 		return -1, err
 	}
 	lfd, err := listenUnix(c.Socket)
@@ -451,6 +464,9 @@ func setupUserNSRootfs(c *initConfig, fds []int) (int, error) {
 		return -1, err
 	}
 	if err := attach(fds[nsFDAgent], filepath.Join(r, agentMount)); err != nil {
+		return -1, err
+	}
+	if err := mountVolumes(r, c.Volumes, c.volFDs); err != nil {
 		return -1, err
 	}
 	for _, fd := range fds {
