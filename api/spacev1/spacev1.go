@@ -141,6 +141,18 @@ type InstallRequest struct {
 	// Network, when set, gives the execution a link to the worker's
 	// egress proxy under that policy; nil: loopback only.
 	Network *Network `json:"network,omitempty"`
+	// Volumes are the team volumes the execution mounts (every execution
+	// of the sandbox: they come from its record).
+	Volumes []VolumeMount `json:"volumes,omitempty"`
+}
+
+// VolumeMount is one volume an execution mounts: the worker resolves ID to
+// the volume's files and mounts them at Path inside the sandbox.
+type VolumeMount struct {
+	ID       string `json:"id"`
+	Name     string `json:"name"`
+	Path     string `json:"path"`
+	ReadOnly bool   `json:"read_only,omitempty"`
 }
 
 // Network is an execution's egress configuration as a worker enforces it.

@@ -28,6 +28,7 @@ import (
 	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/substrate/microvm"
 	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/volume"
 	"github.com/spacesbx/space/internal/worker"
 )
 
@@ -61,6 +62,15 @@ type Config struct {
 	// user namespaces and layer disks (ns.Config; both on by default where
 	// the host supports them).
 	NSNoUserNamespaces, NSNoDiskQuota bool
+	// VolumeRoot holds the team volumes' disk images (volume.Config.Root).
+	// Default <DataDir>/volumes, on this host's disk. Point it at shared
+	// storage the operator mounted (NFS) so a sandbox moved to another
+	// host mounts the same volumes there (one host at a time per volume:
+	// internal/volume's package doc).
+	VolumeRoot string
+	// VolumeSizeBytes is a new volume's quota (volume.Config.SizeBytes;
+	// default volume.DefaultSize, 10 GiB, sparse on the host).
+	VolumeSizeBytes int64
 	// Capacity is how many sandboxes the scheduler places on each worker
 	// (worker.Config.Capacity). Default 100.
 	Capacity int
@@ -95,6 +105,12 @@ func (c Config) withDefaults() Config {
 	if c.Capacity == 0 {
 		c.Capacity = DefaultCapacity
 	}
+	if c.VolumeRoot == "" && c.DataDir != "" {
+		c.VolumeRoot = filepath.Join(c.DataDir, "volumes")
+	}
+	if abs, err := filepath.Abs(c.VolumeRoot); err == nil && c.VolumeRoot != "" {
+		c.VolumeRoot = abs
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -124,6 +140,10 @@ type Host struct {
 	// ns holds each worker's ns substrate (NS), by worker id.
 	nsMu sync.Mutex
 	ns   map[string]*ns.Substrate
+
+	// vols holds the team volumes every worker of the host mounts (nil
+	// where the host cannot: no loop devices or mkfs.ext4).
+	vols *volume.Manager
 
 	vmOnce  sync.Once
 	vmReady chan vmResult // nil: no microvm configured
@@ -167,6 +187,11 @@ func Open(cfg Config) (_ *Host, err error) {
 	h.snaps, err = snapshot.NewLocal(cfg.SnapshotDir)
 	if err != nil {
 		return nil, fmt.Errorf("node: snapshot store: %w", err)
+	}
+	if why := volume.Unsupported(); why != "" {
+		cfg.Logger.Warn("team volumes are unavailable on this host: sandboxes that mount one are refused", "reason", why)
+	} else if h.vols, err = volume.New(volume.Config{Root: cfg.VolumeRoot, SizeBytes: cfg.VolumeSizeBytes, Logger: cfg.Logger}); err != nil {
+		return nil, fmt.Errorf("node: volumes: %w", err)
 	}
 	return h, nil
 }
@@ -277,7 +302,19 @@ func (h *Host) Close() error {
 	if h.vm != nil {
 		h.vm.Close()
 	}
+	if h.vols != nil {
+		h.vols.Close()
+	}
 	return nil
+}
+
+// volumeSource is the host's volumes as sbx-manager takes them (a nil
+// interface, not a nil pointer, when there are none).
+func (h *Host) volumeSource() sbxmanager.VolumeSource {
+	if h.vols == nil {
+		return nil
+	}
+	return h.vols
 }
 
 // WorkerConfig is what differs between the workers of one host.
@@ -334,7 +371,7 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 		Manager: sbxmanager.Config{
 			SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),
 			EnvdVersion: guest.EnvdVersion, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
-			ChildLog: cfg.Log,
+			ChildLog: cfg.Log, Volumes: h.volumeSource(),
 		},
 	}, worker.Deps{
 		Substrates: subs,

@@ -39,6 +39,8 @@ type record struct {
 	// Link the link it was given. Both nil: loopback only.
 	Network *spacev1.Network `json:"network,omitempty"`
 	Link    *Link            `json:"link,omitempty"`
+	// Volumes are the team volumes the execution mounts.
+	Volumes []spacev1.VolumeMount `json:"volumes,omitempty"`
 	// restoreState is the instance state file an install restores (a
 	// substrate that saves state); not persisted.
 	restoreState string

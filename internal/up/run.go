@@ -10,6 +10,7 @@ import (
 	"github.com/spacesbx/space/internal/controlplane"
 	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/node"
+	"github.com/spacesbx/space/internal/volume"
 )
 
 // Run is `space up`: it parses args, starts the platform, prints how to
@@ -32,6 +33,8 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	fs.BoolVar(&cfg.NSNoUserNamespaces, "no-user-namespaces", false, "run ns sandboxes without user namespaces (root in a sandbox is then host root for uid checks)")
 	fs.BoolVar(&cfg.KeepSandboxesOnExit, "keep-sandboxes", true, "leave the sandboxes running when space up stops (SIGTERM, Ctrl-C); the next start on the same --data-dir re-adopts them. false: stop them")
 	fs.BoolVar(&cfg.NSNoDiskQuota, "no-disk-quota", false, "keep ns sandboxes' writable layers in plain directories (no per-sandbox disk quota)")
+	fs.StringVar(&cfg.VolumeRoot, "volume-root", "", "directory of the team volumes' disk images (default <data-dir>/volumes; shared storage such as NFS lets a volume follow its sandboxes to other hosts)")
+	volMB := fs.Int64("volume-size-mb", volume.DefaultSize>>20, "quota of each new team volume in MiB (a sparse image: the host pays for what is written)")
 	etcd := fs.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
 	egressFlags := node.EgressFlags(fs)
 	teamDeny := fs.String("egress-deny-teams", "", "comma-separated team ids whose sandboxes never get a way out (their network options that would open one are refused)")
@@ -42,6 +45,7 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	if *etcd != "" {
 		cfg.EtcdEndpoints = strings.Split(*etcd, ",")
 	}
+	cfg.VolumeSizeBytes = *volMB << 20
 	eg, err := egressFlags.Resolve()
 	if err != nil {
 		fmt.Fprintf(stderr, "space up: %v\n", err)

@@ -44,6 +44,10 @@ type Config struct {
 	// (worker.Config.Capacity). Default 100. Start logs a warning when
 	// the host's task limits (kernel.pid_max) cannot hold that many.
 	Capacity int
+	// VolumeRoot and VolumeSizeBytes place and size team volumes
+	// (node.Config; default <DataDir>/volumes, 10 GiB each).
+	VolumeRoot      string
+	VolumeSizeBytes int64
 	// APIKey is the bootstrap API key (e2b_<40 hex>); generated if empty.
 	APIKey string
 	// EtcdEndpoints selects an external etcd instead of the embedded one.
@@ -235,6 +239,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		NSNoUserNamespaces: cfg.NSNoUserNamespaces, NSNoDiskQuota: cfg.NSNoDiskQuota,
 		Capacity: cfg.Capacity, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
 		KeepSandboxesOnExit: cfg.KeepSandboxesOnExit, Egress: cfg.Egress,
+		VolumeRoot: cfg.VolumeRoot, VolumeSizeBytes: cfg.VolumeSizeBytes,
 		Logger: log, Log: cfg.Log,
 	})
 	if err != nil {
