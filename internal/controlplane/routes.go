@@ -44,6 +44,12 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("POST /secrets/{id}", s.withKey(s.handleUpdateSecret))
 	mux.HandleFunc("DELETE /secrets/{id}", s.withKey(s.handleDeleteSecret))
 
+	// E2B: volumes (volumes.go).
+	mux.HandleFunc("POST /volumes", s.withKey(s.handleCreateVolume))
+	mux.HandleFunc("GET /volumes", s.withKey(s.handleListVolumes))
+	mux.HandleFunc("GET /volumes/{id}", s.withKey(s.handleGetVolume))
+	mux.HandleFunc("DELETE /volumes/{id}", s.withKey(s.handleDeleteVolume))
+
 	// SPACE's own (inspect.go, capabilities.go, move.go, rotate.go).
 	mux.HandleFunc("GET /space/v1/workers", s.handleWorkers)
 	mux.HandleFunc("GET /space/v1/sandboxes/{id}/executions", s.handleExecutions)
