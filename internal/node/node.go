@@ -8,6 +8,7 @@
 package node
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
@@ -308,6 +309,18 @@ func (h *Host) Close() error {
 	return nil
 }
 
+// volumeGC removes the files of volumes st no longer has (nil without
+// volumes).
+func (h *Host) volumeGC(st *store.Store) func(context.Context) error {
+	if h.vols == nil {
+		return nil
+	}
+	return func(ctx context.Context) error {
+		_, err := h.vols.Collect(ctx, st.VolumeIDs)
+		return err
+	}
+}
+
 // volumeSource is the host's volumes as sbx-manager takes them (a nil
 // interface, not a nil pointer, when there are none).
 func (h *Host) volumeSource() sbxmanager.VolumeSource {
@@ -376,7 +389,7 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 	}, worker.Deps{
 		Substrates: subs,
 		Registrar:  d.Registrar, Bundles: d.Store, Sandboxes: d.Sandboxes, Snapshots: h.snaps, Lost: d.Store,
-		Egress: egressOpen,
+		Egress: egressOpen, VolumeGC: h.volumeGC(d.Store),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("node: worker %s: %w", wc.ID, err)

@@ -149,3 +149,22 @@ func (s *Store) DeleteVolume(ctx context.Context, rec VolumeRecord, expectRevisi
 	}
 	return nil
 }
+
+// VolumeIDs returns the ids of every team's volumes (a worker's files of
+// any other volume belong to a deleted one).
+func (s *Store) VolumeIDs(ctx context.Context) (map[string]bool, error) {
+	resp, err := s.cli.Get(ctx, volumesPrefix, clientv3.WithPrefix())
+	if err != nil {
+		return nil, wrapErr("list volume ids", err)
+	}
+	out := make(map[string]bool, len(resp.Kvs))
+	for _, kv := range resp.Kvs {
+		var rec VolumeRecord
+		if err := json.Unmarshal(kv.Value, &rec); err != nil || rec.ID == "" {
+			// Undecodable: keep nothing from being collected by mistake.
+			return nil, fmt.Errorf("store: volume record %s: %w", kv.Key, errdefs.ErrUnavailable)
+		}
+		out[rec.ID] = true
+	}
+	return out, nil
+}

@@ -335,6 +335,47 @@ func (m *Manager) Delete(ctx context.Context, id string) error {
 	return nil
 }
 
+// Collect deletes the images of volumes that exist no more: it lists the
+// images here first and then asks live for the ids that exist (an image
+// is only made for a volume that exists, so one made after the listing is
+// never taken for a deleted one). An image in use stays (Delete). It
+// returns the ids deleted.
+func (m *Manager) Collect(ctx context.Context, live func(context.Context) (map[string]bool, error)) ([]string, error) {
+	ents, err := os.ReadDir(m.cfg.Root)
+	if err != nil {
+		return nil, fmt.Errorf("volume: collect: %w", err)
+	}
+	var ids []string
+	for _, e := range ents {
+		if id, ok := strings.CutSuffix(e.Name(), ".img"); ok && ValidateID(id) == nil {
+			ids = append(ids, id)
+		}
+	}
+	if len(ids) == 0 {
+		return nil, nil
+	}
+	exist, err := live(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("volume: collect: %w", err)
+	}
+	var done []string
+	var errs []error
+	for _, id := range ids {
+		if exist[id] {
+			continue
+		}
+		if err := m.Delete(ctx, id); err != nil {
+			if !errors.Is(err, errdefs.ErrConflict) {
+				errs = append(errs, err)
+			}
+			continue
+		}
+		m.cfg.Logger.Info("deleted volume's files removed", "volume", id)
+		done = append(done, id)
+	}
+	return done, errors.Join(errs...)
+}
+
 // Close lets go of the mounts this process holds (sandboxes keep theirs).
 func (m *Manager) Close() error {
 	m.mu.Lock()

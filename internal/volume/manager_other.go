@@ -35,3 +35,7 @@ func (m *Manager) Delete(context.Context, string) error {
 	return fmt.Errorf("volume: %w", errdefs.ErrUnavailable)
 }
 func (m *Manager) Close() error { return nil }
+
+func (m *Manager) Collect(context.Context, func(context.Context) (map[string]bool, error)) ([]string, error) {
+	return nil, nil
+}

@@ -175,3 +175,45 @@ func TestAcquireRejectsBadIDs(t *testing.T) {
 		t.Fatal("a symlinked image was mounted")
 	}
 }
+
+// Collect removes the images of volumes that no longer exist, never one
+// that exists or is in use, and never on a failed listing.
+func TestCollect(t *testing.T) {
+	m := newManager(t, t.TempDir(), 16<<20)
+	ctx := context.Background()
+	keep, gone, busy := NewID(), NewID(), NewID()
+	for _, id := range []string{keep, gone} {
+		_, rel, err := m.Acquire(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rel()
+	}
+	_, relBusy, err := m.Acquire(ctx, busy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer relBusy()
+	if _, err := m.Collect(ctx, func(context.Context) (map[string]bool, error) { return nil, errdefs.ErrUnavailable }); err == nil {
+		t.Fatal("a failed listing collected")
+	}
+	live := func(context.Context) (map[string]bool, error) { return map[string]bool{keep: true}, nil }
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := m.Collect(ctx, live); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := os.Stat(m.Image(gone)); os.IsNotExist(err) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the deleted volume's image stayed")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	for _, id := range []string{keep, busy} {
+		if _, err := os.Stat(m.Image(id)); err != nil {
+			t.Fatalf("image of %s: %v", id, err)
+		}
+	}
+}
