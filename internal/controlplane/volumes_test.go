@@ -2,12 +2,15 @@ package controlplane
 
 import (
 	"context"
+	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/store"
+	"github.com/spacesbx/space/internal/testenv"
+	"github.com/spacesbx/space/internal/volume"
 )
 
 func createVolume(t *testing.T, e *env, name string) volumeInfo {
@@ -212,4 +215,77 @@ func sameMounts(a, b []spacev1.VolumeMount) bool {
 		}
 	}
 	return true
+}
+
+// The volume content API: authorized by the volume's token only, file
+// operations through the volume manager, 404 for a deleted volume.
+func TestVolumeContentAPI(t *testing.T) {
+	testenv.RequireRoot(t, "loop devices and mounts for the volume's file system")
+	if why := volume.Unsupported(); why != "" {
+		testenv.Skipf(t, "volumes unsupported here: %s", why)
+	}
+	m, err := volume.New(volume.Config{Root: filepath.Join(t.TempDir(), "volumes"), SizeBytes: 16 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	st := openStore(t)
+	e := newEnv(t, st, nil)
+	srv, err := New(Config{DataDir: t.TempDir(), EdgeKey: edgeKey}, Deps{Store: st, Logger: quiet(), Volumes: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	v := createVolume(t, e, "files")
+	do := func(method, path, token string, body any) resp {
+		t.Helper()
+		r := e.srv
+		e.srv = srv
+		defer func() { e.srv = r }()
+		h := map[string]string{}
+		if token != "" {
+			h["Authorization"] = "Bearer " + token
+		}
+		return e.do(method, "/volumecontent/"+v.VolumeID+path, h, body)
+	}
+	expectError(t, do("GET", "/path?path=/", "", nil), 401)
+	expectError(t, do("GET", "/path?path=/", strings.Repeat("0", 64), nil), 401)
+	expectError(t, e.do("GET", "/volumecontent/vol_000000000000000000000000/path?path=/", map[string]string{"Authorization": "Bearer " + v.Token}, nil), 404)
+
+	if r := do("PUT", "/file?path=/docs/a.txt&mode=0600", v.Token, "hello"); r.Code != 200 {
+		t.Fatalf("write: %d %s", r.Code, r.Body)
+	}
+	r := do("GET", "/file?path=docs/a.txt", v.Token, nil)
+	if r.Code != 200 || string(r.Body) != "hello" {
+		t.Fatalf("read: %d %q", r.Code, r.Body)
+	}
+	var ent volume.Entry
+	do("GET", "/path?path=/docs/a.txt", v.Token, nil).decode(t, &ent)
+	if ent.Type != "file" || ent.Mode != 0o600 || ent.UID != volume.UserID || ent.Size != 5 {
+		t.Fatalf("stat %+v", ent)
+	}
+	expectError(t, do("POST", "/dir?path=/p/q", v.Token, nil), 404)
+	if r := do("POST", "/dir?path=/p/q&force=true", v.Token, nil); r.Code != 201 {
+		t.Fatalf("mkdir -p: %d %s", r.Code, r.Body)
+	}
+	do("PATCH", "/path?path=/p", v.Token, map[string]any{"mode": 0o700, "uid": 0}).decode(t, &ent)
+	if ent.Mode != 0o700 || ent.UID != 0 || ent.Type != "directory" {
+		t.Fatalf("patch %+v", ent)
+	}
+	var list []volume.Entry
+	do("GET", "/dir?path=/&depth=2", v.Token, nil).decode(t, &list)
+	if len(list) != 4 {
+		t.Fatalf("list %+v", list)
+	}
+	expectError(t, do("GET", "/file?path=/nope", v.Token, nil), 404)
+	if r := do("DELETE", "/path?path=/docs", v.Token, nil); r.Code != 204 {
+		t.Fatalf("remove: %d %s", r.Code, r.Body)
+	}
+	expectError(t, do("GET", "/path?path=/docs/a.txt", v.Token, nil), 404)
+	expectError(t, do("DELETE", "/path?path=/", v.Token, nil), 400)
+	// Deleted: the token opens nothing.
+	if r := e.api("DELETE", "/volumes/"+v.VolumeID, nil); r.Code != 204 {
+		t.Fatalf("delete: %d %s", r.Code, r.Body)
+	}
+	expectError(t, do("GET", "/path?path=/", v.Token, nil), 404)
 }

@@ -309,6 +309,11 @@ func (h *Host) Close() error {
 	return nil
 }
 
+// Volumes is the host's team volumes (nil where the host has none): the
+// control plane of a single-machine SPACE serves their content API
+// through it.
+func (h *Host) Volumes() *volume.Manager { return h.vols }
+
 // volumeGC removes the files of volumes st no longer has (nil without
 // volumes).
 func (h *Host) volumeGC(st *store.Store) func(context.Context) error {

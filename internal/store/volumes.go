@@ -168,3 +168,23 @@ func (s *Store) VolumeIDs(ctx context.Context) (map[string]bool, error) {
 	}
 	return out, nil
 }
+
+// GetVolumeByID finds a volume of any team by id (the volume content
+// API, whose caller proves itself with the volume's token, not a team's
+// key); errdefs.ErrNotFound when there is none.
+func (s *Store) GetVolumeByID(ctx context.Context, id string) (VolumeRecord, error) {
+	if !validSecretKeyPart(id) {
+		return VolumeRecord{}, fmt.Errorf("store: volume: %w", errdefs.ErrNotFound)
+	}
+	resp, err := s.cli.Get(ctx, volumesPrefix, clientv3.WithPrefix())
+	if err != nil {
+		return VolumeRecord{}, wrapErr("get volume", err)
+	}
+	for _, kv := range resp.Kvs {
+		var rec VolumeRecord
+		if json.Unmarshal(kv.Value, &rec) == nil && rec.ID == id {
+			return rec, nil
+		}
+	}
+	return VolumeRecord{}, fmt.Errorf("store: volume %q: %w", id, errdefs.ErrNotFound)
+}

@@ -84,8 +84,9 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 Paste into your shell to use the e2b SDK or the space CLI:
 export E2B_API_URL=%s
 export E2B_SANDBOX_URL=%s
+export E2B_VOLUME_API_URL=%s
 export E2B_API_KEY=%s
-`, len(p.Workers), p.APIURL, p.SandboxURL, p.APIKey, keyNote, p.APIURL, p.SandboxURL, p.APIKey)
+`, len(p.Workers), p.APIURL, p.SandboxURL, p.APIKey, keyNote, p.APIURL, p.SandboxURL, p.APIURL, p.APIKey)
 	<-ctx.Done()
 	if cfg.KeepSandboxesOnExit {
 		fmt.Fprintln(stderr, "space up: shutting down; sandboxes keep running and are re-adopted at the next start on this --data-dir (--keep-sandboxes=false stops them)")

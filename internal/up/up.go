@@ -253,7 +253,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	p.cp, err = controlplane.New(controlplane.Config{
 		Addr: cfg.APIAddr, DataDir: filepath.Join(cfg.DataDir, "api"), BootstrapAPIKey: cfg.APIKey,
 		EdgeKey: edgeKey, Domain: cfg.Domain, DefaultEnvdVersion: guest.EnvdVersion, EgressLimits: cfg.EgressLimits,
-	}, controlplane.Deps{Store: p.st, Logger: log, Snapshots: p.host.Snapshots()})
+	}, controlplane.Deps{Store: p.st, Logger: log, Snapshots: p.host.Snapshots(), Volumes: volumeFiles(p.host)})
 	if err != nil {
 		return nil, fmt.Errorf("up: control plane: %w", err)
 	}
@@ -363,6 +363,15 @@ func (p *Platform) Close() error {
 	}
 	if p.st != nil {
 		p.st.Close()
+	}
+	return nil
+}
+
+// volumeFiles is the host's volumes for the control plane's content API
+// (a nil interface when the host has none).
+func volumeFiles(h *node.Host) controlplane.VolumeFiles {
+	if v := h.Volumes(); v != nil {
+		return v
 	}
 	return nil
 }

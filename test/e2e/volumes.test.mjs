@@ -7,7 +7,7 @@
 import { test, after } from 'node:test'
 import assert from 'node:assert/strict'
 import { randomBytes } from 'node:crypto'
-import { Sandbox, Volume, VolumeError, VolumeNotFoundError, CommandExitError } from 'e2b'
+import { Sandbox, Volume, VolumeError, VolumeNotFoundError, VolumePathNotFoundError, CommandExitError, AuthenticationError } from 'e2b'
 
 const api = process.env.E2B_API_URL
 const key = process.env.E2B_API_KEY
@@ -110,4 +110,40 @@ test('volumes: bad mounts are refused', async () => {
     await assert.rejects(create({ [path]: vol }), `path ${path} accepted`)
   }
   await assert.rejects(create({ '/mnt/x': `no-such-volume-${run}` }))
+})
+
+test('volumes: content API without a sandbox (token-authorized), seen by sandboxes', async () => {
+  // space up prints E2B_VOLUME_API_URL (= the API's URL); the SDK's
+  // default would be https://api.<domain>.
+  process.env.E2B_VOLUME_API_URL ??= api
+  const vol = await Volume.create(`vol-${run}-content`)
+  volumes.push(vol)
+  const e = await vol.writeFile('/docs/readme.txt', 'written without a sandbox')
+  assert.equal(e.type, 'file')
+  assert.equal(e.size, 25)
+  assert.ok(e.mtime instanceof Date)
+  assert.equal(await vol.readFile('/docs/readme.txt'), 'written without a sandbox')
+  assert.equal(await vol.exists('/docs/readme.txt'), true)
+  assert.equal(await vol.exists('/nope'), false)
+  await assert.rejects(vol.readFile('/nope'), VolumePathNotFoundError)
+  const dir = await vol.makeDir('/a/b/c', { force: true })
+  assert.equal(dir.type, 'directory')
+  const listed = await vol.list('/', { depth: 3 })
+  assert.deepEqual(listed.map((x) => x.path).sort(), ['/a', '/a/b', '/a/b/c', '/docs', '/docs/readme.txt'])
+  const upd = await vol.updateMetadata('/docs/readme.txt', { mode: 0o600 })
+  assert.equal(upd.mode, 0o600)
+
+  // A sandbox sees the files (owned by `user`) and its writes come back.
+  const s = await create({ '/mnt/v': vol })
+  assert.equal(await s.files.read('/mnt/v/docs/readme.txt'), 'written without a sandbox')
+  await s.files.write('/mnt/v/from-sandbox.txt', 'hi from inside')
+  assert.equal(await vol.readFile('/from-sandbox.txt'), 'hi from inside')
+  await vol.remove('/a')
+  assert.equal((await s.commands.run('ls /mnt/v')).stdout.split('\n').filter(Boolean).sort().join(','), 'docs,from-sandbox.txt')
+
+  // Another volume's token opens nothing here.
+  const other = await Volume.create(`vol-${run}-other`)
+  volumes.push(other)
+  const forged = new Volume(vol.volumeId, vol.name, other.token, vol.domain)
+  await assert.rejects(forged.readFile('/docs/readme.txt'), AuthenticationError)
 })
