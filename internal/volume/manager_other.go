@@ -5,7 +5,9 @@ package volume
 import (
 	"context"
 	"fmt"
+	"io"
 	"log/slog"
+	"os"
 
 	"github.com/spacesbx/space/internal/errdefs"
 )
@@ -38,4 +40,21 @@ func (m *Manager) Close() error { return nil }
 
 func (m *Manager) Collect(context.Context, func(context.Context) (map[string]bool, error)) ([]string, error) {
 	return nil, nil
+}
+
+// Dir is unavailable off Linux.
+type Dir struct{}
+
+func (m *Manager) OpenDir(context.Context, string) (*Dir, error) {
+	return nil, fmt.Errorf("volume: %w", errdefs.ErrUnavailable)
+}
+func (d *Dir) Close()                                   {}
+func (d *Dir) Stat(string) (Entry, error)               { return Entry{}, errdefs.ErrUnavailable }
+func (d *Dir) List(string, int) ([]Entry, error)        { return nil, errdefs.ErrUnavailable }
+func (d *Dir) Mkdir(string, Attrs, bool) (Entry, error) { return Entry{}, errdefs.ErrUnavailable }
+func (d *Dir) SetAttrs(string, Attrs) (Entry, error)    { return Entry{}, errdefs.ErrUnavailable }
+func (d *Dir) Remove(string) error                      { return errdefs.ErrUnavailable }
+func (d *Dir) Open(string) (*os.File, error)            { return nil, errdefs.ErrUnavailable }
+func (d *Dir) WriteFile(string, io.Reader, Attrs, int64) (Entry, error) {
+	return Entry{}, errdefs.ErrUnavailable
 }

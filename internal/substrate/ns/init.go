@@ -55,11 +55,10 @@ type initConfig struct {
 	// detached bind. Lower, Layer, Rootfs, Usr, Socket and Agent are then
 	// unused.
 	UserNS bool `json:"userns"`
-	// Volumes are the mount paths of Spec.Volumes, in order: their
-	// detached mounts follow the descriptors above (volumes.go).
+	// Volumes are Spec.Volumes' paths; their mounts (volFDs) come after
+	// the descriptors above (volumes.go).
 	Volumes []string `json:"volumes,omitempty"`
-	// volFDs are the volumes' descriptors (taken off the received ones).
-	volFDs []int
+	volFDs  []int
 }
 
 // Descriptors of a user-namespaced init, in the order they are sent.
@@ -121,11 +120,9 @@ func runInit() error {
 	if err := json.Unmarshal(raw, &cfg); err != nil {
 		return fmt.Errorf("decode config: %w", err)
 	}
-	nv := len(cfg.Volumes)
-	if nv > len(fds) {
-		return fmt.Errorf("config came with %d descriptors for %d volumes", len(fds), nv)
-	}
-	cfg.volFDs, fds = fds[len(fds)-nv:], fds[:len(fds)-nv]
+	if nv := len(cfg.Volumes); nv <= len(fds) {
+		cfg.volFDs, fds = fds[len(fds)-nv:], fds[:len(fds)-nv]
+	} // else: the counts below fail
 	if cfg.UserNS {
 		if len(fds) != nsFDCount {
 			return fmt.Errorf("config came with %d descriptors, want %d", len(fds), nsFDCount)
