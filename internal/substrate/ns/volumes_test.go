@@ -192,3 +192,39 @@ func TestVolumeMountPointRefusesSymlinks(t *testing.T) {
 		t.Fatal("escaped")
 	}
 }
+
+// Without user namespaces the volume is bound as it is (host ids are the
+// sandbox's), still nosuid and nodev.
+func TestVolumeWithoutUserNamespace(t *testing.T) {
+	m := volumeManager(t, 16<<20)
+	needRoot(t)
+	s, err := New(Config{StateDir: testState, NoUserNamespaces: true, NoWarmInit: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	id := volume.NewID()
+	dir, release, err := m.Acquire(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer release()
+	spec := newSpec(t, substrate.Limits{})
+	spec.Volumes = []substrate.VolumeMount{{Name: "v", Source: dir, Path: "/mnt/v"}, {Name: "ro", Source: dir, Path: "/mnt/ro", ReadOnly: true}}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	in, err := s.Start(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst := in.(*instance)
+	t.Cleanup(func() { stopAndCheck(t, inst) })
+	mustOK(t, inst, 1000, "echo x > /mnt/v/f")
+	if out := mustFail(t, inst, 1000, "echo y > /mnt/ro/g"); !strings.Contains(out, "Read-only") {
+		t.Fatalf("read-only mount: %s", out)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(filepath.Join(dir, "f"), &st); err != nil || st.Uid != 1000 {
+		t.Fatalf("on disk: %+v %v", st, err)
+	}
+}
