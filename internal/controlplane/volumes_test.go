@@ -161,6 +161,23 @@ func TestVolumeMounts(t *testing.T) {
 		t.Fatalf("record after move %+v", got)
 	}
 
+	// A fork mounts what its source mounts.
+	r := e.api("POST", "/sandboxes/"+sb.SandboxID+"/fork", map[string]any{"count": 1, "timeout": 60})
+	if r.Code != 201 {
+		t.Fatalf("fork: %d %s", r.Code, r.Body)
+	}
+	var forks []e2bapi.SandboxForkResult
+	r.decode(t, &forks)
+	if len(forks) != 1 || forks[0].Sandbox == nil {
+		t.Fatalf("fork results %s", r.Body)
+	}
+	if got := e.record(forks[0].Sandbox.SandboxID).VolumeMounts; !sameMounts(got, want) {
+		t.Fatalf("fork's mounts %+v", got)
+	}
+	if r := e.api("DELETE", "/sandboxes/"+forks[0].Sandbox.SandboxID, nil); r.Code != 204 {
+		t.Fatalf("kill fork: %d %s", r.Code, r.Body)
+	}
+
 	// Killed: the work volume is free; data still has the second sandbox.
 	if r := e.api("DELETE", "/sandboxes/"+sb.SandboxID, nil); r.Code != 204 {
 		t.Fatalf("kill: %d %s", r.Code, r.Body)
