@@ -113,7 +113,12 @@ func (s *Server) handleGetVolume(w http.ResponseWriter, r *http.Request, c calle
 // mounts it.
 func (s *Server) handleDeleteVolume(w http.ResponseWriter, r *http.Request, c caller) {
 	ctx := r.Context()
-	rec, rev, err := s.getVolume(ctx, c.TeamID, r.PathValue("id"))
+	// A volume left marked by a delete that never finished (its control
+	// plane died) is deleted by the next one.
+	rec, rev, err := s.st.GetVolume(ctx, c.TeamID, r.PathValue("id"))
+	if errors.Is(err, errdefs.ErrNotFound) {
+		err = fmt.Errorf("%w: volume %s", errdefs.ErrNotFound, truncate(r.PathValue("id"), 64))
+	}
 	if err != nil {
 		s.writeError(w, r, err)
 		return

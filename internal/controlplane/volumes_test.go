@@ -211,6 +211,14 @@ func TestVolumeDeletedDuringCreate(t *testing.T) {
 	}
 	expectError(t, e.api("POST", "/v2/sandboxes", map[string]any{"templateID": "base",
 		"volumeMounts": []map[string]string{{"name": "data", "path": "/mnt/data"}}}), 404)
+	// A delete that never finished (the mark left behind) is finished by
+	// the next one.
+	if r := e.api("DELETE", "/volumes/"+v.VolumeID, nil); r.Code != 204 {
+		t.Fatalf("delete of a marked volume: %d %s", r.Code, r.Body)
+	}
+	if _, _, err := st.GetVolume(context.Background(), rec.TeamID, v.VolumeID); err == nil {
+		t.Fatal("record left")
+	}
 }
 
 func teamOf(t *testing.T, e *env) string {
