@@ -42,9 +42,14 @@ func findLoop(ist unix.Stat_t) (*os.File, uint64, error) {
 		if _, err := os.Stat("/sys/block/" + e.Name() + "/loop/backing_file"); err != nil {
 			continue // not attached
 		}
-		f, err := os.OpenFile("/dev/"+e.Name(), os.O_RDONLY|unix.O_CLOEXEC, 0)
+		f, err := openLoopNode(e.Name())
+		if errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ENXIO) {
+			continue // removed meanwhile
+		}
 		if err != nil {
-			continue
+			// Not knowing a device that may back the image would mount it
+			// twice: fail instead.
+			return nil, 0, fmt.Errorf("inspect %s: %w", e.Name(), err)
 		}
 		info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
 		var st unix.Stat_t
@@ -55,6 +60,28 @@ func findLoop(ist unix.Stat_t) (*os.File, uint64, error) {
 		f.Close()
 	}
 	return nil, 0, nil
+}
+
+// openLoopNode opens /dev/<name> read-only, making the node from sysfs
+// when /dev lacks it (a /dev that is not a devtmpfs).
+func openLoopNode(name string) (*os.File, error) {
+	p := "/dev/" + name
+	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if !errors.Is(err, os.ErrNotExist) {
+		return f, err
+	}
+	b, rerr := os.ReadFile("/sys/block/" + name + "/dev")
+	if rerr != nil {
+		return nil, err
+	}
+	var ma, mi uint32
+	if _, serr := fmt.Sscanf(strings.TrimSpace(string(b)), "%d:%d", &ma, &mi); serr != nil || ma != loopMajor {
+		return nil, err
+	}
+	if merr := unix.Mknod(p, unix.S_IFBLK|0o600, int(unix.Mkdev(ma, mi))); merr != nil && merr != unix.EEXIST {
+		return nil, fmt.Errorf("mknod %s: %w", p, merr)
+	}
+	return os.OpenFile(p, os.O_RDONLY|unix.O_CLOEXEC, 0)
 }
 
 // attachLoop binds the image open at fd to a free loop device with
