@@ -217,3 +217,38 @@ func TestCollect(t *testing.T) {
 		}
 	}
 }
+
+// A second block device on one image (what another host sharing the
+// volume root would mount) is refused by the image's multi-mount
+// protection while the volume is in use here.
+func TestSecondDeviceRefused(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits for the multi-mount protection interval")
+	}
+	old := mmpInterval
+	mmpInterval = 1
+	defer func() { mmpInterval = old }()
+	m := newManager(t, t.TempDir(), 16<<20)
+	id := NewID()
+	_, rel, err := m.Acquire(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rel()
+	f, err := os.OpenFile(m.Image(id), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	loop, _, err := attachLoop(int(f.Fd()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer loop.Close()
+	t0 := time.Now()
+	if mfd, err := fsmountExt4(loop.Name()); err == nil {
+		unix.Close(mfd)
+		t.Fatal("a second device mounted the image while it is in use")
+	}
+	t.Logf("refused after %v", time.Since(t0))
+}

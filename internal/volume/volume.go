@@ -29,11 +29,13 @@
 // Root defaults to <data dir>/volumes on the worker's disk. For volumes
 // that follow sandboxes across hosts the operator mounts shared storage
 // (NFS) and points Root there (space-node/space up --volume-root). An
-// image must then be in use on one host at a time: the flock serializes
-// hosts only where the shared file system carries locks between them
-// (NFSv4 does), and nothing yet keeps two hosts from mounting one image
-// at once (two sandboxes of one volume placed on different workers, or a
-// move between hosts while the old execution still holds it).
+// image is used by one host at a time: nothing in the control plane
+// keeps two sandboxes of one volume off workers of different hosts (nor a
+// move between hosts while the old execution still holds the volume),
+// but the images are made with ext4 multi-mount protection (MMP): the
+// second host's mount is refused, so its sandbox fails to start (a move
+// fails and the sandbox stays where it was) instead of two file systems
+// writing one image.
 package volume
 
 import (
