@@ -145,6 +145,9 @@ type InstallRequest struct {
 	// pulls (once per layer) into its layer store; nil runs Template's
 	// own. It carries registry credentials: never log it.
 	Image *ImageSource `json:"image,omitempty"`
+	// Volumes are the team volumes the execution mounts (every execution
+	// of the sandbox: they come from its record).
+	Volumes []VolumeMount `json:"volumes,omitempty"`
 }
 
 // ImageSource names an OCI image and the credentials to pull it with.
@@ -152,6 +155,15 @@ type ImageSource struct {
 	Ref      string `json:"ref"`
 	Username string `json:"username,omitempty"`
 	Password string `json:"password,omitempty"`
+}
+
+// VolumeMount is one volume an execution mounts: the worker resolves ID to
+// the volume's files and mounts them at Path inside the sandbox.
+type VolumeMount struct {
+	ID       string `json:"id"`
+	Name     string `json:"name"`
+	Path     string `json:"path"`
+	ReadOnly bool   `json:"read_only,omitempty"`
 }
 
 // Network is an execution's egress configuration as a worker enforces it.

@@ -20,6 +20,7 @@ import (
 	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/store"
 	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/volume"
 	"github.com/spacesbx/space/internal/worker"
 )
 
@@ -50,6 +51,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	baseImage := fs.String("base-image", node.BaseImageAuto, "the base template's root file system: auto (the Debian image when make base-image built it, else the host's /usr), build (build it first if missing), off (the host's /usr)")
 	keep := fs.Bool("keep-sandboxes", true, "leave the sandboxes running when space-node stops (SIGTERM); the next start on the same --data-dir re-adopts them. false: stop them")
 	vmAccel := fs.String("vm-accel", "", "force the microvm accelerator, kvm or tcg (default: probe kvm, then tcg)")
+	volRoot := fs.String("volume-root", "", "directory of the team volumes' disk images (default <data-dir>/volumes; mount shared storage such as NFS here so a volume follows its sandboxes to other workers)")
+	volMB := fs.Int64("volume-size-mb", volume.DefaultSize>>20, "quota of each new team volume in MiB (a sparse image: the host pays for what is written)")
 	egressFlags := node.EgressFlags(fs)
 	logOpts := logsetup.Flags(fs, logsetup.Options{Format: getenv(logsetup.EnvFormat), Level: getenv(logsetup.EnvLevel)})
 	if err := fs.Parse(args); err != nil {
@@ -93,6 +96,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		DataDir: *dataDir, SnapshotDir: *snapDir, BinDir: *binDir, Capacity: *capacity,
 		VMKernelDir: *vmKernel, VMRequired: true, VMAccel: *vmAccel,
 		NSNoUserNamespaces: *noUserNS, NSNoDiskQuota: *noQuota, BaseImage: *baseImage, InsecureRegistries: insecure, KeepSandboxesOnExit: *keep, Egress: eg, Logger: log, Log: *logOpts,
+		VolumeRoot: *volRoot, VolumeSizeBytes: *volMB << 20,
 	})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)

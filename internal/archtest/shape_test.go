@@ -35,7 +35,7 @@ var layer = map[string]int{
 	"api/envd/filesystem/filesystempbconnect": 2, "api/envd/process/processpbconnect": 2,
 	// 3: state, policies and the substrate interface.
 	"internal/store": 3, "internal/scheduler": 3, "internal/snapshot": 3, "internal/substrate": 3,
-	"internal/guest": 3, "sdk": 3, "internal/egress": 3, "internal/baseimage": 3,
+	"internal/guest": 3, "sdk": 3, "internal/egress": 3, "internal/baseimage": 3, "internal/volume": 3,
 	// 4 also: a template build, a client of sandboxes.
 	"internal/templatebuild": 4,
 	// 2 also: a Dockerfile read into E2B template build steps.

@@ -139,6 +139,9 @@ type Deps struct {
 	// without it, deleting a snapshot removes its record only and the
 	// archive stays for an operator to collect.
 	Snapshots snapshot.Store
+	// Volumes reaches the team volumes' files for the volume content API
+	// (volumecontent.go). Optional: without it that API answers 503.
+	Volumes VolumeFiles
 }
 
 // withDefaults returns c with every zero field set to its documented

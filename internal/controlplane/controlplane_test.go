@@ -200,7 +200,7 @@ func TestAuthAndBadInput(t *testing.T) {
 		{"negative timeout", "POST", "/v2/sandboxes", `{"templateID":"base","timeout":-1}`, 400},
 		{"huge timeout", "POST", "/v2/sandboxes", `{"templateID":"base","timeout":90000}`, 400},
 		{"bad env", "POST", "/v2/sandboxes", `{"templateID":"base","envVars":{"1X":"y"}}`, 400},
-		{"volumes", "POST", "/v2/sandboxes", `{"templateID":"base","volumeMounts":[{"name":"v","path":"/v"}]}`, 400},
+		{"unknown volume", "POST", "/v2/sandboxes", `{"templateID":"base","volumeMounts":[{"name":"v","path":"/v"}]}`, 404},
 		{"bad id", "GET", "/sandboxes/UPPER", nil, 400},
 		{"bad id kill", "DELETE", "/sandboxes/a_b", nil, 400},
 		{"unknown id", "GET", "/sandboxes/doesnotexist", nil, 404},

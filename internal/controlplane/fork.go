@@ -81,6 +81,7 @@ func (s *Server) handleFork(w http.ResponseWriter, r *http.Request, c caller) {
 			Secure: src.AccessToken != "", PrivateTraffic: src.TrafficAccessToken != "",
 			RestoreSnapshot: snap.ID,
 			Network:         src.Network, MaskRequestHost: src.MaskRequestHost, HTTPSPorts: src.HTTPSPorts,
+			VolumeMounts: src.VolumeMounts,
 		}
 		rec, err := s.createSandbox(ctx, c, p)
 		if err != nil {

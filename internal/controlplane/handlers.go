@@ -40,6 +40,10 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request, c caller, 
 	if built != nil {
 		p.Image = built.build.Image
 	}
+	if p.VolumeMounts, err = s.resolveVolumeMounts(r.Context(), c.TeamID, req.VolumeMounts); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
 	rec, err := s.createSandbox(r.Context(), c, p)
 	if err != nil {
 		s.writeError(w, r, err)
@@ -68,7 +72,7 @@ func (s *Server) detail(rec store.SandboxRecord) e2bapi.SandboxDetail {
 		StartedAt: rec.StartedAt, EndAt: rec.EndAt, EnvdVersion: rec.EnvdVersion,
 		EnvdAccessToken: rec.AccessToken, Metadata: rec.Metadata, State: e2bState(rec),
 		Lifecycle:    &e2bapi.SandboxLifecycle{OnTimeout: onTimeout},
-		VolumeMounts: []e2bapi.SandboxVolumeMount{},
+		VolumeMounts: volumeMountsOf(rec),
 	}
 	d.AllowInternetAccess, d.Network = networkDetail(rec)
 	return d
@@ -79,7 +83,7 @@ func listed(rec store.SandboxRecord) e2bapi.ListedSandbox {
 		SandboxID: rec.ID, TemplateID: rec.TemplateID, Alias: rec.Alias, ClientID: clientID,
 		CPUCount: rec.CPUCount, MemoryMB: rec.MemoryMB, DiskSizeMB: rec.DiskSizeMB,
 		StartedAt: rec.StartedAt, EndAt: rec.EndAt, EnvdVersion: rec.EnvdVersion,
-		Metadata: rec.Metadata, State: e2bState(rec), VolumeMounts: []e2bapi.SandboxVolumeMount{},
+		Metadata: rec.Metadata, State: e2bState(rec), VolumeMounts: volumeMountsOf(rec),
 	}
 }
 

@@ -295,7 +295,7 @@ func (m *mover) installTarget(w spacev1.Worker) (spacev1.InstallResponse, error)
 	}
 	resp, err := m.s.node.install(m.ctx, w.NodeURL, spacev1.InstallRequest{
 		Route: m.next, Template: m.rec.TemplateID, EnvVars: m.rec.EnvVars, Limits: limitsOf(m.rec), RestoreSnapshot: m.snapID,
-		Network: nw, Image: m.rec.Image,
+		Network: nw, Image: m.rec.Image, Volumes: m.rec.VolumeMounts,
 	})
 	if err == nil {
 		m.processesKept = resp.ProcessesKept

@@ -58,6 +58,20 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("POST /secrets/{id}", s.withKey(s.handleUpdateSecret))
 	mux.HandleFunc("DELETE /secrets/{id}", s.withKey(s.handleDeleteSecret))
 
+	// E2B: volumes (volumes.go).
+	mux.HandleFunc("POST /volumes", s.withKey(s.handleCreateVolume))
+	mux.HandleFunc("GET /volumes", s.withKey(s.handleListVolumes))
+	mux.HandleFunc("GET /volumes/{id}", s.withKey(s.handleGetVolume))
+	mux.HandleFunc("DELETE /volumes/{id}", s.withKey(s.handleDeleteVolume))
+	// E2B: volume content, authorized by the volume's token (volumecontent.go).
+	mux.HandleFunc("GET /volumecontent/{id}/dir", s.handleVolumeList)
+	mux.HandleFunc("POST /volumecontent/{id}/dir", s.handleVolumeMkdir)
+	mux.HandleFunc("GET /volumecontent/{id}/path", s.handleVolumeStat)
+	mux.HandleFunc("PATCH /volumecontent/{id}/path", s.handleVolumeSetAttrs)
+	mux.HandleFunc("DELETE /volumecontent/{id}/path", s.handleVolumeRemove)
+	mux.HandleFunc("GET /volumecontent/{id}/file", s.handleVolumeRead)
+	mux.HandleFunc("PUT /volumecontent/{id}/file", s.handleVolumeWrite)
+
 	// SPACE's own (inspect.go, capabilities.go, move.go, rotate.go).
 	mux.HandleFunc("GET /space/v1/workers", s.handleWorkers)
 	mux.HandleFunc("GET /space/v1/sandboxes/{id}/executions", s.handleExecutions)

@@ -53,6 +53,9 @@ type createParams struct {
 	// Image is the OCI image of a template built fromImage (nil: the
 	// template's own root file system).
 	Image *spacev1.ImageSource
+	// VolumeMounts are the team volumes the sandbox mounts (resolved by
+	// resolveVolumeMounts).
+	VolumeMounts []spacev1.VolumeMount
 }
 
 func (s *Server) validateCreate(c caller, req e2bapi.NewSandbox, v2 bool) (createParams, error) {
@@ -88,9 +91,6 @@ func (s *Server) validateCreate(c caller, req e2bapi.NewSandbox, v2 bool) (creat
 		if len(v) > maxEnvValue || !utf8.ValidString(v) || containsNUL(v) {
 			return p, fmt.Errorf("%w: envVars %s: value must be UTF-8 without NUL, at most %d bytes", errdefs.ErrInvalid, k, maxEnvValue)
 		}
-	}
-	if len(req.VolumeMounts) > 0 {
-		return p, fmt.Errorf("%w: volumeMounts are not supported", errdefs.ErrInvalid)
 	}
 	if req.AutoResume != nil && req.AutoResume.Enabled {
 		return p, fmt.Errorf("%w: autoResume is not supported", errdefs.ErrInvalid)
@@ -153,6 +153,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 	}
 	rec.Network, rec.MaskRequestHost, rec.HTTPSPorts = p.Network, p.MaskRequestHost, p.HTTPSPorts
 	rec.Image = p.Image
+	rec.VolumeMounts = p.VolumeMounts
 	if err := newEgressCA(&rec); err != nil {
 		return rec, err
 	}
@@ -186,6 +187,14 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		tPlace := time.Now()
 		if attempt == 0 {
 			rev, err = s.st.CreateSandbox(ctx, rec)
+			if err == nil {
+				// The record names the volumes now: a delete from here on
+				// sees it (volumes.go).
+				if verr := s.checkVolumesLive(ctx, rec); verr != nil {
+					lastErr = verr
+					break
+				}
+			}
 		} else {
 			rev, err = s.st.UpdateSandbox(ctx, rec.ID, rev, rec)
 		}
@@ -198,7 +207,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		tRecord := time.Now()
 		resp, err := s.node.install(ctx, w.NodeURL, spacev1.InstallRequest{
 			Route: rec.Route, Template: rec.TemplateID, EnvVars: rec.EnvVars,
-			Limits: limitsOf(rec), RestoreSnapshot: p.RestoreSnapshot, Network: nw, Image: rec.Image,
+			Limits: limitsOf(rec), RestoreSnapshot: p.RestoreSnapshot, Network: nw, Image: rec.Image, Volumes: rec.VolumeMounts,
 		})
 		if err != nil {
 			log.Warn("install failed", "err", err)

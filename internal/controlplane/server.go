@@ -31,6 +31,8 @@ type Server struct {
 	node    *nodeClient
 	sched   *scheduler.Scheduler
 	snaps   snapshot.Store // nil: snapshot archives are not removed here
+	// volumes serves the volume content API (nil: 503).
+	volumes VolumeFiles
 
 	apiKey          string
 	apiKeyGenerated bool
@@ -72,7 +74,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	}
 	deps = deps.withDefaults()
 	s := &Server{cfg: cfg, st: deps.Store, log: deps.Logger.With("component", "space-api"), now: deps.Clock,
-		sched: scheduler.New(scheduler.DefaultK, nil), snaps: deps.Snapshots, reaping: map[string]bool{}}
+		sched: scheduler.New(scheduler.DefaultK, nil), snaps: deps.Snapshots, volumes: deps.Volumes, reaping: map[string]bool{}}
 
 	adopted, err := adoptPendingKey(cfg.DataDir)
 	if err != nil {

@@ -8,6 +8,7 @@
 package node
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
@@ -28,6 +29,7 @@ import (
 	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/substrate/microvm"
 	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/volume"
 	"github.com/spacesbx/space/internal/worker"
 )
 
@@ -75,6 +77,15 @@ type Config struct {
 	// and on private addresses; every other registry must be public and
 	// speak HTTPS.
 	InsecureRegistries []string
+	// VolumeRoot holds the team volumes' disk images (volume.Config.Root).
+	// Default <DataDir>/volumes, on this host's disk. Point it at shared
+	// storage the operator mounted (NFS) so a sandbox moved to another
+	// host mounts the same volumes there (one host at a time per volume:
+	// internal/volume's package doc).
+	VolumeRoot string
+	// VolumeSizeBytes is a new volume's quota (volume.Config.SizeBytes;
+	// default volume.DefaultSize, 10 GiB, sparse on the host).
+	VolumeSizeBytes int64
 	// Capacity is how many sandboxes the scheduler places on each worker
 	// (worker.Config.Capacity). Default 100.
 	Capacity int
@@ -125,6 +136,12 @@ func (c Config) withDefaults() Config {
 	if c.BaseImage == "" {
 		c.BaseImage = BaseImageAuto
 	}
+	if c.VolumeRoot == "" && c.DataDir != "" {
+		c.VolumeRoot = filepath.Join(c.DataDir, "volumes")
+	}
+	if abs, err := filepath.Abs(c.VolumeRoot); err == nil && c.VolumeRoot != "" {
+		c.VolumeRoot = abs
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -163,6 +180,10 @@ type Host struct {
 	images map[string]substrate.Image
 	// pulls resolves the OCI images of templates built fromImage.
 	pulls *imageResolver
+
+	// vols holds the team volumes every worker of the host mounts (nil
+	// where the host cannot: no loop devices or mkfs.ext4).
+	vols *volume.Manager
 
 	vmOnce  sync.Once
 	vmReady chan vmResult // nil: no microvm configured
@@ -214,6 +235,11 @@ func Open(cfg Config) (_ *Host, err error) {
 	}
 	if h.pulls, err = newImageResolver(imgDir, cfg.InsecureRegistries); err != nil {
 		return nil, err
+	}
+	if why := volume.Unsupported(); why != "" {
+		cfg.Logger.Warn("team volumes are unavailable on this host: sandboxes that mount one are refused", "reason", why)
+	} else if h.vols, err = volume.New(volume.Config{Root: cfg.VolumeRoot, SizeBytes: cfg.VolumeSizeBytes, Logger: cfg.Logger}); err != nil {
+		return nil, fmt.Errorf("node: volumes: %w", err)
 	}
 	return h, nil
 }
@@ -324,7 +350,36 @@ func (h *Host) Close() error {
 	if h.vm != nil {
 		h.vm.Close()
 	}
+	if h.vols != nil {
+		h.vols.Close()
+	}
 	return nil
+}
+
+// Volumes is the host's team volumes (nil where the host has none): the
+// control plane of a single-machine SPACE serves their content API
+// through it.
+func (h *Host) Volumes() *volume.Manager { return h.vols }
+
+// volumeGC removes the files of volumes st no longer has (nil without
+// volumes).
+func (h *Host) volumeGC(st *store.Store) func(context.Context) error {
+	if h.vols == nil {
+		return nil
+	}
+	return func(ctx context.Context) error {
+		_, err := h.vols.Collect(ctx, st.VolumeIDs)
+		return err
+	}
+}
+
+// volumeSource is the host's volumes as sbx-manager takes them (a nil
+// interface, not a nil pointer, when there are none).
+func (h *Host) volumeSource() sbxmanager.VolumeSource {
+	if h.vols == nil {
+		return nil
+	}
+	return h.vols
 }
 
 // WorkerConfig is what differs between the workers of one host.
@@ -381,12 +436,12 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 		Manager: sbxmanager.Config{
 			SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),
 			EnvdVersion: guest.EnvdVersion, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
-			ChildLog: cfg.Log,
+			ChildLog: cfg.Log, Volumes: h.volumeSource(),
 		},
 	}, worker.Deps{
 		Substrates: subs,
 		Registrar:  d.Registrar, Bundles: d.Store, Sandboxes: d.Sandboxes, Snapshots: h.snaps, Lost: d.Store,
-		Egress: egressOpen, Images: h.pulls,
+		Egress: egressOpen, Images: h.pulls, VolumeGC: h.volumeGC(d.Store),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("node: worker %s: %w", wc.ID, err)

@@ -77,7 +77,7 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 
 	limits := m.withDefaultLimits(req.Limits)
 	dir := activationDir(m.cfg.StateDir, r)
-	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC(), Network: req.Network, Image: req.Image}
+	rec := record{Record: identity.Record{Route: r}, Template: req.Template, EnvVars: req.EnvVars, Limits: limits, Dir: dir, Installed: time.Now().UTC(), Network: req.Network, Image: req.Image, Volumes: req.Volumes}
 	if req.RestoreSnapshot != "" && m.caps(r).SavesState {
 		rec.restoreState = filepath.Join(dir, stateFile) // prepareInstall fetched it
 		defer os.Remove(rec.restoreState)                // loaded by now, or useless
@@ -194,6 +194,12 @@ func (m *Manager) activate(ctx context.Context, rec *record, tm *installTiming) 
 		spec.Image = img
 	}
 	caps := m.caps(r)
+	releaseVolumes, err := m.acquireVolumes(ctx, rec.Volumes, &spec)
+	if err != nil {
+		return nil, err
+	}
+	// The sandbox holds its own mounts of them once it runs.
+	defer releaseVolumes()
 	// The egress link: a VMM's tap exists before the VM starts; an ns
 	// sandbox's veth is attached once its init runs. Either way nothing
 	// gets out until applyNetwork below put the policy in force.

@@ -79,6 +79,9 @@ type Config struct {
 	// It exists only as the baseline of the on/off benchmark; nothing that
 	// serves users sets it.
 	UnsafeSkipIdentityChecks bool
+	// Volumes resolves the team volumes an install mounts to host
+	// directories (nil: installs with volumes are refused).
+	Volumes VolumeSource
 	// Registerer receives the manager's metrics (nil: not registered).
 	Registerer prometheus.Registerer
 	// Logger receives the manager's logs (default slog.Default()).

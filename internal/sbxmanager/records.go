@@ -41,7 +41,9 @@ type record struct {
 	// Image is the OCI image the root file system comes from (nil: the
 	// template's own); kept so a restart or restore resolves it again.
 	Image *spacev1.ImageSource `json:"image,omitempty"`
-	Link    *Link            `json:"link,omitempty"`
+	Link  *Link                `json:"link,omitempty"`
+	// Volumes are the team volumes the execution mounts.
+	Volumes []spacev1.VolumeMount `json:"volumes,omitempty"`
 	// restoreState is the instance state file an install restores (a
 	// substrate that saves state); not persisted.
 	restoreState string

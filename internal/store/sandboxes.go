@@ -131,6 +131,9 @@ type SandboxRecord struct {
 	// MaskRequestHost and HTTPSPorts are E2B's ingress options.
 	MaskRequestHost string `json:"mask_request_host,omitempty"`
 	HTTPSPorts      []int  `json:"https_ports,omitempty"`
+	// VolumeMounts are the team volumes every execution mounts (E2B
+	// volumeMounts, resolved to volume ids at create).
+	VolumeMounts []spacev1.VolumeMount `json:"volume_mounts,omitempty"`
 }
 
 // LogValue renders the record without secrets.

@@ -10,6 +10,7 @@ import (
 	"github.com/spacesbx/space/internal/controlplane"
 	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/node"
+	"github.com/spacesbx/space/internal/volume"
 )
 
 // Run is `space up`: it parses args, starts the platform, prints how to
@@ -37,6 +38,8 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	})
 	fs.StringVar(&cfg.BaseImage, "base-image", node.BaseImageAuto, "the base template's root file system: auto (the Debian image when make base-image built it, else the host's /usr), build (build it first if missing), off (the host's /usr)")
 	fs.BoolVar(&cfg.NSNoDiskQuota, "no-disk-quota", false, "keep ns sandboxes' writable layers in plain directories (no per-sandbox disk quota)")
+	fs.StringVar(&cfg.VolumeRoot, "volume-root", "", "directory of the team volumes' disk images (default <data-dir>/volumes; shared storage such as NFS lets a volume follow its sandboxes to other hosts)")
+	volMB := fs.Int64("volume-size-mb", volume.DefaultSize>>20, "quota of each new team volume in MiB (a sparse image: the host pays for what is written)")
 	etcd := fs.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
 	egressFlags := node.EgressFlags(fs)
 	teamDeny := fs.String("egress-deny-teams", "", "comma-separated team ids whose sandboxes never get a way out (their network options that would open one are refused)")
@@ -47,6 +50,7 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	if *etcd != "" {
 		cfg.EtcdEndpoints = strings.Split(*etcd, ",")
 	}
+	cfg.VolumeSizeBytes = *volMB << 20
 	eg, err := egressFlags.Resolve()
 	if err != nil {
 		fmt.Fprintf(stderr, "space up: %v\n", err)
@@ -85,8 +89,9 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 Paste into your shell to use the e2b SDK or the space CLI:
 export E2B_API_URL=%s
 export E2B_SANDBOX_URL=%s
+export E2B_VOLUME_API_URL=%s
 export E2B_API_KEY=%s
-`, len(p.Workers), p.APIURL, p.SandboxURL, p.APIKey, keyNote, p.APIURL, p.SandboxURL, p.APIKey)
+`, len(p.Workers), p.APIURL, p.SandboxURL, p.APIKey, keyNote, p.APIURL, p.SandboxURL, p.APIURL, p.APIKey)
 	<-ctx.Done()
 	if cfg.KeepSandboxesOnExit {
 		fmt.Fprintln(stderr, "space up: shutting down; sandboxes keep running and are re-adopted at the next start on this --data-dir (--keep-sandboxes=false stops them)")

@@ -45,6 +45,10 @@ type Config struct {
 	// (worker.Config.Capacity). Default 100. Start logs a warning when
 	// the host's task limits (kernel.pid_max) cannot hold that many.
 	Capacity int
+	// VolumeRoot and VolumeSizeBytes place and size team volumes
+	// (node.Config; default <DataDir>/volumes, 10 GiB each).
+	VolumeRoot      string
+	VolumeSizeBytes int64
 	// APIKey is the bootstrap API key (e2b_<40 hex>); generated if empty.
 	APIKey string
 	// EtcdEndpoints selects an external etcd instead of the embedded one.
@@ -247,6 +251,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		BaseImage: cfg.BaseImage, BaseImageCache: cfg.BaseImageCache, InsecureRegistries: cfg.InsecureRegistries,
 		Capacity: cfg.Capacity, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
 		KeepSandboxesOnExit: cfg.KeepSandboxesOnExit, Egress: cfg.Egress,
+		VolumeRoot: cfg.VolumeRoot, VolumeSizeBytes: cfg.VolumeSizeBytes,
 		Logger: log, Log: cfg.Log,
 	})
 	if err != nil {
@@ -278,7 +283,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 			"base": controlplane.DefaultTemplate, "base-vm": controlplane.DefaultVMTemplate,
 			ns.TemplateBaseHost: controlplane.DefaultTemplate,
 		},
-	}, controlplane.Deps{Store: p.st, Logger: log, Snapshots: p.host.Snapshots()})
+	}, controlplane.Deps{Store: p.st, Logger: log, Snapshots: p.host.Snapshots(), Volumes: volumeFiles(p.host)})
 	if err != nil {
 		return nil, fmt.Errorf("up: control plane: %w", err)
 	}
@@ -384,6 +389,15 @@ func (p *Platform) Close() error {
 	}
 	if p.st != nil {
 		p.st.Close()
+	}
+	return nil
+}
+
+// volumeFiles is the host's volumes for the control plane's content API
+// (a nil interface when the host has none).
+func volumeFiles(h *node.Host) controlplane.VolumeFiles {
+	if v := h.Volumes(); v != nil {
+		return v
 	}
 	return nil
 }

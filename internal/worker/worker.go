@@ -126,7 +126,14 @@ type Deps struct {
 	// Images resolves OCI images for installs that name one (nil: such
 	// installs are refused).
 	Images sbxmanager.ImageResolver
+	// VolumeGC, when set, removes the files of team volumes the control
+	// plane no longer has (deleted ones); the worker runs it at start and
+	// every VolumeGCInterval while it serves.
+	VolumeGC func(ctx context.Context) error
 }
+
+// VolumeGCInterval is how often Deps.VolumeGC runs.
+const VolumeGCInterval = 5 * time.Minute
 
 // EgressService is a worker's egress as the worker runs it.
 type EgressService interface {
@@ -297,6 +304,10 @@ func (w *Worker) Run(ctx context.Context) error {
 				w.log.Error("egress proxy stopped; sandboxes' connections out fail until the worker restarts", "err", err)
 			}
 		}()
+	}
+	if w.deps.VolumeGC != nil {
+		wg.Add(1)
+		go func() { defer wg.Done(); w.collectVolumes(ctx) }()
 	}
 	ret := &retirer{w: w, pending: map[string]chan struct{}{}, known: map[string]bool{}, atStart: w.mgr.Records()}
 	if w.deps.Sandboxes != nil {

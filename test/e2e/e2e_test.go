@@ -44,7 +44,7 @@ func startUp(t *testing.T) *platform {
 	}
 	desc, _ := json.Marshal(map[string]any{"hosts": inet.Hosts(), "caPEM": string(inet.CAPEM())})
 	tp := testenv.StartPlatform(t, testenv.PlatformOptions{Workers: 2, APIKey: apiKey, ReadyTimeout: 60 * time.Second,
-		Args: []string{"--egress=deny", "--egress-dns=" + inet.DNS().String(), "--egress-upstream-ca=" + ca}})
+		Args: []string{"--egress=deny", "--egress-dns=" + inet.DNS().String(), "--egress-upstream-ca=" + ca, "--volume-size-mb=64"}})
 	for _, want := range []string{"export E2B_API_URL=" + tp.APIURL, "export E2B_SANDBOX_URL=" + tp.SandboxURL, apiKey} {
 		if !strings.Contains(tp.Banner, want) {
 			t.Fatalf("banner lacks %q:\n%s", want, tp.Banner)

@@ -200,6 +200,9 @@ func (s *Substrate) Capabilities() substrate.Capabilities {
 // saved state is loaded and the guest continues). The guest's readiness is
 // for the caller to check over the channel.
 func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.Instance, error) {
+	if len(spec.Volumes) > 0 {
+		return nil, ErrVolumes
+	}
 	inst, err := s.start(ctx, spec, nil)
 	if err != nil {
 		return nil, err

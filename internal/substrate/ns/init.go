@@ -64,6 +64,10 @@ type initConfig struct {
 	// Layer, Rootfs, Usr, Socket and Agent are then unused.
 	UserNS bool `json:"userns"`
 	NLower int  `json:"nlower"`
+	// Volumes are Spec.Volumes' paths; their mounts (volFDs) come after
+	// the descriptors above (volumes.go).
+	Volumes []string `json:"volumes,omitempty"`
+	volFDs  []int
 }
 
 // nsFDs are the positions of a user-namespaced init's descriptors, in the
@@ -128,6 +132,9 @@ func runInit() error {
 	if err := json.Unmarshal(raw, &cfg); err != nil {
 		return fmt.Errorf("decode config: %w", err)
 	}
+	if nv := len(cfg.Volumes); nv <= len(fds) {
+		cfg.volFDs, fds = fds[len(fds)-nv:], fds[:len(fds)-nv]
+	} // else: the counts below fail
 	if cfg.UserNS {
 		if cfg.NLower < 1 || len(fds) != cfg.nsFDs().count {
 			return fmt.Errorf("config came with %d descriptors for %d lower layers", len(fds), cfg.NLower)
@@ -275,6 +282,9 @@ func setupRootfs(c *initConfig, layerFD int) (int, error) {
 		return -1, err
 	}
 	if err := bindRO(c.Agent, filepath.Join(r, agentMount), unix.MS_NOSUID|unix.MS_NODEV); err != nil {
+		return -1, err
+	}
+	if err := mountVolumes(r, c.Volumes, c.volFDs); err != nil {
 		return -1, err
 	}
 	lfd, err := listenUnix(c.Socket)

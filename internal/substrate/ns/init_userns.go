@@ -114,6 +114,9 @@ func setupUserNSRootfs(c *initConfig, fds []int) (int, error) {
 	if err := attach(fds[fi.agent], filepath.Join(r, agentMount)); err != nil {
 		return -1, err
 	}
+	if err := mountVolumes(r, c.Volumes, c.volFDs); err != nil {
+		return -1, err
+	}
 	for _, fd := range fds {
 		_ = unix.Close(fd)
 	}

@@ -263,6 +263,9 @@ func validateSpec(spec *substrate.Spec) error {
 	if !validComponent(spec.Route.ActivationID) {
 		return fmt.Errorf("ns: activation id %q is not a safe name", spec.Route.ActivationID)
 	}
+	if err := validateVolumes(spec.Volumes); err != nil {
+		return err
+	}
 	return validateLimits(spec.Limits)
 }
 
@@ -376,6 +379,15 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	}
 	if err != nil {
 		return fail(err)
+	}
+	if len(spec.Volumes) > 0 {
+		vfds, err := volumeFiles(inst.pid, inst.uids != nil, spec.Volumes)
+		if err != nil {
+			closeFDs(fds)
+			return fail(err)
+		}
+		fds = append(fds, vfds...)
+		icfg.Volumes = volumePaths(spec.Volumes)
 	}
 	defer closeFDs(fds)
 	b, err := json.Marshal(icfg)
