@@ -112,7 +112,7 @@ func (s *Substrate) ensureRootDisk(img *substrate.Image) (*rootDisk, error) {
 	s.imgMu.Lock()
 	d, ok := s.rootDisks[key]
 	s.imgMu.Unlock()
-	if ok {
+	if ok && fileExists(d.path) {
 		return d, nil
 	}
 	if d, err := readRootDisk(path, meta, img.ID); err == nil {
@@ -142,9 +142,6 @@ func (s *Substrate) ensureRootDisk(img *substrate.Image) (*rootDisk, error) {
 func (s *Substrate) rememberRootDisk(key string, d *rootDisk) *rootDisk {
 	s.imgMu.Lock()
 	defer s.imgMu.Unlock()
-	if prev, ok := s.rootDisks[key]; ok {
-		return prev
-	}
 	s.rootDisks[key] = d
 	return d
 }
@@ -187,7 +184,13 @@ func (s *Substrate) buildRootDisk(img *substrate.Image, dir, path, meta string) 
 	if err != nil {
 		return nil, err
 	}
-	work, err := os.MkdirTemp(dir, ".build-")
+	// What a build of this key cut short by a crash left (its detached
+	// mount died with its process).
+	stale, _ := filepath.Glob(filepath.Join(dir, ".build-"+filepath.Base(path)+"-*"))
+	for _, p := range stale {
+		_ = os.RemoveAll(p)
+	}
+	work, err := os.MkdirTemp(dir, ".build-"+filepath.Base(path)+"-")
 	if err != nil {
 		return nil, err
 	}

@@ -7,6 +7,7 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/hex"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -27,7 +28,10 @@ import (
 	"github.com/spacesbx/space/internal/testenv"
 )
 
-var bootBench = flag.Int("microvm.bootbench", 0, "cold boots per kind for TestImageBootTime (0: skip it)")
+var (
+	bootBench       = flag.Int("microvm.bootbench", 0, "cold boots per kind for TestImageBootTime (0: skip it)")
+	bootBenchDebian = flag.Bool("microvm.bootbench.debian", false, "TestImageBootTime boots the Debian base instead of the test image")
+)
 
 // exec runs cmd as user (/bin/bash -l -c, as the e2b SDK does) and returns
 // its output and exit code.
@@ -382,4 +386,109 @@ func fileSHA256(t *testing.T, path string) string {
 		t.Fatal(err)
 	}
 	return hex.EncodeToString(h.Sum(nil))
+}
+
+// debianBase finds a Debian base rootfs that internal/baseimage left in
+// the machine-wide cache (<cache>/<id>/image.json and rootfs/), or skips.
+func debianBase(t *testing.T) *substrate.Image {
+	t.Helper()
+	metas, _ := filepath.Glob("/var/cache/space/images/*/image.json")
+	for _, m := range metas {
+		b, err := os.ReadFile(m)
+		if err != nil {
+			continue
+		}
+		var meta struct {
+			ID string `json:"id"`
+		}
+		root := filepath.Join(filepath.Dir(m), "rootfs")
+		if json.Unmarshal(b, &meta) != nil || meta.ID == "" {
+			continue
+		}
+		if _, err := os.Lstat(filepath.Join(root, "usr/bin/python3")); err != nil {
+			continue
+		}
+		return &substrate.Image{ID: meta.ID, Layers: []string{root}}
+	}
+	testenv.Skipf(t, "no Debian base rootfs with python3 under /var/cache/space/images (internal/baseimage builds one)")
+	return nil
+}
+
+// TestDebianBaseVM boots the Debian base (when one was built on this
+// host) and runs python3 in it. Its root disk goes to the machine-wide
+// cache: built once, reused by later runs.
+func TestDebianBaseVM(t *testing.T) {
+	img := debianBase(t)
+	testenv.RequireRoot(t, "the root disk cache is root's")
+	s, agent, ctx := agentSubstrate(t)
+	t0 := time.Now()
+	d, err := s.ensureRootDisk(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("Debian base %s: root disk %s, %d MiB, ready in %s", img.ID, d.path, d.Size>>20, time.Since(t0).Round(time.Millisecond))
+	s.cfg.NoTemplates = true // one VM: a template would only add a boot
+	sp := substrate.Spec{Route: testRoute("deb1"), Template: "base", Dir: filepath.Join(t.TempDir(), "deb1"), AgentPath: agent, Image: img}
+	t0 = time.Now()
+	inst, err := s.Start(ctx, sp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Stop(context.Background())
+	a := activate(t, ctx, inst, sp.Route)
+	t.Logf("Debian base VM activated %s after Start began (cold boot)", time.Since(t0).Round(time.Millisecond))
+	if out := a.mustExec(t, ctx, "root", "python3 -c 'print(1)'"); out != "1\n" {
+		t.Errorf("python3 printed %q", out)
+	}
+	if out := a.mustExec(t, ctx, "root", ". /etc/os-release; echo $ID; awk '$2 == \"/\" {t = $3} END {print t}' /proc/mounts"); out != "debian\noverlay\n" {
+		t.Errorf("os-release and root: %q", out)
+	}
+	if out, _, code := a.exec(t, ctx, "user", "id -un; sudo -n id -u"); code == 0 {
+		t.Logf("as user: %q", out)
+	} else {
+		t.Logf("the base has no working user/sudo (baseimage's part): %q", out)
+	}
+}
+
+// TestImageBootTime compares cold boots (Start to the agent's ACK) of a
+// busybox VM and an image VM; run with -microvm.bootbench=N.
+func TestImageBootTime(t *testing.T) {
+	if *bootBench <= 0 {
+		t.Skip("run with -microvm.bootbench=N to measure")
+	}
+	s, agent, ctx := agentSubstrate(t)
+	s.cfg.NoTemplates = true
+	s.cfg.RootDiskDir = filepath.Join(t.TempDir(), "vm-images")
+	img := testImage(t, t.TempDir())
+	if *bootBenchDebian {
+		img = debianBase(t)
+		s.cfg.RootDiskDir = DefaultRootDiskDir
+	}
+	if _, err := s.ensureRootDisk(img); err != nil {
+		t.Fatal(err)
+	}
+	base := t.TempDir()
+	boot := func(name string, image *substrate.Image) time.Duration {
+		sp := substrate.Spec{Route: testRoute(name), Template: "base", Dir: filepath.Join(base, name), AgentPath: agent, Image: image}
+		t0 := time.Now()
+		inst, err := s.Start(ctx, sp)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer inst.Stop(context.Background())
+		a := activate(t, ctx, inst, sp.Route)
+		d := time.Since(t0)
+		a.close()
+		return d
+	}
+	var bb, im []time.Duration
+	for i := range *bootBench {
+		bb = append(bb, boot(fmt.Sprintf("bb%d", i), nil))
+		im = append(im, boot(fmt.Sprintf("im%d", i), img))
+	}
+	slices.Sort(bb)
+	slices.Sort(im)
+	mb, mi := bb[len(bb)/2], im[len(im)/2]
+	t.Logf("cold boot to ACK (accel %s), median of %d: busybox %s, image %s, ratio %.2f; all busybox %v, image %v",
+		s.Accel(), *bootBench, mb.Round(time.Millisecond), mi.Round(time.Millisecond), float64(mi)/float64(mb), bb, im)
 }
