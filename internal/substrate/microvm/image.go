@@ -131,7 +131,7 @@ if [ "$root" = disk ]; then
 		mount --move /$d $rt/$d || die "move /$d"
 	done
 fi
-echo "space-init: ready $(cut -d' ' -f1 /proc/uptime)"
+echo "space-init: ready $(cut -d' ' -f1 $rt/proc/uptime)"
 case "$mode" in
 counter)
 	exec 3<>"$port"
