@@ -99,8 +99,21 @@ func validateImage(img *substrate.Image) error {
 	return nil
 }
 
+// PrepareImage flattens img into its cached root disk now, when it is not
+// there yet, so that the first Start of the image does not spend its time
+// on it (flattening a Debian base takes tens of seconds: more than a
+// start may wait). Safe to call concurrently, from several processes too.
+func (s *Substrate) PrepareImage(img *substrate.Image) error {
+	if err := validateImage(img); err != nil {
+		return err
+	}
+	_, err := s.ensureRootDisk(img)
+	return err
+}
+
 // ensureRootDisk returns the flattened disk of img, building it first when
-// it is not in the cache.
+// it is not in the cache. A build runs to its end whatever the caller's
+// deadline: a build cut short would be started over by every later start.
 func (s *Substrate) ensureRootDisk(img *substrate.Image) (*rootDisk, error) {
 	key, err := rootDiskKey(img)
 	if err != nil {

@@ -137,7 +137,7 @@ func testImage(t *testing.T, dir string) *substrate.Image {
 	mkdir(up, "etc", 0o755, 0)
 	mkdir(up, "opt/dir", 0o755, 0)
 	file(up, "etc/shadowed", "from-upper\n", 0o644, 0)
-	must(unix.Mknod(filepath.Join(up, "etc/gone"), unix.S_IFCHR|0o000, 0))
+	must(unix.Mknod(filepath.Join(up, "etc/gone"), unix.S_IFCHR, 0))
 	for _, x := range []string{"trusted.overlay.opaque", "user.overlay.opaque"} {
 		must(unix.Setxattr(filepath.Join(up, "opt/dir"), x, []byte("y"), 0))
 	}
@@ -469,6 +469,9 @@ func TestDebianBaseVM(t *testing.T) {
 	testenv.RequireRoot(t, "the root disk cache is root's")
 	s, agent, ctx := agentSubstrate(t)
 	t0 := time.Now()
+	if err := s.PrepareImage(img); err != nil {
+		t.Fatal(err)
+	}
 	d, err := s.ensureRootDisk(img)
 	if err != nil {
 		t.Fatal(err)
