@@ -118,12 +118,14 @@ if [ "$root" = disk ]; then
 		{ [ -z "$img" ] || [ -z "$rw" ]; } && { i=$((i+1)); sleep 0.05; }
 	done
 	[ -n "$img" ] && [ -n "$rw" ] || die "disks did not appear (image '$img', layer '$rw')"
+	read up _ < /proc/uptime; echo "space-init: root disk: modules loaded, disks found at $up"
 	rt=/.space/root
 	mkdir -p /.space/img /.space/rw $rt
 	mount -t ext4 -o ro,noatime "$img" /.space/img || die "mount image $img"
 	mount -t ext4 -o noatime "$rw" /.space/rw || die "mount layer $rw"
 	mkdir -p /.space/rw/upper /.space/rw/work || die "layer dirs"
 	mount -t overlay -o lowerdir=/.space/img,upperdir=/.space/rw/upper,workdir=/.space/rw/work overlay $rt || die "mount overlay"
+	read up _ < /proc/uptime; echo "space-init: root disk: overlay mounted at $up"
 	agent=/run/space/spaced-guest
 	: > $agent && mount --bind ` + guestAgentPath + ` $agent && mount -o remount,bind,ro $agent || die "agent"
 	for d in proc sys dev run tmp; do

@@ -361,6 +361,7 @@ func checkImageFiles(t *testing.T, ctx context.Context, a *agentSession) {
 	t.Helper()
 	cmds := []struct{ cmd, want string }{
 		{"cat /etc/shadowed", "from-upper\n"},
+		{"stat -c '%a %u:%g' / /tmp /root", "755 0:0\n1777 0:0\n700 0:0\n"},
 		{"[ -e /etc/gone ] && echo present || echo hidden", "hidden\n"},
 		{"ls /opt/dir", "c\n"},
 		{"stat -c '%a %u:%g' /usr/bin/suid", "4755 0:0\n"},
@@ -528,16 +529,18 @@ func TestImageBootTime(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer inst.Stop(context.Background())
+		started := time.Since(t0)
 		a := activate(t, ctx, inst, sp.Route)
 		d := time.Since(t0)
 		a.close()
+		t.Logf("%s: Start returned after %s, ACK after %s (%s)", name, started.Round(time.Millisecond), d.Round(time.Millisecond), initReady(inst))
 		return d
 	}
 	measure := func(kind string) {
 		var bb, im []time.Duration
 		for i := range *bootBench {
-			bb = append(bb, boot(fmt.Sprintf("%sbb%d", kind[:1], i), nil))
-			im = append(im, boot(fmt.Sprintf("%sim%d", kind[:1], i), img))
+			bb = append(bb, boot(fmt.Sprintf("%sbb%d", kind[:2], i), nil))
+			im = append(im, boot(fmt.Sprintf("%sim%d", kind[:2], i), img))
 		}
 		slices.Sort(bb)
 		slices.Sort(im)
@@ -554,14 +557,18 @@ func TestImageBootTime(t *testing.T) {
 	measure("clone")
 }
 
-// initReady returns the init's ready line from the console (the guest's
-// uptime when it handed over to the agent).
+// initReady returns the init's lines from the console (the guest's
+// uptime at its steps and when it handed over to the agent).
 func initReady(inst substrate.Instance) string {
 	b, _ := os.ReadFile(filepath.Join(inst.(*instance).dir, ConsoleLog))
+	var lines []string
 	for _, l := range strings.Split(string(b), "\n") {
-		if i := strings.Index(l, "space-init: ready"); i >= 0 {
-			return strings.TrimSpace(l[i:])
+		if i := strings.Index(l, "space-init: "); i >= 0 {
+			lines = append(lines, strings.TrimSpace(l[i+len("space-init: "):]))
 		}
 	}
-	return "no ready line"
+	if len(lines) == 0 {
+		return "no init lines: a clone"
+	}
+	return strings.Join(lines, "; ")
 }
