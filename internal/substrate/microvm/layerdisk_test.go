@@ -142,3 +142,56 @@ func TestCheckHeaderRootDisk(t *testing.T) {
 		t.Error("image state without its layer disk accepted")
 	}
 }
+
+// TestImageSpecRejects: what an image VM cannot run is refused with a
+// typed error before anything starts: a layer that is missing or not a
+// directory, a layer disk below MinDiskBytes, volumes, a state whose layer
+// disk size is out of range.
+func TestImageSpecRejects(t *testing.T) {
+	dir := t.TempDir()
+	s := &Substrate{cfg: Config{StateDir: dir, RootDiskDir: filepath.Join(dir, "disks")}.withDefaults(), rootDisks: map[string]*rootDisk{}}
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.ensureRootDisk(&substrate.Image{ID: "sha256:gone", Layers: []string{filepath.Join(dir, "gone")}}); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("missing layer: %v", err)
+	}
+	if _, err := s.ensureRootDisk(&substrate.Image{ID: "sha256:file", Layers: []string{file}}); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Errorf("file as a layer: %v", err)
+	}
+	if err := s.PrepareImage(&substrate.Image{ID: "", Layers: []string{dir}}); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Errorf("image without an id: %v", err)
+	}
+	img := &substrate.Image{ID: "sha256:a", Layers: []string{dir}}
+	if _, err := s.rootFor(img, substrate.Limits{DiskBytes: MinDiskBytes - 1<<20}); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Errorf("small layer disk: %v", err)
+	}
+	s.diskErr = errors.New("no overlay module")
+	if _, err := s.rootFor(img, substrate.Limits{DiskBytes: DefaultDiskBytes}); !errors.Is(err, errdefs.ErrUnavailable) {
+		t.Errorf("kernel without the disk modules: %v", err)
+	}
+	agent := filepath.Join(dir, "agent")
+	if err := os.WriteFile(agent, []byte("#!/bin/sh\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	spec := substrate.Spec{Route: testRoute("v1"), Dir: filepath.Join(dir, "v1"), AgentPath: agent,
+		Volumes: []substrate.VolumeMount{{Name: "v", Source: dir, Path: "/data"}}}
+	if err := validateSpec(&spec); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Errorf("volumes: %v", err)
+	}
+	spec.Volumes, spec.Image = nil, &substrate.Image{ID: "sha256:a", Layers: []string{"relative"}}
+	if err := validateSpec(&spec); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Errorf("bad image: %v", err)
+	}
+	st, err := os.Create(filepath.Join(dir, "state"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	for _, size := range []int64{0, MinDiskBytes - 1<<20, MaxDiskBytes + 1<<20, MinDiskBytes + 1} {
+		if err := restoreLayer(st, filepath.Join(dir, "layer.img"), size); !errors.Is(err, errdefs.ErrInvalid) {
+			t.Errorf("restore of a %d-byte layer disk: %v", size, err)
+		}
+	}
+}
