@@ -50,6 +50,11 @@ type adoptState struct {
 	ImageID     string         `json:"image_id"`
 	Shape       machineShape   `json:"shape"`
 	Route       identity.Route `json:"route"`
+	// An image VM's disks (QEMU holds them open; SaveState needs to know
+	// them): the flattened image and the writable layer disk.
+	RootDisk     *rootDiskRef `json:"root_disk,omitempty"`
+	RootDiskPath string       `json:"root_disk_path,omitempty"`
+	LayerDisk    string       `json:"layer_disk,omitempty"`
 }
 
 func parseAdoptState(b []byte) (adoptState, error) {
@@ -73,10 +78,15 @@ func parseAdoptState(b []byte) (adoptState, error) {
 // record fixes the instance's adoption state once QEMU runs, as id names
 // it, and writes its copy to RecordName.
 func (i *instance) record(id procID) error {
-	b, err := json.Marshal(adoptState{
+	st := adoptState{
 		Version: adoptVersion, procID: id, QMPSocket: i.qmpPath, GuestSocket: i.socket,
 		Accel: i.accel, ImageID: i.imageID, Shape: i.shape, Route: i.route,
-	})
+	}
+	if i.root != nil {
+		st.RootDisk = &rootDiskRef{ImageID: i.root.ImageID, SHA256: i.root.SHA256}
+		st.RootDiskPath, st.LayerDisk = i.root.path, i.layerPath
+	}
+	b, err := json.Marshal(st)
 	if err != nil {
 		return err
 	}
@@ -162,6 +172,19 @@ func (s *Substrate) adopt(ctx context.Context, spec substrate.Spec, state []byte
 	}
 	if st.Route != spec.Route {
 		return nil, fmt.Errorf("state is of activation %s, not %s", st.Route, spec.Route)
+	}
+	switch {
+	case spec.Image == nil && st.RootDisk != nil:
+		return nil, fmt.Errorf("state is of a VM of image %s, the spec names none", st.RootDisk.ImageID)
+	case spec.Image != nil && st.RootDisk == nil:
+		return nil, fmt.Errorf("state is of a VM without an image, the spec names %s", spec.Image.ID)
+	case spec.Image != nil && st.RootDisk.ImageID != spec.Image.ID:
+		return nil, fmt.Errorf("state is of a VM of image %s, the spec names %s", st.RootDisk.ImageID, spec.Image.ID)
+	case st.RootDisk != nil && st.LayerDisk != filepath.Join(spec.Dir, LayerDiskName):
+		return nil, fmt.Errorf("state names layer disk %q, the activation directory is %s", st.LayerDisk, spec.Dir)
+	case st.RootDisk != nil:
+		inst.root = &rootDisk{ImageID: st.RootDisk.ImageID, SHA256: st.RootDisk.SHA256, path: st.RootDiskPath}
+		inst.layerPath = st.LayerDisk
 	}
 	if inst.pidfd, err = openPidfd(st.PID); err != nil {
 		if errors.Is(err, syscall.ESRCH) {

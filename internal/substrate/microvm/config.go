@@ -13,8 +13,11 @@ import (
 
 // Defaults applied by Config.withDefaults and to zero Spec.Limits fields.
 const (
-	DefaultQEMUPath          = "/usr/bin/qemu-system-x86_64"
-	DefaultBusyboxPath       = "/bin/busybox"
+	DefaultQEMUPath    = "/usr/bin/qemu-system-x86_64"
+	DefaultBusyboxPath = "/bin/busybox"
+	// DefaultRootDiskDir is the machine-wide cache of flattened images
+	// (rootdisk.go), shared by every worker of the host.
+	DefaultRootDiskDir       = "/var/cache/space/vm-images"
 	DefaultMemoryBytes int64 = 256 << 20
 	DefaultCPUMillis   int64 = 1000
 	// MinMemoryBytes is the smallest guest that boots the kernel, unpacks
@@ -62,9 +65,17 @@ type Config struct {
 	// BusyboxPath is a static busybox, the guest's userland (default
 	// DefaultBusyboxPath, from Debian's busybox-static).
 	BusyboxPath string
+	// RootDiskDir caches the read-only ext4 disks flattened from
+	// Spec.Image layer stacks, one per Image.ID (default
+	// DefaultRootDiskDir; made 0700).
+	RootDiskDir string
+	// MkfsPath is mkfs.ext4 (default: found in PATH, /usr/sbin, /sbin;
+	// e2fsprogs). Only image VMs need it.
+	MkfsPath string
 	// Limits are the defaults for zero Spec.Limits fields. Zero fields
-	// here take DefaultMemoryBytes and DefaultCPUMillis. Pids is not
-	// enforced (the guest kernel is the boundary).
+	// here take DefaultMemoryBytes, DefaultCPUMillis and DefaultDiskBytes
+	// (an image VM's writable layer disk). Pids is not enforced (the
+	// guest kernel is the boundary).
 	Limits substrate.Limits
 	// Accel forces "kvm" or "tcg". Empty (the default): New boots a tiny
 	// probe guest under KVM (when /dev/kvm exists), then TCG, and uses the
@@ -135,6 +146,12 @@ func (c Config) withDefaults() Config {
 	if c.Limits.CPUMillis == 0 {
 		c.Limits.CPUMillis = DefaultCPUMillis
 	}
+	if c.Limits.DiskBytes == 0 {
+		c.Limits.DiskBytes = DefaultDiskBytes
+	}
+	if c.RootDiskDir == "" {
+		c.RootDiskDir = DefaultRootDiskDir
+	}
 	if c.UIDFirst == 0 {
 		c.UIDFirst = DefaultUIDFirst
 	}
@@ -175,6 +192,7 @@ func (c Config) Validate() error {
 	}{
 		{"StateDir", c.StateDir, true}, {"QEMUPath", c.QEMUPath, false}, {"KernelPath", c.KernelPath, true},
 		{"ModulesDir", c.ModulesDir, true}, {"BusyboxPath", c.BusyboxPath, false}, {"UIDLockDir", c.UIDLockDir, false},
+		{"RootDiskDir", c.RootDiskDir, false}, {"MkfsPath", c.MkfsPath, false},
 	} {
 		if (p.required || p.v != "") && !filepath.IsAbs(p.v) {
 			return fmt.Errorf("microvm: %s must be an absolute path, got %q", p.name, p.v)
@@ -210,6 +228,10 @@ func validateLimits(l substrate.Limits) error {
 		return fmt.Errorf("microvm: cpu limit %d must be between 0 and %d millicores", l.CPUMillis, MaxVCPUs*1000)
 	case l.Pids < 0:
 		return fmt.Errorf("microvm: pids limit %d must not be negative", l.Pids)
+	case l.DiskBytes < 0 || l.DiskBytes > MaxDiskBytes:
+		// The lower bound (MinDiskBytes) holds for image VMs only: others
+		// have no disk.
+		return fmt.Errorf("microvm: disk limit %d must be between 0 and %d GiB", l.DiskBytes, MaxDiskBytes>>30)
 	}
 	return nil
 }
@@ -224,6 +246,9 @@ func mergeLimits(l, def substrate.Limits) substrate.Limits {
 	}
 	if l.Pids == 0 {
 		l.Pids = def.Pids
+	}
+	if l.DiskBytes == 0 {
+		l.DiskBytes = def.DiskBytes
 	}
 	return l
 }

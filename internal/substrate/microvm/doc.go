@@ -7,9 +7,10 @@
 //
 // qemu-system-x86_64 -M microvm (the accelerator whose probe guest boots
 // first, KVM then TCG, see probe.go: -cpu host or -cpu max), -nodefaults -no-user-config,
-// no disk, no host device: the only devices are the ISA serial console (to
+// no host device: the only devices are the ISA serial console (to
 // Spec.Dir/console.log), a virtio-serial port named PortName (the agent's
-// channel), one virtio-net NIC (see "The network") and, under TCG, the
+// channel), one virtio-net NIC (see "The network"), an image VM's two
+// virtio-blk disks (see "Image VMs") and, under TCG, the
 // PIT, PIC and RTC the kernel needs to
 // calibrate its clocks (without the PIT a loaded TCG host can stall the
 // boot in delay-loop calibration; the kernel is also told the host's TSC
@@ -33,8 +34,26 @@
 // and unloads the fw_cfg driver. /bin/bash execs busybox sh (the e2b SDK runs
 // "/bin/bash -l -c"); accounts are root and user (uid 1000).
 //
-// Spec.Template is not interpreted: every VM runs this one image (the
-// control plane names it, e.g. "base-vm").
+// Spec.Template is not interpreted: a VM without Spec.Image runs this one
+// userland (the control plane names it, e.g. "base-vm").
+//
+// # Image VMs
+//
+// A VM whose Spec.Image is set boots that root file system instead (the
+// same layer stack the ns substrate mounts): rootdisk.go flattens the
+// layers once per Image.ID into a read-only ext4 disk cached in
+// Config.RootDiskDir (machine-wide, /var/cache/space/vm-images), shared by
+// every VM of the image (virtio-blk, readonly=on, a read-only descriptor);
+// layerdisk.go gives each sandbox a writable layer disk
+// (Spec.Dir/layer.img, Limits.DiskBytes, default 4 GiB, sparse). The same
+// initramfs boots with space.root=disk: the init loads the block, ext4 and
+// overlay modules (order.disk, resolved like the others), mounts
+// overlay(lower = the image, upper = the layer disk) and switch_roots into
+// it with the agent (still the platform's, bound read-only at
+// /run/space/spaced-guest) as pid 1. Files then live on the layer disk, not
+// in guest memory: they survive Stop (a Start on the same directory boots
+// on them; Stop is a power cut, so what the guest had not written back is
+// lost, as on any VM), and a saved state carries the layer disk along.
 //
 // # The network
 //
@@ -51,7 +70,7 @@
 // the template's; see internal/guest); the init only loads its driver.
 // See tap.go for why every tap is a plain IFF_TAP|IFF_NO_PI one.
 //
-// # Files live in guest memory
+// # Files live in guest memory (VMs without an image)
 //
 // The root file system is the initramfs itself (a tmpfs-like rootfs in
 // guest RAM); there is no disk. Everything a sandbox writes is therefore
@@ -68,6 +87,8 @@
 //	console.log  the guest's serial console and QEMU's messages, capped at
 //	             4 MiB, while the process that started QEMU runs (kept;
 //	             Start errors quote its tail)
+//	layer.img    an image VM's writable layer disk (kept: the sandbox's
+//	             files)
 //
 // # Host side of the channel
 //
@@ -95,9 +116,10 @@
 // installs its seccomp filter before it drops privileges, so -runas with
 // elevateprivileges=deny dies with SIGSYS. Every file QEMU needs is opened
 // by the substrate and passed as a descriptor (the kernel, the image and
-// the environment as /proc/self/fd/N, a memfd for the environment; the
+// the environment as /proc/self/fd/N, a memfd for the environment; an
+// image VM's disks as -add-fd fd sets, the root disk read-only only; the
 // migration stream through QMP getfd), so QEMU needs no access to any host
-// directory. No mount or pid namespace: QEMU under its own uid, its
+// directory or file (root disks are 0400 root, layer disks 0600 root). No mount or pid namespace: QEMU under its own uid, its
 // seccomp filter and no host devices is the boundary that matters, and a
 // namespace set-up would add a re-exec like the ns substrate's for little.
 // A sandbox's QEMU outlives the worker process (a session of its own, no
@@ -108,12 +130,15 @@
 //
 // Pause is QMP stop (vCPUs halted, same QEMU process), Resume is cont.
 // SaveState (paused instances only) writes a small header (format version,
-// memory, vCPUs, CPU model, accelerator, image id) followed by QEMU's
-// migration stream (QMP migrate to a pipe passed with getfd: fd: migration,
+// memory, vCPUs, CPU model, accelerator, image id; for an image VM the root
+// disk's image id and SHA-256, then the layer disk's data extents, see
+// layerdisk.go) followed by QEMU's migration stream (QMP migrate to a pipe passed with getfd: fd: migration,
 // because spawn=deny rules out exec:). A Start with Spec.RestoreState
 // checks the header against what this substrate would run (same image id,
 // so the same kernel, modules, busybox and agent; same CPU model; the
-// spec's limits, when set, must give the same shape), launches the same
+// spec's limits, when set, must give the same shape; for an image VM the
+// same root disk bytes: guest memory caches its blocks), writes the layer
+// disk into the new directory, launches the same
 // command line with -incoming fd:N on the state file, waits for the
 // migration to complete and continues the guest: its processes go on
 // where they stopped. The guest keeps the identity it had; spaced-host
@@ -134,4 +159,12 @@
 //     disk: files count against guest memory.
 //   - A restore needs the identical image on the target (same kernel,
 //     modules, busybox and agent build); cached images are never removed.
+//     An image VM's state also needs the identical root disk: mke2fs does
+//     not promise the same bytes on another host, so a move between hosts
+//     that flattened the image apart is refused (ErrConflict) until root
+//     disks travel with states or come from a shared store.
+//   - Stop is a power cut for an image VM's layer disk (see "Image VMs");
+//     Spec.Volumes are refused (ErrInvalid); Image.Env, WorkingDir and
+//     User are not applied by the substrate (the agent's configuration
+//     carries process defaults).
 package microvm

@@ -31,6 +31,10 @@ type instance struct {
 	imageID string
 	shape   machineShape
 	accel   string
+	// root is an image VM's flattened image and layerPath its writable
+	// layer disk (nil and "" for a busybox VM).
+	root      *rootDisk
+	layerPath string
 
 	cmd   *exec.Cmd // nil when adopted: QEMU is then not this process's child
 	pid   int

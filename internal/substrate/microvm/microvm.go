@@ -13,6 +13,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
@@ -54,6 +56,11 @@ type Substrate struct {
 	unavailable string
 
 	modules []string // guest kernel modules, absolute, in load order
+	// diskModules are what a root disk needs on top of modules (block
+	// driver, ext4, overlay), in load order; diskErr says why image VMs
+	// cannot start when the kernel lacks one.
+	diskModules []string
+	diskErr     error
 
 	tmplMu    sync.Mutex
 	templates map[string]*templateSlot
@@ -61,8 +68,9 @@ type Substrate struct {
 	closing   chan struct{}
 	closed    bool
 
-	imgMu sync.Mutex
-	sums  map[fileKey][32]byte
+	imgMu     sync.Mutex
+	sums      map[fileKey][32]byte
+	rootDisks map[string]*rootDisk // by rootDiskKey
 
 	// spawner starts QEMU: the parent-death signal of probes and
 	// templates is tied to the forking thread.
@@ -90,10 +98,12 @@ func New(cfg Config) (*Substrate, error) {
 	if err != nil {
 		return nil, err
 	}
+	diskMods, diskErr := diskModulesFor(cfg.ModulesDir, mods)
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return nil, err
 	}
 	s := &Substrate{cfg: cfg, asRoot: os.Geteuid() == 0, sums: map[fileKey][32]byte{}, modules: mods, tscKHz: hostTSCKHz(),
+		diskModules: diskMods, diskErr: diskErr, rootDisks: map[string]*rootDisk{},
 		templates: map[string]*templateSlot{}, closing: make(chan struct{})}
 	if cfg.Accel != "" {
 		// Forced by the operator: no probe, but KVM access is still set up.
@@ -158,7 +168,7 @@ func (s *Substrate) prewarm() {
 			case <-ctx.Done():
 			}
 		}()
-		s.templateFor(ctx, imgID, imgPath, shape, s.cfg.PrewarmAgent)
+		s.templateFor(ctx, imgID, imgPath, shape, s.cfg.PrewarmAgent, nil)
 	}()
 }
 
@@ -230,6 +240,16 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 		return nil, err
 	}
 	lim := mergeLimits(spec.Limits, s.cfg.Limits)
+	var root *rootSpec
+	if spec.Image != nil {
+		if root, err = s.rootFor(spec.Image, lim); err != nil {
+			return nil, err
+		}
+	}
+	if err := os.MkdirAll(spec.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("microvm: activation dir: %w", err)
+	}
+	layerPath := filepath.Join(spec.Dir, LayerDiskName)
 	// A validated route's sandbox id is a lowercase DNS label: a hostname
 	// as it is (the agent sets it again at every activation).
 	l := launch{shape: shapeOf(lim), hostname: spec.Route.SandboxID}
@@ -242,34 +262,58 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 			return nil, err
 		}
 		defer f.Close()
-		if err := s.checkHeader(hdr, imgID, spec.Limits); err != nil {
+		if err := s.checkHeader(hdr, imgID, spec.Limits, root); err != nil {
 			return nil, err
+		}
+		if hdr.Layer != nil {
+			// The saved layer disk precedes the migration stream; the
+			// state's file offset is then where QEMU reads on.
+			if err := restoreLayer(f, layerPath, hdr.Layer.Size); err != nil {
+				return nil, err
+			}
+			root.layerSize = hdr.Layer.Size
 		}
 		state, l.shape, l.incoming = f, hdr.Shape, true
 		lim.MemoryBytes, lim.CPUMillis = hdr.Shape.MemoryMiB<<20, int64(hdr.Shape.VCPUs)*1000
 	case templateRAM != nil:
 		l.ram, l.ramShared = templateRAM, true
 	case !s.cfg.NoTemplates:
+		if root != nil && fileExists(layerPath) {
+			// The sandbox's own layer (a Start after a Stop on this
+			// directory): a clone's memory would hold the template's
+			// view of another disk. A cold boot.
+			break
+		}
 		// A clone of this image's and shape's template, when one can be
 		// had; otherwise a cold boot.
-		if t := s.templateFor(ctx, imgID, imgPath, l.shape, spec.AgentPath); t != nil {
+		if t := s.templateFor(ctx, imgID, imgPath, l.shape, spec.AgentPath, root); t != nil {
 			f, err := t.openState()
 			if err != nil {
 				return nil, err
 			}
 			defer f.Close()
+			if t.layer != nil {
+				if err := copyLayerDisk(layerPath, t.layer); err != nil {
+					return nil, err
+				}
+			}
 			state, l.incoming, l.ram, l.ignoreShared, clonedFrom = f, true, t.ram, true, t
+		}
+	}
+	if root != nil && !fileExists(layerPath) {
+		if err := s.createLayerDisk(layerPath, root.layerSize); err != nil {
+			return nil, err
 		}
 	}
 	envScript, _ := agentEnvScript(spec.AgentEnv) // validated above
 
-	if err := os.MkdirAll(spec.Dir, 0o700); err != nil {
-		return nil, fmt.Errorf("microvm: activation dir: %w", err)
-	}
 	inst := &instance{
 		s: s, route: spec.Route, dir: spec.Dir, socket: filepath.Join(spec.Dir, SocketName),
 		qmpPath: filepath.Join(spec.Dir, QMPSocketName), imageID: imgID, shape: l.shape, accel: s.accel,
 		done: make(chan struct{}),
+	}
+	if root != nil {
+		inst.root, inst.layerPath = root.disk, layerPath
 	}
 	fail := func(err error) (*instance, error) {
 		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -314,6 +358,14 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 	}
 	defer lf.close()
 	extra := []*os.File{lf.listener, lf.qmpListener, lf.kernel, lf.initrd, lf.env}
+	if root != nil {
+		if err := lf.openDisks(root.disk.path, layerPath); err != nil {
+			return fail(err)
+		}
+		l.rootFD = fdAgent + len(extra)
+		l.layerFD = l.rootFD + 1
+		extra = append(extra, lf.root, lf.layer, lf.layerRO)
+	}
 	tap, ownTap, mac, err := s.nicFor(spec.Network)
 	if err != nil {
 		return fail(err)
@@ -439,6 +491,57 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 		return fail(fmt.Errorf("vm is %q after start", st))
 	}
 	s.cfg.Logger.Debug("microvm: started", "route", spec.Route.String(), "pid", inst.pid,
-		"accel", s.accel, "restored", spec.RestoreState != "", "cloned", clonedFrom != nil, "took", time.Since(t0))
+		"accel", s.accel, "restored", spec.RestoreState != "", "cloned", clonedFrom != nil, "image", spec.Image != nil, "took", time.Since(t0))
 	return inst, nil
+}
+
+// rootSpec is an image VM's disks: the flattened image and the size of
+// its writable layer disk.
+type rootSpec struct {
+	img       *substrate.Image
+	disk      *rootDisk
+	layerSize int64
+}
+
+// rootFor flattens img (once, cached) for a VM with limits lim.
+func (s *Substrate) rootFor(img *substrate.Image, lim substrate.Limits) (*rootSpec, error) {
+	if s.diskErr != nil {
+		return nil, fmt.Errorf("microvm: %w: image VMs: %w", errdefs.ErrUnavailable, s.diskErr)
+	}
+	size := layerDiskSize(lim.DiskBytes)
+	if size < MinDiskBytes {
+		return nil, fmt.Errorf("microvm: %w: disk limit %d is below the %d MiB an image VM's layer disk needs", errdefs.ErrInvalid, lim.DiskBytes, MinDiskBytes>>20)
+	}
+	d, err := s.ensureRootDisk(img)
+	if err != nil {
+		return nil, err
+	}
+	return &rootSpec{img: img, disk: d, layerSize: size}, nil
+}
+
+// restoreLayer writes the layer disk records of a state file (positioned
+// at them) into a new path.
+func restoreLayer(f *os.File, path string, size int64) error {
+	if size < MinDiskBytes || size > MaxDiskBytes || size%(1<<20) != 0 {
+		return fmt.Errorf("microvm: restore: %w: layer disk size %d", errdefs.ErrInvalid, size)
+	}
+	_ = os.Remove(path) // a retried restore: the state is the truth
+	dst, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_WRONLY|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return fmt.Errorf("microvm: restore: layer disk: %w", err)
+	}
+	err = readLayer(f, dst, size)
+	if cerr := dst.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		_ = os.Remove(path)
+		return fmt.Errorf("microvm: restore: %w", err)
+	}
+	return nil
+}
+
+func fileExists(p string) bool {
+	_, err := os.Lstat(p)
+	return err == nil
 }

@@ -22,6 +22,32 @@ import (
 // order is hard-coded here.
 var guestDrivers = []string{"virtio_mmio", "virtio_console", "qemu_fw_cfg", "virtio_net"}
 
+// diskDrivers are what an image VM's root disk needs on top of
+// guestDrivers: the virtio block driver, ext4 (built into Debian's cloud
+// kernel; a module elsewhere) and overlay.
+var diskDrivers = []string{"virtio_blk", "ext4", "overlay"}
+
+// diskModulesFor returns the modules to load after base (guestDrivers'
+// modules) for diskDrivers, in load order: those of the combined
+// resolution that base does not hold already.
+func diskModulesFor(dir string, base []string) ([]string, error) {
+	all, err := resolveModules(dir, append(append([]string(nil), guestDrivers...), diskDrivers...))
+	if err != nil {
+		return nil, fmt.Errorf("microvm: root disks: %w", err)
+	}
+	have := map[string]bool{}
+	for _, m := range base {
+		have[m] = true
+	}
+	var out []string
+	for _, m := range all {
+		if !have[m] {
+			out = append(out, m)
+		}
+	}
+	return out, nil
+}
+
 // moduleNameOf is a module's canonical name: its file name without the
 // extension, with dashes as underscores (as the kernel and depmod treat
 // them).

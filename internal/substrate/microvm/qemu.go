@@ -16,6 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
 )
@@ -96,6 +97,16 @@ func validateSpec(spec *substrate.Spec) error {
 	if err := checkNetwork(spec.Network); err != nil {
 		return err
 	}
+	if spec.Image != nil {
+		if err := validateImage(spec.Image); err != nil {
+			return err
+		}
+	}
+	if len(spec.Volumes) > 0 {
+		// Fail closed: a sandbox that expects its volumes must not run
+		// without them.
+		return fmt.Errorf("microvm: %w: volumes are not supported by the microvm substrate", errdefs.ErrInvalid)
+	}
 	return validateLimits(spec.Limits)
 }
 
@@ -151,6 +162,11 @@ type launch struct {
 	// tapFD is the NIC's tap (0: the NIC has no backend); mac its MAC.
 	tapFD int
 	mac   net.HardwareAddr
+	// rootFD and layerFD are an image VM's disks (0: a busybox VM): the
+	// flattened image (read-only) and the writable layer disk (layerFD
+	// read-write, layerFD+1 read-only: QEMU opens a disk read-only first
+	// and reopens it for writing when a device needs to write).
+	rootFD, layerFD int
 }
 
 // qemuArgs is QEMU's command line (argv[1:]) for one instance. Descriptors
@@ -189,6 +205,21 @@ func (s *Substrate) qemuArgs(l launch) []string {
 			"-device", "virtio-net-device,netdev="+netdevID+",mac="+l.mac.String())
 	} else {
 		args = append(args, "-device", "virtio-net-device,mac="+l.mac.String())
+	}
+	if l.rootFD > 0 {
+		// Passed as fd sets: QEMU dups the descriptor of the matching
+		// access mode instead of opening a path (it could not: the
+		// files are root's, QEMU is not).
+		args = append(args,
+			"-add-fd", "fd="+strconv.Itoa(l.rootFD)+",set=1",
+			"-drive", "if=none,id=root,format=raw,readonly=on,file=/dev/fdset/1",
+			"-device", "virtio-blk-device,drive=root,serial="+rootDiskSerial,
+			"-add-fd", "fd="+strconv.Itoa(l.layerFD)+",set=2",
+			"-add-fd", "fd="+strconv.Itoa(l.layerFD+1)+",set=2",
+			"-drive", "if=none,id=layer,format=raw,discard=unmap,file=/dev/fdset/2",
+			"-device", "virtio-blk-device,drive=layer,serial="+layerDiskSerial,
+		)
+		appendLine += " space.root=disk"
 	}
 	args = append(args,
 		// A listener, like the agent's: QEMU accepts the next QMP client once
@@ -231,14 +262,30 @@ func procFD(n int) string { return "/proc/self/fd/" + strconv.Itoa(n) }
 type launchFiles struct {
 	listener, qmpListener, kernel, initrd, env *os.File
 	tap                                        *os.File
+	root, layer, layerRO                       *os.File // an image VM's disks
 	once                                       sync.Once
+}
+
+// openDisks opens an image VM's disks: the flattened image read-only, the
+// layer disk read-write.
+func (lf *launchFiles) openDisks(root, layer string) (err error) {
+	if lf.root, err = os.OpenFile(root, os.O_RDONLY|unix.O_CLOEXEC, 0); err != nil {
+		return fmt.Errorf("root disk: %w", err)
+	}
+	if lf.layer, err = os.OpenFile(layer, os.O_RDWR|unix.O_CLOEXEC, 0); err != nil {
+		return fmt.Errorf("layer disk: %w", err)
+	}
+	if lf.layerRO, err = os.OpenFile(layer, os.O_RDONLY|unix.O_CLOEXEC, 0); err != nil {
+		return fmt.Errorf("layer disk: %w", err)
+	}
+	return nil
 }
 
 // close closes the inherited files (QEMU keeps its own copies).
 // Idempotent.
 func (lf *launchFiles) close() {
 	lf.once.Do(func() {
-		for _, f := range []*os.File{lf.listener, lf.qmpListener, lf.kernel, lf.initrd, lf.env, lf.tap} {
+		for _, f := range []*os.File{lf.listener, lf.qmpListener, lf.kernel, lf.initrd, lf.env, lf.tap, lf.root, lf.layer, lf.layerRO} {
 			if f != nil {
 				f.Close()
 			}

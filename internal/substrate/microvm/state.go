@@ -12,6 +12,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/substrate"
 )
 
@@ -33,6 +34,20 @@ type stateHeader struct {
 	CPU     string       `json:"cpu"`
 	Accel   string       `json:"accel"`
 	SavedAt time.Time    `json:"saved_at"`
+	// RootDisk names an image VM's flattened image (its content hash:
+	// guest memory caches its blocks); Layer says that the layer disk's
+	// records (layerdisk.go) follow the header. Both nil for a busybox VM.
+	RootDisk *rootDiskRef `json:"root_disk,omitempty"`
+	Layer    *layerRef    `json:"layer,omitempty"`
+}
+
+type rootDiskRef struct {
+	ImageID string `json:"image_id"`
+	SHA256  string `json:"sha256"`
+}
+
+type layerRef struct {
+	Size int64 `json:"size"`
 }
 
 func (h stateHeader) marshal() ([]byte, error) {
@@ -92,9 +107,18 @@ func openState(path string) (*os.File, stateHeader, error) {
 // checkHeader rejects a state this substrate cannot continue: another
 // image (kernel, modules, busybox or agent differ), another CPU model or
 // accelerator, or a spec whose explicit limits give another machine shape.
-func (s *Substrate) checkHeader(h stateHeader, imageID string, specLim substrate.Limits) error {
+func (s *Substrate) checkHeader(h stateHeader, imageID string, specLim substrate.Limits, root *rootSpec) error {
 	if h.ImageID != imageID {
 		return fmt.Errorf("microvm: restore: state was saved from guest image %.16s…, this worker runs %.16s… (kernel, modules, busybox or agent differ)", h.ImageID, imageID)
+	}
+	switch {
+	case root == nil && (h.RootDisk != nil || h.Layer != nil):
+		return fmt.Errorf("microvm: restore: %w: state is of an image VM (%s), the spec names no image", errdefs.ErrInvalid, h.RootDisk.describe())
+	case root != nil && (h.RootDisk == nil || h.Layer == nil):
+		return fmt.Errorf("microvm: restore: %w: state is of a VM without an image, the spec names image %s", errdefs.ErrInvalid, root.img.ID)
+	case root != nil && (h.RootDisk.ImageID != root.img.ID || h.RootDisk.SHA256 != root.disk.SHA256):
+		return fmt.Errorf("microvm: restore: %w: state was saved on root disk %s, this worker's is %s (sha256 %.16s…)", errdefs.ErrConflict,
+			h.RootDisk.describe(), root.img.ID, root.disk.SHA256)
 	}
 	if h.CPU != machineFor(s.accel, 0).cpu || h.Accel != s.accel {
 		return fmt.Errorf("microvm: restore: state was saved with -cpu %s under %s, this worker runs -cpu %s under %s", h.CPU, h.Accel, machineFor(s.accel, 0).cpu, s.accel)
@@ -114,6 +138,12 @@ func (s *Substrate) checkHeader(h stateHeader, imageID string, specLim substrate
 // migration stream (QMP migrate to a pipe handed over with getfd). The VM
 // stays paused; Resume continues it. It returns the bytes written.
 func (i *instance) SaveState(ctx context.Context, w io.Writer) (int64, error) {
+	return i.saveState(ctx, w, true)
+}
+
+// saveState is SaveState; withLayer false leaves an image VM's layer disk
+// out (a template: its clones copy the disk file).
+func (i *instance) saveState(ctx context.Context, w io.Writer, withLayer bool) (int64, error) {
 	i.mu.Lock()
 	defer i.mu.Unlock()
 	if err := i.live(); err != nil {
@@ -126,29 +156,55 @@ func (i *instance) SaveState(ctx context.Context, w io.Writer) (int64, error) {
 	if st != "paused" && st != "postmigrate" {
 		return 0, fmt.Errorf("microvm: save state: the vm must be paused, it is %q", st)
 	}
-	hdr, err := stateHeader{
+	h := stateHeader{
 		Version: stateVersion, ImageID: i.imageID, Shape: i.shape,
 		CPU: machineFor(i.accel, 0).cpu, Accel: i.accel, SavedAt: time.Now().UTC(),
-	}.marshal()
+	}
+	var layer *os.File
+	if i.root != nil {
+		h.RootDisk = &rootDiskRef{ImageID: i.root.ImageID, SHA256: i.root.SHA256}
+		if withLayer {
+			// QEMU drained and flushed the disk when the vCPUs stopped:
+			// the file is what the guest's memory expects.
+			if layer, err = os.Open(i.layerPath); err != nil {
+				return 0, fmt.Errorf("microvm: save state: layer disk: %w", err)
+			}
+			defer layer.Close()
+			fi, err := layer.Stat()
+			if err != nil {
+				return 0, err
+			}
+			h.Layer = &layerRef{Size: fi.Size()}
+		}
+	}
+	hdr, err := h.marshal()
 	if err != nil {
 		return 0, err
 	}
 	if _, err := i.qmp.execute(ctx, "migrate-set-parameters", map[string]any{"max-bandwidth": int64(1) << 40}, nil); err != nil {
 		return 0, fmt.Errorf("microvm: save state: %w", err)
 	}
-	nh, err := w.Write(hdr)
+	nw, err := w.Write(hdr)
+	nh := int64(nw)
 	if err != nil {
-		return int64(nh), fmt.Errorf("microvm: save state: %w", err)
+		return nh, fmt.Errorf("microvm: save state: %w", err)
+	}
+	if layer != nil {
+		n, err := writeLayer(w, layer, h.Layer.Size)
+		nh += n
+		if err != nil {
+			return nh, fmt.Errorf("microvm: save state: %w", err)
+		}
 	}
 	pr, pw, err := os.Pipe()
 	if err != nil {
-		return int64(nh), err
+		return nh, err
 	}
 	_, err = i.qmp.execute(ctx, "getfd", map[string]any{"fdname": stateFDName}, []int{int(pw.Fd())})
 	pw.Close() // QEMU has its own copy; EOF comes when it closes it
 	if err != nil {
 		pr.Close()
-		return int64(nh), fmt.Errorf("microvm: save state: %w", err)
+		return nh, fmt.Errorf("microvm: save state: %w", err)
 	}
 	type result struct {
 		n   int64
@@ -183,9 +239,9 @@ func (i *instance) SaveState(ctx context.Context, w io.Writer) (int64, error) {
 			err = r.err
 		}
 		if err != nil {
-			return int64(nh) + r.n, fmt.Errorf("microvm: save state: %w", err)
+			return nh + r.n, fmt.Errorf("microvm: save state: %w", err)
 		}
-		return int64(nh) + r.n, nil
+		return nh + r.n, nil
 	}
 	if _, err := i.qmp.execute(ctx, "migrate", map[string]any{"uri": "fd:" + stateFDName}, nil); err != nil {
 		return finish(err)
@@ -227,4 +283,11 @@ func (i *instance) finishIncoming(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+func (r *rootDiskRef) describe() string {
+	if r == nil {
+		return "none"
+	}
+	return fmt.Sprintf("%s (sha256 %.16s…)", r.ImageID, r.SHA256)
 }

@@ -60,6 +60,9 @@ type vmTemplate struct {
 	key   string
 	ram   *os.File
 	state *os.File
+	// layer is an image template's writable layer disk as the template
+	// left it (read-only; each clone gets a copy), nil for a busybox one.
+	layer *os.File
 	took  time.Duration
 }
 
@@ -83,13 +86,16 @@ type templateSlot struct {
 }
 
 // templateKey names a template: everything its saved state depends on.
-func (s *Substrate) templateKey(imgID string, shape machineShape) (string, error) {
+func (s *Substrate) templateKey(imgID string, shape machineShape, root *rootSpec) (string, error) {
 	qsum, err := s.fileSum(s.cfg.QEMUPath)
 	if err != nil {
 		return "", err
 	}
 	h := sha256.New()
 	fmt.Fprintf(h, "%s|%d|%d|%s|%s|%x", imgID, shape.MemoryMiB, shape.VCPUs, s.accel, machineFor(s.accel, s.tscKHz).appendExtra, qsum)
+	if root != nil {
+		fmt.Fprintf(h, "|root:%s|%d", root.disk.SHA256, root.layerSize)
+	}
 	return hex.EncodeToString(h.Sum(nil))[:32], nil
 }
 
@@ -97,8 +103,8 @@ func (s *Substrate) templateKey(imgID string, shape machineShape) (string, error
 // first if needed (concurrent callers wait for one build). It returns nil
 // when no template can be had now (the caller boots cold); the reason is
 // logged.
-func (s *Substrate) templateFor(ctx context.Context, imgID, imgPath string, shape machineShape, agent string) *vmTemplate {
-	key, err := s.templateKey(imgID, shape)
+func (s *Substrate) templateFor(ctx context.Context, imgID, imgPath string, shape machineShape, agent string, root *rootSpec) *vmTemplate {
+	key, err := s.templateKey(imgID, shape, root)
 	if err != nil {
 		s.cfg.Logger.Warn("microvm: template key", "err", err)
 		return nil
@@ -124,7 +130,7 @@ func (s *Substrate) templateFor(ctx context.Context, imgID, imgPath string, shap
 		s.tmplWG.Add(1)
 		go func() { // owned by the substrate: Close waits for it
 			defer s.tmplWG.Done()
-			t, err := s.buildTemplate(key, imgID, shape, agent)
+			t, err := s.buildTemplate(key, imgID, shape, agent, root)
 			s.tmplMu.Lock()
 			slot.t, slot.err = t, err
 			if err != nil {
@@ -150,7 +156,7 @@ func (s *Substrate) templateFor(ctx context.Context, imgID, imgPath string, shap
 
 // buildTemplate boots, readies and saves one template (see the top of
 // this file).
-func (s *Substrate) buildTemplate(key, imgID string, shape machineShape, agent string) (_ *vmTemplate, err error) {
+func (s *Substrate) buildTemplate(key, imgID string, shape machineShape, agent string, root *rootSpec) (tmpl *vmTemplate, err error) {
 	t0 := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), templateBootTimeout)
 	defer cancel()
@@ -188,6 +194,9 @@ func (s *Substrate) buildTemplate(key, imgID string, shape machineShape, agent s
 		Dir: dir, AgentPath: agent,
 		Limits: substrate.Limits{MemoryBytes: size, CPUMillis: int64(shape.VCPUs) * 1000},
 	}
+	if root != nil {
+		spec.Image, spec.Limits.DiskBytes = root.img, root.layerSize
+	}
 	inst, err := s.start(ctx, spec, ram)
 	if err != nil {
 		return nil, fmt.Errorf("template boot: %w", err)
@@ -205,6 +214,10 @@ func (s *Substrate) buildTemplate(key, imgID string, shape machineShape, agent s
 		if err == nil {
 			err = seal(state)
 		}
+		if err == nil && root != nil {
+			// QEMU is gone: the disk is as the saved state expects it.
+			tmpl.layer, err = os.Open(filepath.Join(dir, LayerDiskName))
+		}
 	}()
 	if err := activateTemplate(ctx, inst, spec.Route); err != nil {
 		return nil, fmt.Errorf("template boot: %w", err)
@@ -217,7 +230,7 @@ func (s *Substrate) buildTemplate(key, imgID string, shape machineShape, agent s
 	}, nil); err != nil {
 		return nil, fmt.Errorf("template save: %w", err)
 	}
-	if _, err := inst.SaveState(ctx, state); err != nil {
+	if _, err := inst.saveState(ctx, state, false); err != nil {
 		return nil, fmt.Errorf("template save: %w", err)
 	}
 	return &vmTemplate{key: key, ram: ram, state: state, took: time.Since(t0)}, nil
@@ -295,6 +308,9 @@ func (s *Substrate) closeTemplates() {
 		if slot.t != nil {
 			slot.t.ram.Close()
 			slot.t.state.Close()
+			if slot.t.layer != nil {
+				slot.t.layer.Close()
+			}
 		}
 		delete(s.templates, k)
 	}

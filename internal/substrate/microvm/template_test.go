@@ -175,7 +175,7 @@ func TestTemplateKeyCoversItsInputs(t *testing.T) {
 	}
 	s := &Substrate{cfg: Config{QEMUPath: qemu}, accel: "tcg", sums: map[fileKey][32]byte{}}
 	shape := machineShape{MemoryMiB: 256, VCPUs: 1}
-	k, err := s.templateKey("img1", shape)
+	k, err := s.templateKey("img1", shape, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -190,20 +190,20 @@ func TestTemplateKeyCoversItsInputs(t *testing.T) {
 		}
 		seen[key] = name
 	}
-	k2, err := s.templateKey("img2", shape)
+	k2, err := s.templateKey("img2", shape, nil)
 	check("another image", k2, err)
-	k3, err := s.templateKey("img1", machineShape{MemoryMiB: 512, VCPUs: 1})
+	k3, err := s.templateKey("img1", machineShape{MemoryMiB: 512, VCPUs: 1}, nil)
 	check("another memory size", k3, err)
-	k4, err := s.templateKey("img1", machineShape{MemoryMiB: 256, VCPUs: 2})
+	k4, err := s.templateKey("img1", machineShape{MemoryMiB: 256, VCPUs: 2}, nil)
 	check("another vCPU count", k4, err)
 	s.accel = "kvm"
-	k5, err := s.templateKey("img1", shape)
+	k5, err := s.templateKey("img1", shape, nil)
 	check("another accelerator", k5, err)
 	s.accel = "tcg"
 	time.Sleep(10 * time.Millisecond) // a new mtime for the memo
 	if err := os.WriteFile(qemu, []byte("qemu v2"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	k6, err := s.templateKey("img1", shape)
+	k6, err := s.templateKey("img1", shape, nil)
 	check("another QEMU binary", k6, err)
 }
