@@ -507,7 +507,7 @@ func TestDebianBaseVM(t *testing.T) {
 // Debian base instead of the small test image).
 func TestImageBootTime(t *testing.T) {
 	if *bootBench <= 0 {
-		t.Skip("run with -microvm.bootbench=N to measure")
+		testenv.Skipf(t, "a measurement, not a check: run with -args -microvm.bootbench=N")
 	}
 	s, agent, ctx := agentSubstrate(t)
 	s.cfg.NoTemplates = true
