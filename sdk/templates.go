@@ -89,7 +89,7 @@ func (c *Client) GetBuildStatus(ctx context.Context, ref BuildRef, logsOffset in
 
 // WaitBuild polls a build until it ends, passing each log line to onLog
 // (nil: dropped). A failed build returns a *BuildError.
-func (c *Client) WaitBuild(ctx context.Context, ref BuildRef, onLog func(e2bapi.BuildLogEntry)) error {
+func (c *Client) WaitBuild(ctx context.Context, ref BuildRef, onLog func(BuildLogEntry)) error {
 	offset := 0
 	for {
 		st, err := c.GetBuildStatus(ctx, ref, offset)
@@ -153,3 +153,9 @@ func (c *Client) TemplateExists(ctx context.Context, name string) (bool, error) 
 	}
 	return false, err
 }
+
+// BuildLogEntry is one line of a build's log.
+type BuildLogEntry = e2bapi.BuildLogEntry
+
+// FromImageRegistry carries a registry's credentials for BuildSpec.
+type FromImageRegistry = e2bapi.FromImageRegistry

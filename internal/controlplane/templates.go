@@ -377,7 +377,11 @@ func (s *Server) buildParent(ctx context.Context, team, self string, spec e2bapi
 			}
 			src.Username, src.Password = r.Username, r.Password
 		}
-		return buildSource{From: "base", Key: "image:" + ref, Image: src, Setup: imageSetup}, nil
+		// The credentials are part of the cache key: a build must not be
+		// served a cached pull that its own credentials would be refused.
+		sum := sha256.Sum256([]byte(src.Username + "\x00" + src.Password))
+		key := "image:" + ref + "@creds:" + hex.EncodeToString(sum[:8])
+		return buildSource{From: "base", Key: key, Image: src, Setup: imageSetup}, nil
 	}
 	ref := spec.FromTemplate
 	if ref == "" {
