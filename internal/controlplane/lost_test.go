@@ -37,8 +37,11 @@ func TestReaperRecoversLostExecution(t *testing.T) {
 		return false
 	})
 	// Failed: not paused (nothing thawed, nothing to resume), marker kept.
-	waitFor(t, func() bool { return e.record(id).Op == nil })
-	if r := e.record(id); r.State != store.StateRunning || r.Route != rec.Route {
+	// One read between the reaper's passes (the next pass may start its
+	// retry at once).
+	var r store.SandboxRecord
+	waitFor(t, func() bool { r = e.record(id); return r.Op == nil })
+	if r.State != store.StateRunning || r.Route != rec.Route {
 		t.Fatalf("after a failed recovery: %s %v", r.State, r.Route)
 	}
 	if lost, _ := e.st.ListLost(ctx); len(lost) != 1 {
