@@ -495,7 +495,6 @@ func TestDebianBaseVM(t *testing.T) {
 	}
 }
 
-
 // initReady returns the init's lines from the console (the guest's
 // uptime at its steps and when it handed over to the agent).
 func initReady(inst substrate.Instance) string {
