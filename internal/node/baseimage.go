@@ -32,3 +32,17 @@ func baseImages(cfg Config) map[string]substrate.Image {
 	cfg.Logger.Info("base template: the Debian base image", "id", b.ID, "dir", b.Dir)
 	return map[string]substrate.Image{ns.TemplateBase: {ID: b.ID, Layers: []string{b.Dir}, Env: b.Env}}
 }
+
+// VMTemplateBase is the microvm template that boots the Debian base
+// image when it is available (busybox otherwise).
+const VMTemplateBase = "base-vm"
+
+// vmImages gives the microvm substrate the Debian base for base-vm: the
+// same image serves both substrates.
+func vmImages(images map[string]substrate.Image) map[string]substrate.Image {
+	img, ok := images[ns.TemplateBase]
+	if !ok {
+		return nil
+	}
+	return map[string]substrate.Image{VMTemplateBase: img}
+}

@@ -206,6 +206,7 @@ func Open(cfg Config) (_ *Host, err error) {
 		return nil, err
 	}
 	h := &Host{cfg: cfg, ns: map[string]*ns.Substrate{}}
+	h.images = baseImages(cfg)
 	if cfg.VMKernelDir != "" {
 		prewarm := ""
 		if cfg.VMPrewarm {
@@ -215,7 +216,8 @@ func Open(cfg Config) (_ *Host, err error) {
 		go func() { // owned: waitVM (from Substrates or Close) receives its result
 			vm, err := microvm.New(microvm.Config{StateDir: filepath.Join(cfg.DataDir, "microvm"),
 				KernelPath: filepath.Join(cfg.VMKernelDir, "vmlinuz"), ModulesDir: filepath.Join(cfg.VMKernelDir, "modules"),
-				Accel: cfg.VMAccel, NoTemplates: cfg.VMNoTemplates, PrewarmAgent: prewarm, Logger: cfg.Logger})
+				Accel: cfg.VMAccel, NoTemplates: cfg.VMNoTemplates, PrewarmAgent: prewarm, Logger: cfg.Logger,
+				Images: vmImages(h.images)})
 			h.vmReady <- vmResult{vm, err}
 		}()
 	}
@@ -228,7 +230,6 @@ func Open(cfg Config) (_ *Host, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("node: snapshot store: %w", err)
 	}
-	h.images = baseImages(cfg)
 	imgDir := cfg.ImageDir
 	if imgDir == "" {
 		imgDir = filepath.Join(cfg.DataDir, "images")

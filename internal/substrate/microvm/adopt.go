@@ -155,6 +155,7 @@ var _ substrate.Reclaimer = (*Substrate)(nil)
 var _ substrate.Adopter = (*Substrate)(nil)
 
 func (s *Substrate) adopt(ctx context.Context, spec substrate.Spec, state []byte) (_ *instance, err error) {
+	spec = s.templateImage(spec)
 	if err := spec.Validate(identity.SubstrateMicroVM, SocketName); err != nil {
 		return nil, err
 	}

@@ -116,6 +116,11 @@ type Config struct {
 	// background, so the first create is a clone too. Default: templates
 	// are built by the first Start that needs one.
 	PrewarmAgent string
+	// Images gives templates an image to boot when a spec names none
+	// (template name -> image; e.g. base-vm -> the Debian base). Their
+	// VMs run the image's userland instead of busybox; PrewarmAgent
+	// prewarms their templates (the image's disk flattened first).
+	Images map[string]substrate.Image
 	// TCGCacheMiB bounds TCG's translated-code cache per VM (QEMU's
 	// tb-size; 0: QEMU's default). Only under TCG.
 	TCGCacheMiB int
@@ -186,6 +191,11 @@ func (c Config) withDefaults() Config {
 // takes its default and is valid) and does not touch the file system; New
 // checks that the files exist.
 func (c Config) Validate() error {
+	for name, img := range c.Images {
+		if err := validateImage(&img); err != nil {
+			return fmt.Errorf("microvm: image of template %s: %w", name, err)
+		}
+	}
 	for _, p := range []struct {
 		name, v  string
 		required bool

@@ -144,6 +144,17 @@ func New(cfg Config) (*Substrate, error) {
 	return s, nil
 }
 
+// templateImage gives spec its template's image (Config.Images) when it
+// names none.
+func (s *Substrate) templateImage(spec substrate.Spec) substrate.Spec {
+	if spec.Image == nil {
+		if img, ok := s.cfg.Images[spec.Template]; ok {
+			spec.Image = &img
+		}
+	}
+	return spec
+}
+
 // prewarm starts building the default shape's template when
 // Config.PrewarmAgent is set (a failure is logged by templateFor).
 func (s *Substrate) prewarm() {
@@ -168,7 +179,18 @@ func (s *Substrate) prewarm() {
 			case <-ctx.Done():
 			}
 		}()
-		s.templateFor(ctx, imgID, imgPath, shape, s.cfg.PrewarmAgent, nil)
+		if len(s.cfg.Images) == 0 {
+			s.templateFor(ctx, imgID, imgPath, shape, s.cfg.PrewarmAgent, nil)
+			return
+		}
+		for name, img := range s.cfg.Images {
+			root, err := s.rootFor(&img, s.cfg.Limits)
+			if err != nil {
+				s.cfg.Logger.Warn("microvm: prewarm: image", "template", name, "err", err)
+				continue
+			}
+			s.templateFor(ctx, imgID, imgPath, shape, s.cfg.PrewarmAgent, root)
+		}
 	}()
 }
 
@@ -213,6 +235,7 @@ func (s *Substrate) Start(ctx context.Context, spec substrate.Spec) (substrate.I
 	if len(spec.Volumes) > 0 {
 		return nil, ErrVolumes
 	}
+	spec = s.templateImage(spec)
 	inst, err := s.start(ctx, spec, nil)
 	if err != nil {
 		return nil, err

@@ -210,13 +210,17 @@ func (s *Substrate) qemuArgs(l launch) []string {
 		// Passed as fd sets: QEMU dups the descriptor of the matching
 		// access mode instead of opening a path (it could not: the
 		// files are root's, QEMU is not).
+		// file.locking=off: QEMU's image locks (OFD locks on the shared
+		// read-only root and on this VM's own layer disk) fail the `cont`
+		// after a snapshot once clones of the snapshot hold the root; which
+		// VM uses which disk is the worker's records' business, not locks'.
 		args = append(args,
 			"-add-fd", "fd="+strconv.Itoa(l.rootFD)+",set=1",
-			"-drive", "if=none,id=root,format=raw,readonly=on,file=/dev/fdset/1",
+			"-drive", "if=none,id=root,format=raw,readonly=on,file.locking=off,file=/dev/fdset/1",
 			"-device", "virtio-blk-device,drive=root,serial="+rootDiskSerial,
 			"-add-fd", "fd="+strconv.Itoa(l.layerFD)+",set=2",
 			"-add-fd", "fd="+strconv.Itoa(l.layerFD+1)+",set=2",
-			"-drive", "if=none,id=layer,format=raw,discard=unmap,file=/dev/fdset/2",
+			"-drive", "if=none,id=layer,format=raw,discard=unmap,file.locking=off,file=/dev/fdset/2",
 			"-device", "virtio-blk-device,drive=layer,serial="+layerDiskSerial,
 		)
 		appendLine += " space.root=disk"

@@ -53,3 +53,20 @@ func TestShape(t *testing.T) {
 		}
 	}
 }
+
+// A template named in Config.Images boots its image when the spec names
+// none; a spec's own image wins; other templates keep busybox.
+func TestTemplateImage(t *testing.T) {
+	img := substrate.Image{ID: "sha256:" + strings.Repeat("a", 64), Layers: []string{"/x"}}
+	own := &substrate.Image{ID: "sha256:" + strings.Repeat("b", 64), Layers: []string{"/y"}}
+	s := &Substrate{cfg: Config{Images: map[string]substrate.Image{"base-vm": img}}}
+	if got := s.templateImage(substrate.Spec{Template: "base-vm"}); got.Image == nil || got.Image.ID != img.ID {
+		t.Fatalf("base-vm: %+v", got.Image)
+	}
+	if got := s.templateImage(substrate.Spec{Template: "base-vm", Image: own}); got.Image != own {
+		t.Fatalf("a spec's own image replaced: %+v", got.Image)
+	}
+	if got := s.templateImage(substrate.Spec{Template: "other"}); got.Image != nil {
+		t.Fatalf("other template got %+v", got.Image)
+	}
+}
