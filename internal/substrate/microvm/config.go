@@ -45,6 +45,13 @@ const (
 	DefaultProbeTimeoutTCG = 30 * time.Second
 )
 
+// Layer disk sizes.
+const (
+	DefaultDiskBytes int64 = 4 << 30
+	MinDiskBytes     int64 = 64 << 20
+	MaxDiskBytes     int64 = 1 << 40
+)
+
 // Config configures the microvm substrate.
 type Config struct {
 	// StateDir holds substrate-wide state; guest images are cached under
@@ -191,11 +198,6 @@ func (c Config) withDefaults() Config {
 // takes its default and is valid) and does not touch the file system; New
 // checks that the files exist.
 func (c Config) Validate() error {
-	for name, img := range c.Images {
-		if err := validateImage(&img); err != nil {
-			return fmt.Errorf("microvm: image of template %s: %w", name, err)
-		}
-	}
 	for _, p := range []struct {
 		name, v  string
 		required bool

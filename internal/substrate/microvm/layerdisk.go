@@ -31,13 +31,6 @@ import (
 // directory (image VMs only).
 const LayerDiskName = "layer.img"
 
-// Layer disk sizes.
-const (
-	DefaultDiskBytes int64 = 4 << 30
-	MinDiskBytes     int64 = 64 << 20
-	MaxDiskBytes     int64 = 1 << 40
-)
-
 // layerDiskSize is Limits.DiskBytes rounded up to whole MiB.
 func layerDiskSize(n int64) int64 {
 	return (n + (1<<20 - 1)) &^ (1<<20 - 1)

@@ -87,6 +87,11 @@ func New(cfg Config) (*Substrate, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	for name, img := range cfg.Images {
+		if err := validateImage(&img); err != nil {
+			return nil, fmt.Errorf("microvm: image of template %s: %w", name, err)
+		}
+	}
 	for _, p := range []string{cfg.QEMUPath, cfg.KernelPath, cfg.BusyboxPath} {
 		if fi, err := os.Stat(p); err != nil {
 			return nil, fmt.Errorf("microvm: %w", err)
@@ -142,56 +147,6 @@ func New(cfg Config) (*Substrate, error) {
 		s.prewarm()
 	}
 	return s, nil
-}
-
-// templateImage gives spec its template's image (Config.Images) when it
-// names none.
-func (s *Substrate) templateImage(spec substrate.Spec) substrate.Spec {
-	if spec.Image == nil {
-		if img, ok := s.cfg.Images[spec.Template]; ok {
-			spec.Image = &img
-		}
-	}
-	return spec
-}
-
-// prewarm starts building the default shape's template when
-// Config.PrewarmAgent is set (a failure is logged by templateFor).
-func (s *Substrate) prewarm() {
-	if s.cfg.PrewarmAgent == "" || s.cfg.NoTemplates {
-		return
-	}
-	imgID, imgPath, err := s.ensureImage(s.cfg.PrewarmAgent)
-	if err != nil {
-		s.cfg.Logger.Warn("microvm: prewarm: guest image", "err", err)
-		return
-	}
-	shape := shapeOf(s.cfg.Limits)
-	s.tmplWG.Add(1)
-	go func() { // owned: Close waits for it
-		defer s.tmplWG.Done()
-		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
-		go func() {
-			select {
-			case <-s.closing:
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
-		if len(s.cfg.Images) == 0 {
-			s.templateFor(ctx, imgID, imgPath, shape, s.cfg.PrewarmAgent, nil)
-			return
-		}
-		for name, img := range s.cfg.Images {
-			root, err := s.rootFor(&img, s.cfg.Limits)
-			if err != nil {
-				s.cfg.Logger.Warn("microvm: prewarm: image", "template", name, "err", err)
-				continue
-			}
-			s.templateFor(ctx, imgID, imgPath, shape, s.cfg.PrewarmAgent, root)
-		}
-	}()
 }
 
 // Unavailable says why no sandbox can start here (no accelerator booted
