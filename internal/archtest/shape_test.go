@@ -41,7 +41,7 @@ var layer = map[string]int{
 	// 2 also: a Dockerfile read into E2B template build steps.
 	"internal/dockerfile": 2,
 	// 1 and 2 also: image layers and the registry client.
-	"internal/layerstore": 1, "internal/oci": 2,
+	"internal/layerstore": 1, "internal/oci": 2, "internal/loopdev": 1,
 	// 4: substrates, per-activation host processes.
 	"internal/substrate/ns": 4, "internal/substrate/microvm": 4,
 	"internal/bridge": 4, "internal/gateway": 4,

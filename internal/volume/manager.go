@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/loopdev"
 )
 
 // Config configures a worker's volumes.
@@ -215,12 +216,12 @@ func (m *Manager) mount(ctx context.Context, id string) (int, error) {
 		return -1, fmt.Errorf("volume %s: %w", id, err)
 	}
 	if loop == nil {
-		if loop, rdev, err = attachLoop(int(f.Fd())); err != nil {
+		if loop, rdev, err = loopdev.Attach(int(f.Fd()), blockSize); err != nil {
 			return -1, fmt.Errorf("volume %s: attach: %w", id, err)
 		}
 	}
 	defer loop.Close()
-	mfd, err := fsmountExt4(loop.Name())
+	mfd, err := loopdev.MountExt4(loop.Name(), mountData)
 	if err != nil {
 		return -1, fmt.Errorf("volume %s: mount: %w", id, err)
 	}

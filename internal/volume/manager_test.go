@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/loopdev"
 	"github.com/spacesbx/space/internal/testenv"
 )
 
@@ -240,13 +241,13 @@ func TestSecondDeviceRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	loop, _, err := attachLoop(int(f.Fd()))
+	loop, _, err := loopdev.Attach(int(f.Fd()), blockSize)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer loop.Close()
 	t0 := time.Now()
-	if mfd, err := fsmountExt4(loop.Name()); err == nil {
+	if mfd, err := loopdev.MountExt4(loop.Name(), mountData); err == nil {
 		unix.Close(mfd)
 		t.Fatal("a second device mounted the image while it is in use")
 	}

@@ -90,11 +90,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
-	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacesbx/space/internal/loopdev"
 )
 
 // Names in an activation dir and defaults for the layer disk.
@@ -114,8 +114,6 @@ const (
 	// deleted blocks back to the host (the loop driver punches holes).
 	diskMountData  = "errors=remount-ro,discard"
 	diskMountFlags = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOATIME
-	// loopMajor is the block major of loop devices.
-	loopMajor = 7
 )
 
 // layerDisk is a mounted layer disk. Its methods are not safe for
@@ -173,7 +171,7 @@ func mountDisk(img, dir string) (*layerDisk, error) {
 	} else if mounted {
 		return nil, fmt.Errorf("ns: disk quota: %s is already a mount point", dir)
 	}
-	loop, dev, err := attachLoop(int(f.Fd()))
+	loop, dev, err := loopdev.Attach(int(f.Fd()), diskBlockSize)
 	if err != nil {
 		return nil, fmt.Errorf("ns: disk quota: attach %s: %w", img, err)
 	}
@@ -220,12 +218,12 @@ func openDisk(img string) (*layerDisk, error) {
 		return nil, err
 	}
 	defer f.Close()
-	loop, dev, err := attachLoop(int(f.Fd()))
+	loop, dev, err := loopdev.Attach(int(f.Fd()), diskBlockSize)
 	if err != nil {
 		return nil, fmt.Errorf("ns: disk quota: attach %s: %w", img, err)
 	}
 	defer loop.Close() // the mount holds the device; autoclear after it
-	mfd, err := fsmountExt4(loop.Name())
+	mfd, err := loopdev.MountExt4(loop.Name(), diskMountData)
 	if err != nil {
 		return nil, fmt.Errorf("ns: disk quota: mount %s (%s): %w", img, loop.Name(), err)
 	}
@@ -236,38 +234,6 @@ func openDisk(img string) (*layerDisk, error) {
 		return nil, fmt.Errorf("ns: disk quota: %w", err)
 	}
 	return d, nil
-}
-
-// fsmountExt4 mounts the ext4 on dev detached, with the flags and data
-// mountDisk uses.
-func fsmountExt4(dev string) (int, error) {
-	fsfd, err := unix.Fsopen("ext4", unix.FSOPEN_CLOEXEC)
-	if err != nil {
-		return -1, fmt.Errorf("fsopen: %w", err)
-	}
-	defer unix.Close(fsfd)
-	if err := unix.FsconfigSetString(fsfd, "source", dev); err != nil {
-		return -1, fmt.Errorf("fsconfig source: %w", err)
-	}
-	for _, opt := range strings.Split(diskMountData, ",") {
-		k, v, ok := strings.Cut(opt, "=")
-		if ok {
-			err = unix.FsconfigSetString(fsfd, k, v)
-		} else {
-			err = unix.FsconfigSetFlag(fsfd, k)
-		}
-		if err != nil {
-			return -1, fmt.Errorf("fsconfig %s: %w", opt, err)
-		}
-	}
-	if err := unix.FsconfigCreate(fsfd); err != nil {
-		return -1, fmt.Errorf("fsconfig create: %w", err)
-	}
-	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOATIME)
-	if err != nil {
-		return -1, fmt.Errorf("fsmount: %w", err)
-	}
-	return mfd, nil
 }
 
 // Clone returns a detached copy of the disk's mount with attrs set and,
@@ -315,82 +281,6 @@ func (d *layerDisk) prepare() error {
 		}
 	}
 	return nil
-}
-
-// attachLoop binds the image open at fd to a free loop device
-// (LOOP_CTL_GET_FREE + LOOP_CONFIGURE) and returns the device, open, and
-// its number. Another process may configure the same free device between
-// the two calls (EBUSY): then it asks for another one.
-func attachLoop(fd int) (*os.File, uint64, error) {
-	ctl, err := os.OpenFile("/dev/loop-control", os.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, 0, fmt.Errorf("loop driver: %w", err)
-	}
-	defer ctl.Close()
-	cfg := unix.LoopConfig{Fd: uint32(fd), Size: diskBlockSize}
-	cfg.Info.Flags = unix.LO_FLAGS_AUTOCLEAR | unix.LO_FLAGS_DIRECT_IO
-	var lastErr error
-	for attempt := 0; attempt < 64; attempt++ {
-		n, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
-		if err != nil {
-			return nil, 0, fmt.Errorf("LOOP_CTL_GET_FREE: %w", err)
-		}
-		loop, err := openLoop(n)
-		if errors.Is(err, unix.ENXIO) || errors.Is(err, os.ErrNotExist) {
-			lastErr = err // removed meanwhile (LOOP_CTL_REMOVE)
-			continue
-		}
-		if err != nil {
-			return nil, 0, err
-		}
-		err = unix.IoctlLoopConfigure(int(loop.Fd()), &cfg)
-		if err == unix.EINVAL && cfg.Info.Flags&unix.LO_FLAGS_DIRECT_IO != 0 {
-			// The backing file system cannot do direct I/O here.
-			cfg.Info.Flags &^= unix.LO_FLAGS_DIRECT_IO
-			err = unix.IoctlLoopConfigure(int(loop.Fd()), &cfg)
-		}
-		if err == nil {
-			var st unix.Stat_t
-			if err := unix.Fstat(int(loop.Fd()), &st); err != nil {
-				loop.Close()
-				return nil, 0, err
-			}
-			return loop, st.Rdev, nil
-		}
-		loop.Close()
-		if err != unix.EBUSY {
-			return nil, 0, fmt.Errorf("LOOP_CONFIGURE %s: %w", loop.Name(), err)
-		}
-		lastErr = err
-		if attempt >= 8 {
-			time.Sleep(time.Millisecond)
-		}
-	}
-	return nil, 0, fmt.Errorf("no free loop device: %w", lastErr)
-}
-
-// openLoop opens /dev/loop<n>, making the node if /dev lacks it (a /dev
-// that is not a devtmpfs).
-func openLoop(n int) (*os.File, error) {
-	name := fmt.Sprintf("/dev/loop%d", n)
-	f, err := os.OpenFile(name, os.O_RDWR|unix.O_CLOEXEC, 0)
-	if err == nil || !errors.Is(err, os.ErrNotExist) {
-		return f, err
-	}
-	b, rerr := os.ReadFile(fmt.Sprintf("/sys/block/loop%d/dev", n))
-	if rerr != nil {
-		return nil, err
-	}
-	maj, mnr, ok := strings.Cut(strings.TrimSpace(string(b)), ":")
-	ma, _ := strconv.ParseUint(maj, 10, 32)
-	mi, _ := strconv.ParseUint(mnr, 10, 32)
-	if !ok || ma != loopMajor {
-		return nil, err
-	}
-	if merr := unix.Mknod(name, unix.S_IFBLK|0o600, int(unix.Mkdev(uint32(ma), uint32(mi)))); merr != nil && merr != unix.EEXIST {
-		return nil, fmt.Errorf("mknod %s: %w", name, merr)
-	}
-	return os.OpenFile(name, os.O_RDWR|unix.O_CLOEXEC, 0)
 }
 
 // isMountPoint reports whether dir is a mount point (its device differs

@@ -25,6 +25,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacesbx/space/internal/loopdev"
 	"github.com/spacesbx/space/internal/substrate"
 )
 
@@ -362,7 +363,7 @@ func (s *Substrate) adoptLayer(dir string, st adoptState) (func() error, error) 
 		ref.refs++
 		return s.releaser(dir), nil
 	}
-	mfd, err := fsmountExt4(loop)
+	mfd, err := loopdev.MountExt4(loop, diskMountData)
 	if err != nil {
 		return nil, fmt.Errorf("layer disk %s (%s): %w", img, loop, err)
 	}
@@ -436,7 +437,7 @@ func loopOf(dev, img string) (uint64, bool) {
 		return 0, false
 	}
 	var dst unix.Stat_t
-	if err := unix.Fstat(fd, &dst); err != nil || dst.Mode&unix.S_IFMT != unix.S_IFBLK || unix.Major(dst.Rdev) != loopMajor {
+	if err := unix.Fstat(fd, &dst); err != nil || dst.Mode&unix.S_IFMT != unix.S_IFBLK || unix.Major(dst.Rdev) != loopdev.Major {
 		return 0, false
 	}
 	return dst.Rdev, true
