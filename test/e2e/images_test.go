@@ -91,8 +91,8 @@ func push(t *testing.T, img v1.Image, ref string, auth authn.Authenticator) {
 func TestTemplateFromImage(t *testing.T) {
 	testenv.RequirePlatform(t)
 	img := tinyImage(t)
-	open := testenv.StartRegistry(t, "", "")
-	locked := testenv.StartRegistry(t, "alice", "s3cret-pass")
+	open := testenv.StartRegistry(t, "", "").Host
+	locked := testenv.StartRegistry(t, "alice", "s3cret-pass").Host
 	push(t, img, open+"/tiny:1", authn.Anonymous)
 	push(t, img, locked+"/tiny:1", &authn.Basic{Username: "alice", Password: "s3cret-pass"})
 
