@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"slices"
 	"strconv"
@@ -95,7 +96,7 @@ func (s *Server) handleTemplateAlias(w http.ResponseWriter, r *http.Request, c c
 // team's own.
 func (s *Server) handleListTemplates(w http.ResponseWriter, r *http.Request, c caller) {
 	out := []e2bapi.Template{}
-	for _, id := range slices.Sorted(mapKeys(s.cfg.Templates)) {
+	for _, id := range slices.Sorted(maps.Keys(s.cfg.Templates)) {
 		t := s.cfg.Templates[id]
 		out = append(out, e2bapi.Template{TemplateID: id, BuildID: id, CPUCount: t.CPUCount, MemoryMB: t.MemoryMB, DiskSizeMB: t.DiskSizeMB,
 			Public: true, Aliases: []string{id}, Names: []string{id}, BuildStatus: e2bapi.BuildReady, BuildCount: 1})
@@ -121,16 +122,6 @@ func (s *Server) handleListTemplates(w http.ResponseWriter, r *http.Request, c c
 		out = append(out, e)
 	}
 	writeJSON(w, http.StatusOK, out)
-}
-
-func mapKeys[V any](m map[string]V) func(func(string) bool) {
-	return func(yield func(string) bool) {
-		for k := range m {
-			if !yield(k) {
-				return
-			}
-		}
-	}
 }
 
 // handleGetTemplate is GET /templates/{id}.
@@ -161,7 +152,7 @@ func (s *Server) handleTemplateTags(w http.ResponseWriter, r *http.Request, c ca
 		return
 	}
 	out := []e2bapi.TemplateTag{}
-	for _, t := range slices.Sorted(mapKeys(tpl.Tags)) {
+	for _, t := range slices.Sorted(maps.Keys(tpl.Tags)) {
 		out = append(out, e2bapi.TemplateTag{Tag: t, BuildID: tpl.Tags[t].BuildID, CreatedAt: tpl.Tags[t].CreatedAt})
 	}
 	writeJSON(w, http.StatusOK, out)

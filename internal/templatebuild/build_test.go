@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/internal/dockerfile"
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
@@ -69,7 +70,7 @@ func TestValidateRejects(t *testing.T) {
 }
 
 func TestShellQuote(t *testing.T) {
-	if got := shellQuote(`it's "x" $(y)`); got != `'it'\''s "x" $(y)'` {
+	if got := dockerfile.ShellQuote(`it's "x" $(y)`); got != `'it'\''s "x" $(y)'` {
 		t.Fatal(got)
 	}
 }

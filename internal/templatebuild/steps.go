@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/internal/dockerfile"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/sdk"
 )
@@ -74,14 +75,14 @@ func (b *Builder) runStep(ctx context.Context, sbx *sdk.Sandbox, s e2bapi.Templa
 		}
 		return nil
 	case "WORKDIR":
-		if err := b.run(ctx, sbx, "mkdir -p "+shellQuote(s.Args[0]), st.user(), State{Env: st.Env}, log); err != nil {
+		if err := b.run(ctx, sbx, "mkdir -p "+dockerfile.ShellQuote(s.Args[0]), st.user(), State{Env: st.Env}, log); err != nil {
 			return err
 		}
 		st.Workdir = s.Args[0]
 		return nil
 	case "USER":
 		// The user must exist in the sandbox; E2B creates it.
-		cmd := fmt.Sprintf("id -u %[1]s >/dev/null 2>&1 || useradd -m -s /bin/bash %[1]s", shellQuote(s.Args[0]))
+		cmd := fmt.Sprintf("id -u %[1]s >/dev/null 2>&1 || useradd -m -s /bin/bash %[1]s", dockerfile.ShellQuote(s.Args[0]))
 		if err := b.run(ctx, sbx, cmd, "root", State{Env: st.Env}, log); err != nil {
 			return err
 		}
@@ -121,17 +122,17 @@ func (b *Builder) copyStep(ctx context.Context, sbx *sdk.Sandbox, s e2bapi.Templ
 		}
 	}
 	var cmd strings.Builder
-	fmt.Fprintf(&cmd, "set -e; t=%s; mkdir -p \"$t\"; tar -xf \"$t.tar\" -C \"$t\" --no-same-owner; rm -f \"$t.tar\"; ", shellQuote(tmp))
+	fmt.Fprintf(&cmd, "set -e; t=%s; mkdir -p \"$t\"; tar -xf \"$t.tar\" -C \"$t\" --no-same-owner; rm -f \"$t.tar\"; ", dockerfile.ShellQuote(tmp))
 	// Docker's COPY: a destination ending in / (or an existing directory)
 	// receives the source inside it; a directory source copies its contents.
-	fmt.Fprintf(&cmd, "s=\"$t\"/%s; d=%s; ", shellQuote(src), shellQuote(dest))
+	fmt.Fprintf(&cmd, "s=\"$t\"/%s; d=%s; ", dockerfile.ShellQuote(src), dockerfile.ShellQuote(dest))
 	cmd.WriteString(`if [ -d "$s" ]; then mkdir -p "$d"; cp -a "$s"/. "$d"/; ` +
 		`else case "$d" in */) mkdir -p "$d"; d="$d$(basename "$s")";; *) if [ -d "$d" ]; then d="$d/$(basename "$s")"; else mkdir -p "$(dirname "$d")"; fi;; esac; cp -a "$s" "$d"; fi; `)
 	if user != "" {
-		fmt.Fprintf(&cmd, "chown -R %s \"$d\"; ", shellQuote(user))
+		fmt.Fprintf(&cmd, "chown -R %s \"$d\"; ", dockerfile.ShellQuote(user))
 	}
 	if mode != "" {
-		fmt.Fprintf(&cmd, "chmod -R %s \"$d\"; ", shellQuote(mode))
+		fmt.Fprintf(&cmd, "chmod -R %s \"$d\"; ", dockerfile.ShellQuote(mode))
 	}
 	cmd.WriteString(`rm -rf "$t"`)
 	return b.run(ctx, sbx, cmd.String(), "root", State{Env: st.Env}, log)
@@ -156,7 +157,7 @@ func (b *Builder) checkStart(ctx context.Context, sbx *sdk.Sandbox, job Job, st 
 	log("info", "starting: "+truncate(job.StartCmd, 200))
 	// No nohup (busybox userlands lack it): without a terminal nothing
 	// sends the server a hangup when this shell exits.
-	bg := fmt.Sprintf("bash -l -c %s >/tmp/.space-start.log 2>&1 </dev/null &", shellQuote(job.StartCmd))
+	bg := fmt.Sprintf("bash -l -c %s >/tmp/.space-start.log 2>&1 </dev/null &", dockerfile.ShellQuote(job.StartCmd))
 	if err := b.run(ctx, sbx, bg, st.user(), st, log); err != nil {
 		return fmt.Errorf("start command: %w", err)
 	}
@@ -191,9 +192,4 @@ func truncate(s string, n int) string {
 		return s[:n] + "..."
 	}
 	return s
-}
-
-// shellQuote quotes s for POSIX sh.
-func shellQuote(s string) string {
-	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
