@@ -55,16 +55,23 @@ func (s *Server) runBuild(c caller, b store.TemplateBuildRecord, spec e2bapi.Tem
 func (s *Server) setBuildStatus(b store.TemplateBuildRecord, status string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	_ = s.updateBuild(ctx, b, func(cur *store.TemplateBuildRecord) { cur.Status, cur.UpdatedAt = status, s.now().UTC() })
+}
+
+// updateBuild applies f to build b's current record and writes it,
+// reading again when it changed meanwhile.
+func (s *Server) updateBuild(ctx context.Context, b store.TemplateBuildRecord, f func(*store.TemplateBuildRecord)) error {
 	for range 5 {
 		cur, err := s.st.GetTemplateBuild(ctx, b.TemplateID, b.ID)
 		if err != nil {
-			return
+			return err
 		}
-		cur.Status, cur.UpdatedAt = status, s.now().UTC()
+		f(&cur)
 		if _, err := s.st.UpdateTemplateBuild(ctx, cur); !errors.Is(err, errdefs.ErrConflict) {
-			return
+			return err
 		}
 	}
+	return fmt.Errorf("%w: build %s changed concurrently", errdefs.ErrConflict, b.ID)
 }
 
 // finishBuild records a build's end; a ready build's tags move to it.
@@ -74,12 +81,7 @@ func (s *Server) finishBuild(b store.TemplateBuildRecord, lb *liveBuild, res tem
 	var spec e2bapi.TemplateBuildStartV2
 	_ = json.Unmarshal(b.Spec, &spec)
 	now := s.now().UTC()
-	for range 5 {
-		cur, err := s.st.GetTemplateBuild(ctx, b.TemplateID, b.ID)
-		if err != nil {
-			s.log.Warn("recording a template build's end", "build", b.ID, "err", err)
-			return
-		}
+	err := s.updateBuild(ctx, b, func(cur *store.TemplateBuildRecord) {
 		cur.Logs, cur.UpdatedAt, cur.FinishedAt = lb.snapshot(), now, &now
 		if berr != nil {
 			cur.Status, cur.ReasonMessage, cur.ReasonStep = e2bapi.BuildError, berr.Error(), "base"
@@ -92,32 +94,22 @@ func (s *Server) finishBuild(b store.TemplateBuildRecord, lb *liveBuild, res tem
 			cur.Env, cur.Workdir, cur.User = res.Env, res.Workdir, res.User
 			cur.StartCmd, cur.ReadyCmd = spec.StartCmd, spec.ReadyCmd
 		}
-		if _, err = s.st.UpdateTemplateBuild(ctx, cur); errors.Is(err, errdefs.ErrConflict) {
-			continue
-		} else if err != nil {
-			s.log.Warn("recording a template build's end", "build", b.ID, "err", err)
-			return
-		}
-		break
+	})
+	if err != nil {
+		s.log.Warn("recording a template build's end", "build", b.ID, "err", err)
+		return
 	}
 	if berr != nil {
 		return
 	}
-	for range 5 {
-		tpl, err := s.st.GetTemplate(ctx, b.TemplateID)
-		if err != nil {
-			return
-		}
-		if tpl.Tags == nil {
-			tpl.Tags = map[string]store.TemplateTag{}
-		}
+	err = s.updateTemplate(ctx, b.TeamID, b.TemplateID, func(tpl *store.TemplateRecord) error {
 		for _, t := range b.Tags {
 			tpl.Tags[t] = store.TemplateTag{BuildID: b.ID, CreatedAt: now}
 		}
-		tpl.UpdatedAt = now
-		if _, err := s.st.UpdateTemplate(ctx, tpl); !errors.Is(err, errdefs.ErrConflict) {
-			return
-		}
+		return nil
+	})
+	if err != nil {
+		s.log.Warn("moving a template's tags to its new build", "build", b.ID, "err", err)
 	}
 }
 
