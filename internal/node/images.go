@@ -13,6 +13,7 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/layerstore"
+	"github.com/spacesbx/space/internal/netpolicy"
 	"github.com/spacesbx/space/internal/oci"
 	"github.com/spacesbx/space/internal/substrate"
 )
@@ -84,16 +85,16 @@ func (r *imageResolver) checkPublic(ctx context.Context, host string) error {
 	if err != nil {
 		return fmt.Errorf("%w: registry %s: %v", errdefs.ErrUnavailable, host, err)
 	}
+	// The egress policy's always-denied and private ranges (no private
+	// range opened): what a sandbox may not reach, a registry ref may not
+	// name either.
 	for _, a := range addrs {
-		a = a.Unmap()
-		if a.IsLoopback() || a.IsPrivate() || a.IsLinkLocalUnicast() || a.IsUnspecified() || a.IsMulticast() || cgnat.Contains(a) {
+		if (netpolicy.Defaults{}).Reserved(a) {
 			return fmt.Errorf("%w: registry %s is on a private address (%s); an operator allows it with --insecure-registry", errdefs.ErrDenied, host, a)
 		}
 	}
 	return nil
 }
-
-var cgnat = netip.MustParsePrefix("100.64.0.0/10")
 
 // registryHost is the registry of an image reference, as docker names
 // it: the first path element when it looks like a host, else Docker Hub.
