@@ -42,6 +42,12 @@ const (
 	// InstallPersisted: the runtime record is durable, the install is not
 	// acknowledged.
 	InstallPersisted = "sbxmanager.install.persisted"
+	// WorkerPaused: the worker froze the execution, the pause is not
+	// acknowledged to the control plane.
+	WorkerPaused = "sbxmanager.pause.frozen"
+	// WorkerResumed: the worker thawed the execution, the resume is not
+	// acknowledged.
+	WorkerResumed = "sbxmanager.resume.thawed"
 	// TeardownStopped: the activation is stopped, its runtime record not
 	// deleted and its files not removed.
 	TeardownStopped = "sbxmanager.teardown.stopped"
@@ -71,7 +77,9 @@ var Points = []Point{
 	{InstallActivated, "sbxmanager.Install: after activation, before the record put"},
 	{InstallPersisted, "sbxmanager.Install: after the record put, before the ack"},
 	{CreateInstalled, "controlplane.createSandbox: after the install ack, before the running record"},
+	{WorkerPaused, "sbxmanager.Pause: after the freeze, before the ack"},
 	{PauseFrozen, "controlplane.pauseSandbox: after the worker froze it, before the paused record"},
+	{WorkerResumed, "sbxmanager.Resume: after the thaw, before the ack"},
 	{ResumeThawed, "controlplane.resumeSandbox: after the worker thawed it, before the running record"},
 	{MoveReserved, "controlplane.move: after the generation bump, before the target install"},
 	{MoveInstalled, "controlplane.move: after the target install, before the route is published"},

@@ -45,6 +45,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 )
@@ -119,6 +120,7 @@ func (m *Manager) Pause(ctx context.Context, route identity.Route) error {
 		act.paused.Store(false)
 		return fmt.Errorf("pause %s: %w", route.SandboxID, lifecycleErr(ctx, err))
 	}
+	crashpoint.Hit(crashpoint.WorkerPaused)
 	m.log.Info("execution paused", "sandbox", route.SandboxID, "generation", route.Generation)
 	return nil
 }
@@ -174,6 +176,7 @@ func (m *Manager) Resume(ctx context.Context, route identity.Route) error {
 	if err := act.inst.Resume(ctx); err != nil {
 		return fmt.Errorf("resume %s: %w", route.SandboxID, lifecycleErr(ctx, err))
 	}
+	crashpoint.Hit(crashpoint.WorkerResumed)
 	act.paused.Store(false)
 	m.log.Info("execution resumed", "sandbox", route.SandboxID, "generation", route.Generation)
 	return nil
