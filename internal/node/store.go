@@ -31,6 +31,10 @@ func (s sandboxWatch) WatchSandboxes(ctx context.Context, fn func(worker.Sandbox
 			fn(worker.SandboxEvent{Synced: true})
 			return
 		}
-		fn(worker.SandboxEvent{SandboxID: ev.Record.ID, Deleted: ev.Deleted, Ended: ev.Record.State.Terminal(), Route: ev.Record.Route})
+		wev := worker.SandboxEvent{SandboxID: ev.Record.ID, Deleted: ev.Deleted, Ended: ev.Record.State.Terminal(), Route: ev.Record.Route}
+		if ev.Record.PendingRoute != nil {
+			wev.Pending = *ev.Record.PendingRoute
+		}
+		fn(wev)
 	})
 }

@@ -22,6 +22,9 @@ type SandboxEvent struct {
 	// Route is the sandbox's current (or, when Ended, last) execution as
 	// published by the control plane. Zero while none is published yet.
 	Route identity.Route
+	// Pending is the execution an operation is installing (a move's
+	// target), not yet published; zero when none is.
+	Pending identity.Route
 	// Synced marks the end of a full listing: every sandbox record the
 	// control plane holds was delivered before it (the other fields are
 	// empty).
@@ -79,6 +82,11 @@ type retirer struct {
 	known   map[string]bool
 	atStart []identity.Record
 	synced  bool
+	// unconfirmed are the executions re-adopted at start whose
+	// generation the control plane had not published when the worker
+	// died (a move's target install, cut before its ack): by sandbox.
+	// Each waits for an event that publishes it or abandons it.
+	unconfirmed map[string]identity.Record
 }
 
 // handle runs on the watch goroutine: the decision is local and cheap; the
@@ -99,10 +107,41 @@ func (r *retirer) handle(ctx context.Context, ev SandboxEvent) {
 	}
 	r.mu.Unlock()
 	installed, ok := r.w.mgr.Installed(ev.SandboxID)
-	if !ok || !supersedes(ev, installed) {
+	if !ok {
 		return
 	}
-	r.retire(ctx, ev, installed)
+	if supersedes(ev, installed) || r.abandoned(ev, installed) {
+		r.retire(ctx, ev, installed)
+	}
+}
+
+// abandoned decides whether an execution re-adopted at start, of a
+// generation above the published one, was abandoned: its install was cut
+// by the worker's death before the ack, and the control plane, its call
+// failed, gave the move up (no operation names it as pending any more),
+// so nothing will ever publish it. Left alone it would run unserved for
+// good. Only such executions are judged this way: for an install made
+// since the start, an event older than the operation that asked for it
+// also shows a lower generation and no pending route.
+func (r *retirer) abandoned(ev SandboxEvent, installed identity.Record) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	rec, ok := r.unconfirmed[ev.SandboxID]
+	if !ok || rec.Route.Epoch() != installed.Route.Epoch() {
+		return false
+	}
+	in := installed.Route
+	switch {
+	case ev.Deleted || ev.Ended || ev.Route.Generation >= in.Generation:
+		delete(r.unconfirmed, ev.SandboxID) // supersedes decides
+		return false
+	case ev.Pending.Epoch() == in.Epoch():
+		return false // still being installed: the operation may publish it
+	}
+	delete(r.unconfirmed, ev.SandboxID)
+	r.w.log.Warn("an execution re-adopted at start was never published and its operation is gone; retiring it",
+		"sandbox", ev.SandboxID, "generation", in.Generation, "published_generation", ev.Route.Generation)
+	return true
 }
 
 // reconcile runs at the first full listing after the worker started: an

@@ -1,6 +1,7 @@
 package worker
 
 import (
+	"log/slog"
 	"testing"
 
 	"github.com/spacesbx/space/internal/identity"
@@ -37,5 +38,41 @@ func TestSupersedes(t *testing.T) {
 		if got := supersedes(c.ev, c.installed); got != c.want {
 			t.Errorf("%s: %v, want %v", c.name, got, c.want)
 		}
+	}
+}
+
+// TestAbandoned: an execution re-adopted at start above the published
+// generation is retired once an event shows no operation installing it,
+// and never while one does or for an install made since the start.
+func TestAbandoned(t *testing.T) {
+	in7 := identity.Record{Route: rt(7, "e7", "wa")}
+	cases := []struct {
+		name      string
+		atStart   bool
+		ev        SandboxEvent
+		installed identity.Record
+		want      bool
+	}{
+		{"move given up while the worker was down", true, SandboxEvent{SandboxID: "sbx", Route: rt(6, "e6", "wb")}, in7, true},
+		{"move still installing it", true, SandboxEvent{SandboxID: "sbx", Route: rt(6, "e6", "wb"), Pending: rt(7, "e7", "wa")}, in7, false},
+		{"another pending execution", true, SandboxEvent{SandboxID: "sbx", Route: rt(6, "e6", "wb"), Pending: rt(7, "x", "wc")}, in7, true},
+		{"published", true, SandboxEvent{SandboxID: "sbx", Route: rt(7, "e7", "wa")}, in7, false},
+		{"installed since the start (not judged)", false, SandboxEvent{SandboxID: "sbx", Route: rt(6, "e6", "wb")}, in7, false},
+		{"a newer install than the one at start", true, SandboxEvent{SandboxID: "sbx", Route: rt(6, "e6", "wb")}, identity.Record{Route: rt(8, "e8", "wa")}, false},
+	}
+	for _, c := range cases {
+		r := &retirer{w: &Worker{log: slog.New(slog.DiscardHandler)}, unconfirmed: map[string]identity.Record{}}
+		if c.atStart {
+			r.unconfirmed["sbx"] = in7
+		}
+		if got := r.abandoned(c.ev, c.installed); got != c.want {
+			t.Errorf("%s: %v, want %v", c.name, got, c.want)
+		}
+	}
+	// Once published, a later lagging event no longer retires it.
+	r := &retirer{w: &Worker{log: slog.New(slog.DiscardHandler)}, unconfirmed: map[string]identity.Record{"sbx": in7}}
+	r.abandoned(SandboxEvent{SandboxID: "sbx", Route: rt(7, "e7", "wa")}, in7)
+	if r.abandoned(SandboxEvent{SandboxID: "sbx", Route: rt(6, "e6", "wb")}, in7) {
+		t.Error("a published execution was judged abandoned by a later lagging event")
 	}
 }

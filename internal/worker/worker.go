@@ -309,7 +309,13 @@ func (w *Worker) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() { defer wg.Done(); w.collectVolumes(ctx) }()
 	}
-	ret := &retirer{w: w, pending: map[string]chan struct{}{}, known: map[string]bool{}, atStart: w.mgr.Records()}
+	ret := &retirer{w: w, pending: map[string]chan struct{}{}, known: map[string]bool{}, atStart: w.mgr.Records(),
+		unconfirmed: map[string]identity.Record{}}
+	for _, rec := range ret.atStart {
+		if !rec.Retired {
+			ret.unconfirmed[rec.Route.SandboxID] = rec
+		}
+	}
 	if w.deps.Sandboxes != nil {
 		wg.Add(1)
 		go func() { defer wg.Done(); w.watchSandboxes(ctx, ret) }()
