@@ -25,6 +25,10 @@ const TestAPIKey = "e2b_5ace5ace5ace5ace5ace5ace5ace5ace5ace5ace"
 type PlatformOptions struct {
 	// Workers is --workers. Default 1.
 	Workers int
+	// ExternalWorkers starts space up with --workers 0: its workers are
+	// space-node processes the test starts (LaunchNode), each of which
+	// can crash on its own.
+	ExternalWorkers bool
 	// APIKey is --api-key. Default TestAPIKey.
 	APIKey string
 	// LogLevel is --log-level. Default warn.
@@ -82,6 +86,9 @@ type Platform struct {
 	Banner string
 	// Cmd is the running space up.
 	Cmd *exec.Cmd
+	// EtcdEndpoints and SnapshotDir are what a space-node joining p
+	// names (ExternalWorkers only: empty otherwise).
+	EtcdEndpoints, SnapshotDir string
 
 	cancel  context.CancelFunc
 	cleanup func()
@@ -163,8 +170,12 @@ func LaunchPlatform(o PlatformOptions) (_ *Platform, err error) {
 	defer logf.Close() // space up holds its own descriptor
 	ctx, cancel := context.WithCancel(context.Background())
 	p.cancel = cancel
+	workers, readyLine := o.Workers, "export E2B_API_KEY="
+	if o.ExternalWorkers {
+		workers, readyLine = 0, "  space-node " // printed after the key
+	}
 	args := append([]string{"up", "--api-addr", p.APIAddr, "--edge-addr", p.EdgeAddr, "--data-dir", p.DataDir,
-		"--api-key", o.APIKey, "--workers", strconv.Itoa(o.Workers), "--log-level", o.LogLevel,
+		"--api-key", o.APIKey, "--workers", strconv.Itoa(workers), "--log-level", o.LogLevel,
 		"--keep-sandboxes=" + strconv.FormatBool(o.KeepSandboxes)}, o.Args...)
 	cmd := exec.CommandContext(ctx, filepath.Join(bin, "space"), args...)
 	cmd.Env, cmd.Stdin, cmd.ExtraFiles, cmd.SysProcAttr = o.Env, o.Stdin, o.ExtraFiles, o.SysProcAttr
@@ -187,7 +198,7 @@ func LaunchPlatform(o PlatformOptions) (_ *Platform, err error) {
 		var banner strings.Builder
 		for sc.Scan() {
 			banner.WriteString(sc.Text() + "\n")
-			if strings.HasPrefix(sc.Text(), "export E2B_API_KEY=") {
+			if strings.HasPrefix(sc.Text(), readyLine) {
 				ready <- banner.String()
 			}
 		}
@@ -201,6 +212,9 @@ func LaunchPlatform(o PlatformOptions) (_ *Platform, err error) {
 			return nil, fmt.Errorf("space up exited before it was ready:\n%s", log)
 		}
 		p.Banner = b
+		if o.ExternalWorkers {
+			p.EtcdEndpoints, p.SnapshotDir = parseJoin(b)
+		}
 	case <-time.After(o.ReadyTimeout):
 		p.Stop()
 		return nil, fmt.Errorf("space up not ready after %v", o.ReadyTimeout)

@@ -23,7 +23,7 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	fs.StringVar(&cfg.APIAddr, "api-addr", DefaultAPIAddr, "control plane listen address")
 	fs.StringVar(&cfg.EdgeAddr, "edge-addr", DefaultEdgeAddr, "edge (sandbox traffic) listen address")
 	fs.StringVar(&cfg.DataDir, "data-dir", DefaultDataDir, "state directory (etcd, keys, workers)")
-	fs.IntVar(&cfg.Workers, "workers", 1, "number of workers")
+	fs.IntVar(&cfg.Workers, "workers", 1, "number of workers in this process; 0: none, workers are space-node processes joining (the banner prints their flags)")
 	fs.IntVar(&cfg.Capacity, "capacity", node.DefaultCapacity, "sandboxes per worker the scheduler may place (each idle ns sandbox holds about 13 host tasks against kernel.pid_max; a warning says when the host cannot hold them)")
 	fs.StringVar(&cfg.APIKey, "api-key", getenv("SPACE_API_KEY"), "bootstrap API key e2b_<40 hex> (default $SPACE_API_KEY, else generated)")
 	fs.StringVar(&cfg.BinDir, "bin-dir", "", "directory of spaced-host and spaced-guest (default: next to this binary)")
@@ -50,6 +50,11 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	if *etcd != "" {
 		cfg.EtcdEndpoints = strings.Split(*etcd, ",")
 	}
+	if cfg.Workers < 0 {
+		fmt.Fprintln(stderr, "space up: --workers must be 0 or more")
+		return 2
+	}
+	cfg.ExternalWorkers = cfg.Workers == 0
 	cfg.VolumeSizeBytes = *volMB << 20
 	eg, err := egressFlags.Resolve()
 	if err != nil {
@@ -92,6 +97,12 @@ export E2B_SANDBOX_URL=%s
 export E2B_VOLUME_API_URL=%s
 export E2B_API_KEY=%s
 `, len(p.Workers), p.APIURL, p.SandboxURL, p.APIKey, keyNote, p.APIURL, p.SandboxURL, p.APIURL, p.APIKey)
+	if cfg.ExternalWorkers {
+		// Printed after the API key line, which tells a reader the
+		// platform is up: the workers still have to join.
+		fmt.Fprintf(stdout, "\nNo worker runs in this process; start each with:\n  space-node --id <id> --data-dir <dir> --etcd-endpoints %s --snapshot-dir %s\n",
+			strings.Join(p.EtcdEndpoints(), ","), p.SnapshotDir())
+	}
 	<-ctx.Done()
 	if cfg.KeepSandboxesOnExit {
 		fmt.Fprintln(stderr, "space up: shutting down; sandboxes keep running and are re-adopted at the next start on this --data-dir (--keep-sandboxes=false stops them)")

@@ -39,8 +39,14 @@ type Config struct {
 	// SnapshotDir is the snapshot store every worker shares (resume on
 	// another worker restores from it). Default <DataDir>/snapshots.
 	SnapshotDir string
-	// Workers is the number of workers. Default 1.
+	// Workers is the number of workers in this process. Default 1.
 	Workers int
+	// ExternalWorkers runs no worker in this process (`--workers 0`):
+	// workers are space-node processes joining its etcd (Platform.
+	// EtcdEndpoints) with its SnapshotDir, so one can crash or be
+	// upgraded without the control plane and edge. Start returns without
+	// waiting for any worker.
+	ExternalWorkers bool
 	// Capacity is how many sandboxes the scheduler places on each worker
 	// (worker.Config.Capacity). Default 100. Start logs a warning when
 	// the host's task limits (kernel.pid_max) cannot hold that many.
@@ -138,7 +144,9 @@ func (c Config) withDefaults() Config {
 	if abs, err := filepath.Abs(c.DataDir); err == nil {
 		c.DataDir = abs
 	}
-	if c.Workers <= 0 { // a negative count has always meant the default
+	if c.ExternalWorkers {
+		c.Workers = 0
+	} else if c.Workers <= 0 { // a negative count has always meant the default
 		c.Workers = 1
 	}
 	if c.Capacity == 0 {
@@ -244,9 +252,13 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	// The microvm substrate boots its accelerator probe guests (seconds
 	// under TCG) while etcd and the control plane start: node.Open only
 	// begins it.
+	vmKernel := cfg.VMKernelDir
+	if cfg.ExternalWorkers {
+		vmKernel = "" // no worker here boots a guest: the host serves snapshots and volumes only
+	}
 	p.host, err = node.Open(node.Config{
 		DataDir: cfg.DataDir, SnapshotDir: cfg.SnapshotDir, BinDir: cfg.BinDir,
-		VMKernelDir: cfg.VMKernelDir, VMAccel: cfg.VMAccel, VMPrewarm: cfg.VMPrewarm, VMNoTemplates: cfg.VMNoTemplates,
+		VMKernelDir: vmKernel, VMAccel: cfg.VMAccel, VMPrewarm: cfg.VMPrewarm, VMNoTemplates: cfg.VMNoTemplates,
 		NSNoUserNamespaces: cfg.NSNoUserNamespaces, NSNoDiskQuota: cfg.NSNoDiskQuota,
 		BaseImage: cfg.BaseImage, BaseImageCache: cfg.BaseImageCache, InsecureRegistries: cfg.InsecureRegistries,
 		Capacity: cfg.Capacity, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
@@ -319,6 +331,13 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	p.goRun("edge", func() error { return p.edge.Serve(rctx, edgeLn) })
 	return p, nil
 }
+
+// EtcdEndpoints are the client URLs of the platform's etcd (the embedded
+// one's, or Config.EtcdEndpoints): what a space-node joining it names.
+func (p *Platform) EtcdEndpoints() []string { return p.st.Endpoints() }
+
+// SnapshotDir is the snapshot store its workers share.
+func (p *Platform) SnapshotDir() string { return p.cfg.SnapshotDir }
 
 // VMAccel reports the microvm substrate's accelerator ("kvm" or "tcg"), or
 // "" when the platform runs without it (no guest kernel or QEMU).
