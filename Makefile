@@ -111,9 +111,10 @@ churn: build
 
 ## crash: the long crash-point pass (make test runs a short one): space up
 ## killed at every point of internal/crashpoint, twice, the second round at
-## random places in archives; the invariants must hold with 0 violations
+## random places in archives, and a space-node alone killed at every
+## worker-side point; the invariants must hold with 0 violations
 crash: build
-	SPACE_BIN_DIR=$(BIN) SPACE_CRASH_LONG=1 $(GO) test -run TestCrashPoints -count=1 -timeout 90m -v ./test/crash/
+	SPACE_BIN_DIR=$(BIN) SPACE_CRASH_LONG=1 $(GO) test -run 'TestCrashPoints|TestWorkerCrashPoints' -count=1 -timeout 90m -v ./test/crash/
 
 ## fuzz: a short run of every fuzz target in the module (FUZZTIME each)
 FUZZTIME ?= 10s

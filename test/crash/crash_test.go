@@ -51,7 +51,9 @@ var scenarios = []scenario{
 	{point: crashpoint.InstallActivated, nth: 4, op: opCreate},
 	{point: crashpoint.InstallPersisted, nth: 4, op: opCreate, short: true},
 	{point: crashpoint.CreateInstalled, nth: 4, op: opCreate},
+	{point: crashpoint.WorkerPaused, nth: 2, op: opPause},
 	{point: crashpoint.PauseFrozen, nth: 2, op: opPause, short: true},
+	{point: crashpoint.WorkerResumed, nth: 1, op: opResume},
 	{point: crashpoint.ResumeThawed, nth: 1, op: opResume},
 	{point: crashpoint.MoveReserved, nth: 1, op: opMigrate, short: true},
 	{point: crashpoint.InstallPersisted, nth: 4, op: opMigrate},
@@ -162,10 +164,9 @@ func runScenario(t *testing.T, sc scenario) []string {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	c1 := client(t, p1)
-	h := host{dataDir: p1.DataDir}
+	h := upHost(p1.DataDir)
 	a, b, cs := setup(ctx, t, c1, p1)
-	all := []*sandbox{a, b, cs}
-	for _, s := range all {
+	for _, s := range []*sandbox{a, b, cs} {
 		h.ids = append(h.ids, s.id)
 	}
 
@@ -189,7 +190,6 @@ func runScenario(t *testing.T, sc scenario) []string {
 	}
 	if d.id != "" {
 		h.ids = append(h.ids, d.id)
-		all = append(all, d)
 	}
 
 	// Restart without the crash point.
@@ -209,85 +209,7 @@ func runScenario(t *testing.T, sc scenario) []string {
 			t.Errorf("left after space up stopped (--keep-sandboxes=false): %s", l)
 		}
 	}()
-	c2 := client(t, p2)
-	var violations []string
-	violation := func(f string, args ...any) {
-		v := fmt.Sprintf(f, args...)
-		t.Log("VIOLATION: " + v)
-		violations = append(violations, v)
-	}
-	// D's create never returned: not acknowledged, so it may be gone, but
-	// a listed D must serve. A's kill never returned either: A is gone or
-	// serves.
-	list, err := c2.ListSandboxes(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	listed := map[string]bool{}
-	for _, s := range list {
-		listed[s.SandboxID] = true
-		if d.id == "" && s.SandboxID != a.id && s.SandboxID != b.id && s.SandboxID != cs.id {
-			d.id = s.SandboxID // created, never acknowledged
-			h.ids = append(h.ids, d.id)
-			all = append(all, d)
-		}
-	}
-	live := map[string]identity.Route{}
-	for _, s := range all {
-		switch {
-		case s.killed:
-			if _, err := c2.GetSandbox(ctx, s.id); err == nil || listed[s.id] {
-				violation("sandbox %s was killed (acknowledged) and is back", s.id)
-			}
-			continue
-		case !s.acked && !listed[s.id]:
-			continue
-		case sc.op == opKill && s == a && !listed[s.id]:
-			continue // the kill took effect, unacknowledged
-		case !listed[s.id]:
-			violation("sandbox %s (acknowledged) is not listed after the restart", s.id)
-			continue
-		}
-		if d == s && s.token == "" {
-			if info, err := c2.GetSandbox(ctx, s.id); err == nil {
-				s.token = info.EnvdAccessToken
-			}
-		}
-		r, vs := serves(ctx, t, p2, s)
-		for _, v := range vs {
-			violation("%s", v)
-		}
-		if r.SandboxID != "" {
-			live[s.id] = r
-		}
-		t.Logf("sandbox %s (%s) after the restart: %v", s.id, s.role, r)
-	}
-	for _, l := range settled(func() []string { return h.leaks(currentRoutes(ctx, p2, live)) }) {
-		violation("leak after the restart: %s", l)
-	}
-	// Everything killed (a sandbox that did not serve too): nothing of
-	// these sandboxes may be left.
-	for _, s := range all {
-		if s.killed {
-			continue
-		}
-		if err := c2.KillSandbox(ctx, s.id); err != nil && live[s.id].SandboxID != "" {
-			violation("kill of %s after the restart: %v", s.id, err)
-		}
-	}
-	for _, l := range settled(func() []string { return h.leaks(nil) }) {
-		violation("leak after killing every sandbox: %s", l)
-	}
-	if len(violations) > 0 {
-		var notable []string
-		for _, line := range strings.Split(p2.Log(), "\n") {
-			if strings.Contains(line, "level=WARN") || strings.Contains(line, "level=ERROR") {
-				notable = append(notable, line)
-			}
-		}
-		t.Logf("warnings and errors of space up after the restart:\n%s", strings.Join(notable, "\n"))
-	}
-	return violations
+	return afterRestart(ctx, t, p2, sc.op, []*sandbox{a, b, cs}, d, &h, p2.Log)
 }
 
 // currentRoutes returns, for each sandbox of live, the route the control
@@ -484,4 +406,95 @@ func rest(ctx context.Context, p *testenv.Platform, method, path string, body, o
 		json.NewDecoder(res.Body).Decode(out)
 	}
 	return res.StatusCode
+}
+
+// afterRestart checks the invariants once the crashed process runs again
+// on p2: setup's sandboxes (a, b, c), d (op's create, if any) and the
+// leaks of h. logs is the restarted processes' log, shown with a
+// violation.
+func afterRestart(ctx context.Context, t *testing.T, p2 *testenv.Platform, op string, abc []*sandbox, d *sandbox, h *host, logs func() string) []string {
+	c2 := client(t, p2)
+	a, b, cs := abc[0], abc[1], abc[2]
+	all := append([]*sandbox(nil), abc...)
+	if d.id != "" {
+		all = append(all, d)
+	}
+	var violations []string
+	violation := func(f string, args ...any) {
+		v := fmt.Sprintf(f, args...)
+		t.Log("VIOLATION: " + v)
+		violations = append(violations, v)
+	}
+	// D's create never returned: not acknowledged, so it may be gone, but
+	// a listed D must serve. A's kill never returned either: A is gone or
+	// serves.
+	list, err := c2.ListSandboxes(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	listed := map[string]bool{}
+	for _, s := range list {
+		listed[s.SandboxID] = true
+		if d.id == "" && s.SandboxID != a.id && s.SandboxID != b.id && s.SandboxID != cs.id {
+			d.id = s.SandboxID // created, never acknowledged
+			h.ids = append(h.ids, d.id)
+			all = append(all, d)
+		}
+	}
+	live := map[string]identity.Route{}
+	for _, s := range all {
+		switch {
+		case s.killed:
+			if _, err := c2.GetSandbox(ctx, s.id); err == nil || listed[s.id] {
+				violation("sandbox %s was killed (acknowledged) and is back", s.id)
+			}
+			continue
+		case !s.acked && !listed[s.id]:
+			continue
+		case op == opKill && s == a && !listed[s.id]:
+			continue // the kill took effect, unacknowledged
+		case !listed[s.id]:
+			violation("sandbox %s (acknowledged) is not listed after the restart", s.id)
+			continue
+		}
+		if d == s && s.token == "" {
+			if info, err := c2.GetSandbox(ctx, s.id); err == nil {
+				s.token = info.EnvdAccessToken
+			}
+		}
+		r, vs := serves(ctx, t, p2, s)
+		for _, v := range vs {
+			violation("%s", v)
+		}
+		if r.SandboxID != "" {
+			live[s.id] = r
+		}
+		t.Logf("sandbox %s (%s) after the restart: %v", s.id, s.role, r)
+	}
+	for _, l := range settled(func() []string { return h.leaks(currentRoutes(ctx, p2, live)) }) {
+		violation("leak after the restart: %s", l)
+	}
+	// Everything killed (a sandbox that did not serve too): nothing of
+	// these sandboxes may be left.
+	for _, s := range all {
+		if s.killed {
+			continue
+		}
+		if err := c2.KillSandbox(ctx, s.id); err != nil && live[s.id].SandboxID != "" {
+			violation("kill of %s after the restart: %v", s.id, err)
+		}
+	}
+	for _, l := range settled(func() []string { return h.leaks(nil) }) {
+		violation("leak after killing every sandbox: %s", l)
+	}
+	if len(violations) > 0 {
+		var notable []string
+		for _, line := range strings.Split(logs(), "\n") {
+			if strings.Contains(line, "level=WARN") || strings.Contains(line, "level=ERROR") {
+				notable = append(notable, line)
+			}
+		}
+		t.Logf("warnings and errors after the restart:\n%s", strings.Join(notable, "\n"))
+	}
+	return violations
 }

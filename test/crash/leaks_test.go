@@ -25,8 +25,27 @@ func activationDirName(r identity.Route) string {
 // harness tracks its sandboxes by id (ids are random, so other platforms
 // on the host never match) and its files by data dir.
 type host struct {
-	dataDir string
-	ids     []string // every sandbox the scenario created or tried to
+	// dataDirs are the platform's data dir (its snapshot store first)
+	// and those of its space-node workers, if any.
+	dataDirs []string
+	// states are glob patterns of the workers' state dirs.
+	states []string
+	ids    []string // every sandbox the scenario created or tried to
+}
+
+// upHost is the host of a space up running its workers in its own process.
+func upHost(dataDir string) host {
+	return host{dataDirs: []string{dataDir}, states: []string{filepath.Join(dataDir, "workers", "*")}}
+}
+
+// under reports whether path is inside one of h's data dirs.
+func (h host) under(path string) bool {
+	for _, d := range h.dataDirs {
+		if strings.HasPrefix(path, d+"/") {
+			return true
+		}
+	}
+	return false
 }
 
 // leaks lists what exists beyond live, the routes the control plane
@@ -56,7 +75,11 @@ func (h host) leaks(live map[string]identity.Route) []string {
 			out = append(out, what)
 		}
 	}
-	acts, _ := filepath.Glob(filepath.Join(h.dataDir, "workers", "*", "act", "*"))
+	var acts []string
+	for _, st := range h.states {
+		a, _ := filepath.Glob(filepath.Join(st, "act", "*"))
+		acts = append(acts, a...)
+	}
 	for _, a := range acts {
 		if !wantAct[filepath.Base(a)] {
 			out = append(out, "activation dir "+a)
@@ -66,7 +89,7 @@ func (h host) leaks(live map[string]identity.Route) []string {
 	for _, l := range loops {
 		b, err := os.ReadFile(l)
 		f := strings.TrimSpace(string(b))
-		if err != nil || !strings.HasPrefix(f, h.dataDir+"/") {
+		if err != nil || !h.under(f) {
 			continue
 		}
 		if strings.Contains(f, "/spare/") && !strings.HasSuffix(f, "(deleted)") {
@@ -77,14 +100,14 @@ func (h host) leaks(live map[string]identity.Route) []string {
 		}
 	}
 	for _, m := range h.mounts() {
-		if isEgressNetns(h.dataDir, m) {
+		if h.isEgressNetns(m) {
 			continue // the worker's own, while it runs (afterStop checks it went)
 		}
 		if act := actOf(m); act == "" || !wantAct[act] {
 			out = append(out, "mount "+m)
 		}
 	}
-	tmps, _ := filepath.Glob(filepath.Join(h.dataDir, "snapshots", ".tmp-*"))
+	tmps, _ := filepath.Glob(filepath.Join(h.dataDirs[0], "snapshots", ".tmp-*"))
 	for _, t := range tmps {
 		out = append(out, "snapshot temporary "+t)
 	}
@@ -100,7 +123,7 @@ func (h host) mounts() []string {
 		return nil
 	}
 	for _, line := range strings.Split(string(mi), "\n") {
-		if fields := strings.Fields(line); len(fields) > 4 && strings.HasPrefix(fields[4], h.dataDir+"/") {
+		if fields := strings.Fields(line); len(fields) > 4 && h.under(fields[4]) {
 			out = append(out, fields[4])
 		}
 	}
@@ -110,9 +133,13 @@ func (h host) mounts() []string {
 // isEgressNetns reports whether mount point m is a worker's egress
 // network namespace (sbxnet's <worker state>/egress.netns): it lives as
 // long as its worker, not any sandbox.
-func isEgressNetns(dataDir, m string) bool {
-	ok, _ := filepath.Match(filepath.Join(dataDir, "workers", "*", "egress.netns"), m)
-	return ok
+func (h host) isEgressNetns(m string) bool {
+	for _, st := range h.states {
+		if ok, _ := filepath.Match(filepath.Join(st, "egress.netns"), m); ok {
+			return true
+		}
+	}
+	return false
 }
 
 // afterStop lists what a platform stopped without keeping its sandboxes
@@ -202,7 +229,7 @@ func (h host) stray(p string, live map[string]identity.Route, wantAct map[string
 		refs = append(refs, strings.Split(string(b), "\x00")...)
 	}
 	for _, r := range refs {
-		if !strings.HasPrefix(r, h.dataDir+"/") {
+		if !h.under(r) {
 			continue
 		}
 		if act := actOf(r); act != "" && wantAct[act] {
