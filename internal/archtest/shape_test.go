@@ -28,7 +28,7 @@ var layer = map[string]int{
 	"internal/atomicfile": 1, "internal/procwait": 1, "internal/procid": 1,
 	"internal/vmchan": 1, "internal/substrate/uidlease": 1, "internal/substrate/spawner": 1,
 	"internal/guest/cgexec": 1, "internal/logsetup": 1, "internal/crashpoint": 1,
-	"internal/netpolicy": 1, "internal/sbxnet": 1, "internal/netsim": 1,
+	"internal/netpolicy": 1, "internal/sbxnet": 1, "internal/netsim": 1, "internal/edgecert": 1,
 	"internal/egress/intercept": 1, "internal/egress/socks5": 1,
 	// 2: contracts built on identity, envd connect stubs.
 	"api/spacev1": 2, "internal/capability": 2,

@@ -29,6 +29,7 @@ package edge
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"io"
 	"log/slog"
@@ -62,7 +63,7 @@ type Edge struct {
 	inflight map[cacheKey]*flight
 
 	srvMu  sync.Mutex
-	srv    *http.Server
+	srvs   []*http.Server
 	closed bool
 
 	// reattachBackoff is the first wait between reattach tries (tests
@@ -113,13 +114,29 @@ func New(cfg Config) (*Edge, error) {
 // own /metrics and /healthz for requests that address no sandbox.
 func (e *Edge) Handler() http.Handler { return e.handler }
 
-// Run listens on cfg.Addr and serves until ctx is done or Close is called.
+// Run listens on cfg.Addr (and, with cfg.TLS, on cfg.TLSAddr) and serves
+// until ctx is done or Close is called.
 func (e *Edge) Run(ctx context.Context) error {
 	ln, err := net.Listen("tcp", e.cfg.Addr)
 	if err != nil {
 		return err
 	}
-	return e.Serve(ctx, ln)
+	if e.cfg.TLS == nil {
+		return e.Serve(ctx, ln)
+	}
+	tln, err := net.Listen("tcp", e.cfg.TLSAddr)
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errc := make(chan error, 2)
+	go func() { errc <- e.Serve(ctx, ln) }()
+	go func() { errc <- e.ServeTLS(ctx, tln) }()
+	err = <-errc
+	cancel() // one listener failed or stopped: stop the other
+	return errors.Join(err, <-errc)
 }
 
 // HTTPServer returns an http.Server for the edge's handler with the
@@ -139,6 +156,21 @@ func (e *Edge) HTTPServer() *http.Server {
 
 // Serve serves on ln until ctx is done or Close is called.
 func (e *Edge) Serve(ctx context.Context, ln net.Listener) error {
+	return e.serve(ctx, ln, "http")
+}
+
+// ServeTLS serves HTTPS on ln with cfg.TLS (the direct sandbox URLs
+// https://<port>-<sandbox>.<domain>) until ctx is done or Close is
+// called. The requests are the same as on Serve's listener.
+func (e *Edge) ServeTLS(ctx context.Context, ln net.Listener) error {
+	if e.cfg.TLS == nil {
+		ln.Close()
+		return errors.New("edge: ServeTLS needs Config.TLS")
+	}
+	return e.serve(ctx, tls.NewListener(ln, e.cfg.TLS.Clone()), "https")
+}
+
+func (e *Edge) serve(ctx context.Context, ln net.Listener, scheme string) error {
 	srv := e.HTTPServer()
 	e.srvMu.Lock()
 	if e.closed {
@@ -146,9 +178,9 @@ func (e *Edge) Serve(ctx context.Context, ln net.Listener) error {
 		ln.Close()
 		return nil // closed before it served: a clean stop, as after Serve
 	}
-	e.srv = srv
+	e.srvs = append(e.srvs, srv)
 	e.srvMu.Unlock()
-	e.log.Info("space-edge listening", "addr", ln.Addr().String(), "domain", e.cfg.Domain)
+	e.log.Info("space-edge listening", "addr", ln.Addr().String(), "scheme", scheme, "domain", e.cfg.Domain)
 	done := make(chan struct{})
 	defer close(done)
 	go func() {
@@ -171,11 +203,11 @@ func (e *Edge) Serve(ctx context.Context, ln net.Listener) error {
 func (e *Edge) Close() error {
 	e.srvMu.Lock()
 	e.closed = true
-	srv := e.srv
+	srvs := e.srvs
 	e.srvMu.Unlock()
 	var err error
-	if srv != nil {
-		err = srv.Close()
+	for _, srv := range srvs {
+		err = errors.Join(err, srv.Close())
 	}
 	if t, ok := e.cfg.NodeTransport.(interface{ CloseIdleConnections() }); ok {
 		t.CloseIdleConnections()

@@ -75,6 +75,10 @@ type Platform struct {
 	APIURL, SandboxURL string
 	APIAddr, EdgeAddr  string
 	APIKey             string
+	// EdgeTLSAddr is the edge's HTTPS address (--edge-tls-addr), CAFile
+	// the local CA its certificates come from (NODE_EXTRA_CA_CERTS in
+	// Env).
+	EdgeTLSAddr, CAFile string
 	// BinDir holds the binaries it runs from; Dir, DataDir and LogPath
 	// are its files (see PlatformOptions.Dir).
 	BinDir, Dir, DataDir, LogPath string
@@ -155,7 +159,11 @@ func LaunchPlatform(o PlatformOptions) (_ *Platform, err error) {
 	if p.EdgeAddr, err = freeAddr(); err != nil {
 		return nil, err
 	}
+	if p.EdgeTLSAddr, err = freeAddr(); err != nil {
+		return nil, err
+	}
 	p.APIURL, p.SandboxURL = "http://"+p.APIAddr, "http://"+p.EdgeAddr
+	p.CAFile = filepath.Join(p.DataDir, "tls", "ca.pem")
 	logf, err := os.Create(p.LogPath)
 	if err != nil {
 		return nil, err
@@ -163,7 +171,7 @@ func LaunchPlatform(o PlatformOptions) (_ *Platform, err error) {
 	defer logf.Close() // space up holds its own descriptor
 	ctx, cancel := context.WithCancel(context.Background())
 	p.cancel = cancel
-	args := append([]string{"up", "--api-addr", p.APIAddr, "--edge-addr", p.EdgeAddr, "--data-dir", p.DataDir,
+	args := append([]string{"up", "--api-addr", p.APIAddr, "--edge-addr", p.EdgeAddr, "--edge-tls-addr", p.EdgeTLSAddr, "--data-dir", p.DataDir,
 		"--api-key", o.APIKey, "--workers", strconv.Itoa(o.Workers), "--log-level", o.LogLevel,
 		"--keep-sandboxes=" + strconv.FormatBool(o.KeepSandboxes)}, o.Args...)
 	cmd := exec.CommandContext(ctx, filepath.Join(bin, "space"), args...)
@@ -218,7 +226,8 @@ func (p *Platform) Log() string {
 // reach p.
 func (p *Platform) Env() []string {
 	return append(os.Environ(), "E2B_API_URL="+p.APIURL, "E2B_SANDBOX_URL="+p.SandboxURL, "E2B_API_KEY="+p.APIKey,
-		"SPACE_API_URL="+p.APIURL, "SPACE_SANDBOX_URL="+p.SandboxURL, "SPACE_API_KEY="+p.APIKey)
+		"SPACE_API_URL="+p.APIURL, "SPACE_SANDBOX_URL="+p.SandboxURL, "SPACE_API_KEY="+p.APIKey,
+		"NODE_EXTRA_CA_CERTS="+p.CAFile)
 }
 
 // Stop interrupts space up and waits for it. A non-zero exit is an error
