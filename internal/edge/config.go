@@ -48,6 +48,10 @@ const (
 	DefaultIdleTimeout = 120 * time.Second
 	// DefaultMaxHeaderBytes bounds a request's headers.
 	DefaultMaxHeaderBytes = 64 << 10
+	// signedLookups bounds the control-plane lookups of signed URLs that
+	// name no sandbox in flight at once; signedCacheSize the answers kept.
+	signedLookups   = 4
+	signedCacheSize = 4096
 	// DefaultNodeIdleConnsPerHost is how many idle connections the
 	// default NodeTransport keeps to each node-api.
 	DefaultNodeIdleConnsPerHost = 256

@@ -5,7 +5,11 @@
 // (DESIGN.md sections 2, 4, 6 and 7).
 //
 // Addressing: the e2b SDKs send E2b-Sandbox-Id and E2b-Sandbox-Port headers;
-// public URLs use Host "<port>-<sandbox>.<domain>". Port 49983 is the guest
+// public URLs use Host "<port>-<sandbox>.<domain>", served over HTTPS too
+// (ServeTLS, Config.TLS: the direct URLs the SDKs build when
+// E2B_SANDBOX_URL is unset). A signed /files URL built on E2B_SANDBOX_URL
+// names no sandbox: the control plane finds it from the signature
+// (signedSandbox). Port 49983 is the guest
 // agent (envd): /process.Process/* needs a "process" capability,
 // /filesystem.Filesystem/* a "filesystem" one, /files and /health a "files"
 // one. Every other port is a service port ("service-port" capability with
@@ -61,6 +65,11 @@ type Edge struct {
 	mu       sync.Mutex
 	cache    *simplelru.LRU[cacheKey, *entry]
 	inflight map[cacheKey]*flight
+	// signed maps a signed /files URL that names no sandbox to the
+	// sandbox it was signed for; lookups bounds the control-plane
+	// lookups in flight (signedSandbox).
+	signed  *simplelru.LRU[string, string]
+	lookups chan struct{}
 
 	srvMu  sync.Mutex
 	srvs   []*http.Server
@@ -83,9 +92,11 @@ func New(cfg Config) (*Edge, error) {
 		metrics:  newMetrics(),
 		cache:    newRouteCache(cfg.MaxEntries),
 		inflight: make(map[cacheKey]*flight),
+		lookups:  make(chan struct{}, signedLookups),
 
 		reattachBackoff: defaultReattachBackoff,
 	}
+	e.signed, _ = simplelru.NewLRU[string, string](signedCacheSize, nil)
 	e.budget.max = cfg.BufferedBodyBudget
 	e.proxy = &httputil.ReverseProxy{
 		Rewrite:        e.rewrite,
@@ -247,6 +258,19 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		dropUnreadBody(w, r)
 		writeError(w, err)
 		return
+	}
+	if sig, signed := signatureOf(r); !ok && signed && r.Header.Get(spacev1.HeaderAccessToken) == "" {
+		// A signed /files URL built on E2B_SANDBOX_URL: the signature
+		// tells the sandbox.
+		if sandbox, err = e.signedSandbox(r.Context(), sig); err != nil {
+			if !contextEnded(err) {
+				e.metrics.requests.WithLabelValues("none", statusLabel(errorStatus(err))).Inc()
+				dropUnreadBody(w, r)
+				writeError(w, err)
+			}
+			return
+		}
+		port, ok = EnvdPort, true
 	}
 	if !ok {
 		dropUnreadBody(w, r) // the edge's own endpoints read no body

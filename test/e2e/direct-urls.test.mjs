@@ -141,6 +141,32 @@ test('the edge refuses what addresses no sandbox of its domain', async () => {
   assert.equal(bare.status, 400)
 })
 
+test('signed URLs the SDK builds on E2B_SANDBOX_URL work as they are', async () => {
+  // No sandbox id in the URL, no sandbox headers: the edge learns the
+  // sandbox from the signature.
+  const viaPlain = await Sandbox.connect(sbx.sandboxId, { sandboxUrl: plainEdge })
+  for (const [user, exp] of [['user', undefined], ['root', 60]]) {
+    const path = `${user === 'root' ? '/root' : '/home/user'}/plain-${exp ?? 'none'}.txt`
+    const up = new URL(await viaPlain.uploadUrl(path, { user, useSignatureExpiration: exp }))
+    assert.equal(up.origin, new URL(plainEdge).origin)
+    const fd = new FormData()
+    fd.append('file', new Blob([`plain ${user}`]), 'p.txt')
+    const res = await fetch(up, { method: 'POST', body: fd })
+    assert.equal(res.status, 200, await res.clone().text())
+    const got = await fetch(await viaPlain.downloadUrl(path, { user, useSignatureExpiration: exp }))
+    assert.equal(got.status, 200)
+    assert.equal(await got.text(), `plain ${user}`)
+  }
+  const expired = await fetch(await viaPlain.downloadUrl('/home/user/guarded.txt', { user: 'user', useSignatureExpiration: -10 }))
+  assert.equal(expired.status, 401)
+  assert.equal((await json(expired)).message, 'signature is already expired')
+  const tampered = new URL(await viaPlain.downloadUrl('/home/user/guarded.txt', { user: 'user' }))
+  tampered.searchParams.set('path', '/etc/shadow')
+  const tb = await fetch(tampered)
+  assert.equal(tb.status, 401)
+  assert.deepEqual(await json(tb), { code: 401, message: 'invalid signature', reason: 'unauthorized' })
+})
+
 test('the plain edge (E2B_SANDBOX_URL) keeps serving alongside', async () => {
   const res = await fetch(new URL('/files?path=/home/user/d.txt', plainEdge), {
     headers: { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '49983', 'X-Access-Token': sbx.envdAccessToken },
