@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
@@ -117,6 +118,15 @@ func (e *Edge) doFetch(ctx context.Context, t target, callerToken string, repair
 	return &cr, nil
 }
 
+// cpTimeout bounds one control-plane exchange: the ControlPlaneClient's
+// timeout when it has one, else DefaultControlPlaneTimeout.
+func (e *Edge) cpTimeout() time.Duration {
+	if d := e.cfg.ControlPlaneClient.Timeout; d > 0 {
+		return d
+	}
+	return DefaultControlPlaneTimeout
+}
+
 func servicePort(t target) int {
 	if t.port == EnvdPort {
 		return 0
@@ -151,7 +161,7 @@ func (e *Edge) signedSandbox(ctx context.Context, sig fileSignature) (string, er
 	case <-ctx.Done():
 		return "", ctx.Err()
 	}
-	ctx, cancel := context.WithTimeout(ctx, DefaultControlPlaneTimeout)
+	ctx, cancel := context.WithTimeout(ctx, e.cpTimeout())
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.cfg.ControlPlaneURL+spacev1.PathSignedFilesSandbox+"?"+sig.query().Encode(), nil)
 	if err != nil {

@@ -263,7 +263,7 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		// A signed /files URL built on E2B_SANDBOX_URL: the signature
 		// tells the sandbox.
 		if sandbox, err = e.signedSandbox(r.Context(), sig); err != nil {
-			if !contextEnded(err) {
+			if r.Context().Err() == nil {
 				e.metrics.requests.WithLabelValues("none", statusLabel(errorStatus(err))).Inc()
 				dropUnreadBody(w, r)
 				writeError(w, err)
@@ -307,11 +307,13 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	// must not make the edge buffer (or even wait for) its body.
 	ent, err := e.resolve(r.Context(), st.key, t, callerToken)
 	if err != nil {
-		if !contextEnded(err) {
+		// A control plane that did not answer in time is answered (504),
+		// not left to an empty 200; only a client that is gone is not.
+		if r.Context().Err() == nil {
 			dropUnreadBody(w, r)
 			writeError(sw, err)
 		}
-		return // context cancelled: the client is gone
+		return
 	}
 	defer e.releaseBody(st)
 	if err := e.holdBody(w, r, st); err != nil {
@@ -322,7 +324,7 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		// Receiving the body took long enough that the route's
 		// authorization or capability is due: resolve it again.
 		if ent, err = e.resolve(r.Context(), st.key, t, callerToken); err != nil {
-			if !contextEnded(err) {
+			if r.Context().Err() == nil {
 				writeError(sw, err)
 			}
 			return

@@ -151,6 +151,7 @@ func (cp *fakeCP) serve(w http.ResponseWriter, r *http.Request) {
 func (cp *fakeCP) serveSigned(w http.ResponseWriter, r *http.Request) {
 	cp.mu.Lock()
 	cp.lookups++
+	delay := cp.delay
 	found := ""
 	for sb, tok := range cp.tokens {
 		if tok != "" && r.URL.Query().Get("signature") == "sig-"+tok {
@@ -158,6 +159,7 @@ func (cp *fakeCP) serveSigned(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	cp.mu.Unlock()
+	time.Sleep(delay)
 	w.Header().Set("Content-Type", "application/json")
 	if r.Header.Get(spacev1.HeaderAPIKey) != "edge-key" || found == "" {
 		w.WriteHeader(http.StatusUnauthorized)

@@ -252,3 +252,35 @@ func TestRunServesBoth(t *testing.T) {
 	}
 	e.Close()
 }
+
+// TestSlowControlPlaneIsAnswered: when the control plane does not answer
+// in time, the client still present gets an error answer (504 or 503),
+// never an empty 200, on the plain path and on a signed URL naming no
+// sandbox.
+func TestSlowControlPlaneIsAnswered(t *testing.T) {
+	tr := &http.Transport{}
+	t.Cleanup(tr.CloseIdleConnections)
+	h := newHarness(t, func(c *Config) {
+		c.ControlPlaneClient = &http.Client{Transport: tr, Timeout: 200 * time.Millisecond}
+	})
+	h.sandbox("sbx1")
+	h.cp.mu.Lock()
+	h.cp.delay = time.Second
+	h.cp.mu.Unlock()
+	for _, u := range []string{"/files?path=/x", "/files?path=/x&signature=sig-none"} {
+		req, _ := http.NewRequest("GET", h.srv.URL+u, nil)
+		if !strings.Contains(u, "signature") {
+			req.Header.Set(HeaderSandboxID, "sbx1")
+			req.Header.Set(HeaderSandboxPort, "49983")
+		}
+		res, err := h.cl.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var e spacev1.Error
+		raw := readAll(t, res)
+		if (res.StatusCode != 504 && res.StatusCode != 503) || json.Unmarshal([]byte(raw), &e) != nil || e.Code != res.StatusCode {
+			t.Errorf("%s: %d %q", u, res.StatusCode, raw)
+		}
+	}
+}
