@@ -225,9 +225,12 @@ func (p *Platform) Log() string {
 // Env is os.Environ() plus what the e2b SDK and the space CLI need to
 // reach p.
 func (p *Platform) Env() []string {
-	return append(os.Environ(), "E2B_API_URL="+p.APIURL, "E2B_SANDBOX_URL="+p.SandboxURL, "E2B_API_KEY="+p.APIKey,
-		"SPACE_API_URL="+p.APIURL, "SPACE_SANDBOX_URL="+p.SandboxURL, "SPACE_API_KEY="+p.APIKey,
-		"NODE_EXTRA_CA_CERTS="+p.CAFile)
+	env := append(os.Environ(), "E2B_API_URL="+p.APIURL, "E2B_SANDBOX_URL="+p.SandboxURL, "E2B_API_KEY="+p.APIKey,
+		"SPACE_API_URL="+p.APIURL, "SPACE_SANDBOX_URL="+p.SandboxURL, "SPACE_API_KEY="+p.APIKey)
+	if _, err := os.Stat(p.CAFile); err == nil { // not with --edge-tls-addr= (no HTTPS)
+		env = append(env, "NODE_EXTRA_CA_CERTS="+p.CAFile)
+	}
+	return env
 }
 
 // Stop interrupts space up and waits for it. A non-zero exit is an error
