@@ -22,7 +22,7 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	cfg := Config{VMPrewarm: true}
 	fs.StringVar(&cfg.APIAddr, "api-addr", DefaultAPIAddr, "control plane listen address")
 	fs.StringVar(&cfg.EdgeAddr, "edge-addr", DefaultEdgeAddr, "edge (sandbox traffic) listen address")
-	fs.StringVar(&cfg.EdgeTLSAddr, "edge-tls-addr", "127.0.0.1:3443", "edge HTTPS listen address for the direct sandbox URLs https://<port>-<id>.<domain>[:port] (empty: none)")
+	fs.StringVar(&cfg.EdgeTLSAddr, "edge-tls-addr", DefaultEdgeTLSAddr, "edge HTTPS listen address for the direct sandbox URLs https://<port>-<id>.<domain>[:port] (empty: none)")
 	fs.StringVar(&cfg.TLSCertFile, "tls-cert", "", "PEM certificate (chain) for *.<domain> the edge serves HTTPS with (default: a local CA under <data-dir>/tls)")
 	fs.StringVar(&cfg.TLSKeyFile, "tls-key", "", "PEM key of --tls-cert")
 	fs.StringVar(&cfg.DataDir, "data-dir", DefaultDataDir, "state directory (etcd, keys, workers)")

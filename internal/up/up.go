@@ -127,8 +127,11 @@ type Config struct {
 const (
 	DefaultAPIAddr  = "127.0.0.1:3000"
 	DefaultEdgeAddr = "127.0.0.1:3001"
-	DefaultDataDir  = ".data"
-	DefaultDomain   = "localhost"
+	// DefaultEdgeTLSAddr is `space up`'s --edge-tls-addr (Config's
+	// EdgeTLSAddr has no default: no HTTPS).
+	DefaultEdgeTLSAddr = "127.0.0.1:3443"
+	DefaultDataDir     = ".data"
+	DefaultDomain      = "localhost"
 )
 
 // maxWorkers bounds Config.Workers.
@@ -186,6 +189,9 @@ func (c Config) Validate() error {
 	}
 	if c.Capacity < 0 {
 		return fmt.Errorf("up: capacity %d: want a positive number of sandboxes per worker", c.Capacity)
+	}
+	if (c.TLSCertFile != "" || c.TLSKeyFile != "") && c.EdgeTLSAddr == "" {
+		return fmt.Errorf("up: a TLS certificate without EdgeTLSAddr (--edge-tls-addr) would not be served")
 	}
 	if c.BinDir == "" { // the default: beside the executable
 		return nil
