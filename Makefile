@@ -28,7 +28,7 @@ build: vm-deps sandbox-deps base-image
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/spaced-guest ./cmd/spaced-guest
 
 ## run: build and start a single-machine SPACE (etcd, control plane, workers, edge)
-run: build
+run: build localhost-names
 	$(BIN)/space up $(ARGS)
 
 ## sandbox-deps: what ns sandboxes use from the host's /usr (bind-mounted
@@ -63,10 +63,29 @@ registry-deps:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-registry && \
 	  { ! command -v systemctl >/dev/null || systemctl disable --now docker-registry.service >/dev/null 2>&1 || true; }; }
 
-## e2e-deps: the unmodified e2b npm SDK for the end-to-end tests
-e2e-deps: deps test/e2e/node_modules/.package-lock.json
+## e2e-deps: the unmodified e2b npm SDK for the end-to-end tests (and the
+## *.localhost names direct-urls.test.mjs fetches)
+e2e-deps: deps localhost-names test/e2e/node_modules/.package-lock.json
 test/e2e/node_modules/.package-lock.json: test/e2e/package.json test/e2e/package-lock.json
 	npm ci --prefix test/e2e --no-audit --no-fund --loglevel=error
+
+## localhost-names: the direct sandbox URLs https://<port>-<id>.localhost:3443
+## resolve to the loopback for every program on this machine (Node's fetch,
+## curl, browsers): glibc's myhostname NSS module (Debian's
+## libnss-myhostname) answers *.localhost. Installs it and puts `myhostname`
+## after `files` on the hosts line of /etc/nsswitch.conf, once (idempotent;
+## this is the only system file it edits). Undo: remove the word there.
+.PHONY: localhost-names
+localhost-names:
+	@dpkg -s libnss-myhostname >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libnss-myhostname; }
+	@grep -Eq '^hosts:.*[[:space:]]myhostname([[:space:]]|$$)' /etc/nsswitch.conf || { \
+	  if grep -Eq '^hosts:.*[[:space:]]files([[:space:]]|$$)' /etc/nsswitch.conf; then \
+	    sed -i -E 's/^(hosts:.*[[:space:]]files)([[:space:]]|$$)/\1 myhostname\2/' /etc/nsswitch.conf; \
+	  else sed -i -E 's/^(hosts:.*)$$/\1 myhostname/' /etc/nsswitch.conf; fi; \
+	  echo 'localhost-names: added myhostname to the hosts line of /etc/nsswitch.conf'; }
+	@getent hosts space-probe.localhost >/dev/null && echo 'localhost-names: *.localhost resolves to the loopback' || \
+	  echo 'localhost-names: *.localhost does not resolve: check the hosts line of /etc/nsswitch.conf'
 
 ## vm-deps: what the microvm substrate runs on: QEMU, a static busybox (the
 ## guest's userland) and the cloud kernel (vmlinuz + modules) Debian serves

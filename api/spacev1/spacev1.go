@@ -276,3 +276,14 @@ const ReasonExecutionLost = "execution_lost"
 // (node-api's 409 for a frozen execution, the control plane's 409 for a
 // capability). The edge answers clients E2B's 502 with this reason.
 const ReasonPaused = "paused"
+
+// PathSignedFilesSandbox is where the edge asks which sandbox a signed
+// /files URL that names none was signed for (POST, edge key, the URL's
+// signature, signature_expiration, path, username and operation as the
+// query). The e2b SDK builds such URLs on E2B_SANDBOX_URL.
+const PathSignedFilesSandbox = "/space/v1/signed-files/sandbox"
+
+// SignedFilesSandbox answers PathSignedFilesSandbox.
+type SignedFilesSandbox struct {
+	SandboxID string `json:"sandboxID"`
+}

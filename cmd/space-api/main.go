@@ -24,7 +24,7 @@ func main() {
 	etcd := flag.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
 	apiKey := flag.String("api-key", os.Getenv("SPACE_API_KEY"), "bootstrap API key e2b_<40 hex> (env SPACE_API_KEY; generated if empty)")
 	edgeKey := flag.String("edge-key", os.Getenv("SPACE_EDGE_KEY"), "space-edge service key (env SPACE_EDGE_KEY)")
-	domain := flag.String("domain", controlplane.DefaultDomain, "domain reported to E2B clients")
+	domain := flag.String("domain", controlplane.DefaultDomain, "domain reported to E2B clients, who build https://<port>-<id>.<domain>: the edge's sandbox domain with its HTTPS port unless 443 (e.g. localhost:3443)")
 	sandboxURL := flag.String("sandbox-url", "", "the edge's URL, where template builds reach their build sandboxes (empty: builds disabled)")
 	logOpts := logsetup.Flags(flag.CommandLine, logsetup.Options{Format: os.Getenv(logsetup.EnvFormat), Level: os.Getenv(logsetup.EnvLevel)})
 	flag.Parse()

@@ -3,6 +3,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"flag"
 	"fmt"
 	"os"
@@ -10,6 +11,7 @@ import (
 	"syscall"
 
 	"github.com/spacesbx/space/internal/edge"
+	"github.com/spacesbx/space/internal/edgecert"
 	"github.com/spacesbx/space/internal/logsetup"
 )
 
@@ -18,6 +20,10 @@ func main() {
 	addr := fs.String("addr", envOr("SPACE_EDGE_ADDR", edge.DefaultAddr), "listen address")
 	cp := fs.String("control-plane", os.Getenv("SPACE_API_URL"), "control plane base URL (env SPACE_API_URL)")
 	domain := fs.String("domain", envOr("SPACE_DOMAIN", edge.DefaultDomain), "public sandbox domain for <port>-<sandbox>.<domain> hosts")
+	tlsAddr := fs.String("tls-addr", "", "HTTPS listen address for https://<port>-<sandbox>.<domain> (empty: none; the plain listener stays)")
+	tlsCert := fs.String("tls-cert", "", "PEM certificate (chain) for *.<domain>")
+	tlsKey := fs.String("tls-key", "", "PEM key of -tls-cert")
+	tlsCADir := fs.String("tls-ca-dir", "", "without -tls-cert: directory of a local CA made once (ca.pem, ca-key.pem) that signs the edge's certificates")
 	maxBody := fs.Int64("max-buffered-body", edge.DefaultMaxBufferedBody, "largest request body held for a rebuilt attempt (bytes)")
 	logOpts := logsetup.Flags(fs, logsetup.Options{Format: os.Getenv(logsetup.EnvFormat), Level: os.Getenv(logsetup.EnvLevel)})
 	_ = fs.Parse(os.Args[1:])
@@ -27,6 +33,18 @@ func main() {
 		fmt.Fprintln(os.Stderr, "space-edge:", err)
 		os.Exit(2)
 	}
+	var tlsConf *tls.Config
+	if *tlsAddr != "" {
+		certs, err := edgecert.New(edgecert.Config{Domain: *domain, CertFile: *tlsCert, KeyFile: *tlsKey, Dir: *tlsCADir, Logger: log})
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "space-edge:", err)
+			os.Exit(2)
+		}
+		if ca := certs.CAFile(); ca != "" {
+			log.Info("clients trust the local CA", "ca", ca)
+		}
+		tlsConf = certs.TLSConfig()
+	}
 	// The edge key is read from the environment only, never from flags
 	// (visible in process listings).
 	e, err := edge.New(edge.Config{
@@ -34,6 +52,8 @@ func main() {
 		ControlPlaneURL: *cp,
 		EdgeKey:         os.Getenv("SPACE_EDGE_KEY"),
 		Domain:          *domain,
+		TLSAddr:         *tlsAddr,
+		TLS:             tlsConf,
 		MaxBufferedBody: *maxBody,
 		Logger:          log,
 	})

@@ -31,7 +31,7 @@ var layer = map[string]int{
 	"internal/netpolicy": 1, "internal/sbxnet": 1, "internal/netsim": 1,
 	"internal/egress/intercept": 1, "internal/egress/socks5": 1,
 	// 2: contracts built on identity, envd connect stubs.
-	"api/spacev1": 2, "internal/capability": 2,
+	"api/spacev1": 2, "internal/capability": 2, "internal/edgecert": 2,
 	"api/envd/filesystem/filesystempbconnect": 2, "api/envd/process/processpbconnect": 2,
 	// 3: state, policies and the substrate interface.
 	"internal/store": 3, "internal/scheduler": 3, "internal/snapshot": 3, "internal/substrate": 3,

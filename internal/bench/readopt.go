@@ -75,7 +75,7 @@ func startUp(ctx context.Context, binDir, dataDir string, workers int) (*readopt
 	defer logf.Close()
 	cmd := exec.Command(filepath.Join(binDir, "space"), "up", "--api-addr", api, "--edge-addr", edge, "--data-dir", dataDir,
 		"--api-key", benchAPIKey, "--workers", strconv.Itoa(workers), "--log-level", "error",
-		"--keep-sandboxes=false") // a crash (kill) leaves them running; a stop ends them
+		"--keep-sandboxes=false", "--edge-tls-addr=") // a crash (kill) leaves them running; a stop ends them
 	cmd.Stderr = logf
 	out, err := cmd.StdoutPipe()
 	if err != nil {

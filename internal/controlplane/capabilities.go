@@ -74,10 +74,11 @@ func (sig *fileSignature) verify(token string, now time.Time) (time.Time, error)
 		until = time.Unix(exp, 0)
 	}
 	if !equalSecret(sig.Signature, expectedFileSignature(sig.Path, sig.Operation, sig.Username, token, sig.Expiration)) {
-		return time.Time{}, fmt.Errorf("%w: invalid signature", errdefs.ErrUnauthenticated)
+		// envd's own words, which clients of signed URLs read.
+		return time.Time{}, errdefs.Message(errdefs.ErrUnauthenticated, "invalid signature")
 	}
 	if !until.IsZero() && until.Unix() < now.Unix() {
-		return time.Time{}, fmt.Errorf("%w: signature is already expired", errdefs.ErrUnauthenticated)
+		return time.Time{}, errdefs.Message(errdefs.ErrUnauthenticated, "signature is already expired")
 	}
 	if !until.IsZero() {
 		until = until.Add(time.Second) // valid through its expiration second

@@ -69,7 +69,9 @@ type Config struct {
 	// EdgeKey is space-edge's service key (any string of 16..256 bytes),
 	// or empty to disable the edge role.
 	EdgeKey string
-	// Domain is reported in E2B "domain" fields (default "localhost").
+	// Domain is reported in E2B "domain" fields (default "localhost"). The
+	// SDKs build https://<port>-<id>.<Domain> from it, so it carries the
+	// edge's HTTPS port unless that is 443 ("localhost:3443").
 	Domain string
 	// SandboxURL is the edge's base URL, where template builds reach their
 	// build sandboxes' process and file APIs; empty disables template

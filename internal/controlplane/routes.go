@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 )
 
@@ -76,6 +77,7 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("GET /space/v1/workers", s.handleWorkers)
 	mux.HandleFunc("GET /space/v1/sandboxes/{id}/executions", s.handleExecutions)
 	mux.HandleFunc("POST /space/v1/sandboxes/{id}/capabilities", s.settled(s.handleCapability))
+	mux.HandleFunc("POST "+spacev1.PathSignedFilesSandbox, s.handleSignedFilesSandbox)
 	mux.HandleFunc("POST /space/v1/sandboxes/{id}/migrate", s.withKey(s.handleMigrate))
 	mux.HandleFunc("POST /space/v1/keys/rotate", s.withKey(s.handleRotate))
 

@@ -143,7 +143,7 @@ func (e *Edge) resolve(ctx context.Context, k cacheKey, t target, callerToken st
 	e.inflight[k] = f
 	e.mu.Unlock()
 	// The leader's cancellation must not fail the requests waiting on it.
-	lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), DefaultControlPlaneTimeout)
+	lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cpTimeout())
 	f.ent, f.err = e.resolveSlow(lctx, k, t, callerToken, ent, now)
 	cancel()
 	e.mu.Lock()

@@ -2,6 +2,7 @@ package edge
 
 import (
 	"cmp"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -17,6 +18,7 @@ const EnvdPort = 49983
 // Defaults.
 const (
 	DefaultAddr            = "127.0.0.1:3001"
+	DefaultTLSAddr         = "127.0.0.1:3443"
 	DefaultDomain          = "localhost"
 	DefaultMaxBufferedBody = 16 << 20
 	// DefaultRenewBefore is how long before a capability's expiry the edge
@@ -46,6 +48,10 @@ const (
 	DefaultIdleTimeout = 120 * time.Second
 	// DefaultMaxHeaderBytes bounds a request's headers.
 	DefaultMaxHeaderBytes = 64 << 10
+	// signedLookups bounds the control-plane lookups of signed URLs that
+	// name no sandbox in flight at once; signedCacheSize the answers kept.
+	signedLookups   = 4
+	signedCacheSize = 4096
 	// DefaultNodeIdleConnsPerHost is how many idle connections the
 	// default NodeTransport keeps to each node-api.
 	DefaultNodeIdleConnsPerHost = 256
@@ -55,6 +61,13 @@ const (
 type Config struct {
 	// Addr is the listen address used by Run. Default DefaultAddr.
 	Addr string
+	// TLSAddr is the HTTPS listen address used by Run when TLS is set.
+	// Default DefaultTLSAddr.
+	TLSAddr string
+	// TLS, when set, makes Run serve HTTPS on TLSAddr as well: the direct
+	// sandbox URLs https://<port>-<sandbox>.<Domain> (package edgecert
+	// provides it). The plain listener (Addr) keeps serving.
+	TLS *tls.Config
 	// ControlPlaneURL is the base URL of space-api (required), e.g.
 	// "http://127.0.0.1:3000".
 	ControlPlaneURL string
@@ -135,6 +148,9 @@ type Config struct {
 func (cfg Config) withDefaults() Config {
 	if cfg.Addr == "" {
 		cfg.Addr = DefaultAddr
+	}
+	if cfg.TLSAddr == "" {
+		cfg.TLSAddr = DefaultTLSAddr
 	}
 	if cfg.Domain == "" {
 		cfg.Domain = DefaultDomain

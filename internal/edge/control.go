@@ -9,10 +9,12 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/identity"
 )
 
 // maxControlResponse bounds a control-plane answer.
@@ -45,15 +47,7 @@ func (e *Edge) doFetch(ctx context.Context, t target, callerToken string, repair
 	})
 	u := e.cfg.ControlPlaneURL + "/space/v1/sandboxes/" + url.PathEscape(t.sandbox) + "/capabilities"
 	if !repair && callerToken == "" && t.sig.signature != "" {
-		q := url.Values{}
-		q.Set(QuerySignature, t.sig.signature)
-		if t.sig.expiration != "" {
-			q.Set(QuerySignatureExpiration, t.sig.expiration)
-		}
-		q.Set("path", t.sig.path)
-		q.Set("username", t.sig.username)
-		q.Set("operation", t.sig.operation)
-		u += "?" + q.Encode()
+		u += "?" + t.sig.query().Encode()
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, bytes.NewReader(body))
 	if err != nil {
@@ -124,6 +118,15 @@ func (e *Edge) doFetch(ctx context.Context, t target, callerToken string, repair
 	return &cr, nil
 }
 
+// cpTimeout bounds one control-plane exchange: the ControlPlaneClient's
+// timeout when it has one, else DefaultControlPlaneTimeout.
+func (e *Edge) cpTimeout() time.Duration {
+	if d := e.cfg.ControlPlaneClient.Timeout; d > 0 {
+		return d
+	}
+	return DefaultControlPlaneTimeout
+}
+
 func servicePort(t target) int {
 	if t.port == EnvdPort {
 		return 0
@@ -136,4 +139,63 @@ func orDefault(s, d string) string {
 		return d
 	}
 	return s
+}
+
+// signedSandbox finds the sandbox a signed /files URL that names none was
+// signed for (the e2b SDK builds uploadUrl/downloadUrl on E2B_SANDBOX_URL,
+// which carries no sandbox id): the control plane knows the access tokens.
+// Answers are kept (a signature belongs to one sandbox for good); at most
+// signedLookups run at once, since each costs the control plane a pass
+// over its secure sandboxes.
+func (e *Edge) signedSandbox(ctx context.Context, sig fileSignature) (string, error) {
+	key := sig.cacheToken()
+	e.mu.Lock()
+	id, ok := e.signed.Get(key)
+	e.mu.Unlock()
+	if ok {
+		return id, nil
+	}
+	select {
+	case e.lookups <- struct{}{}:
+		defer func() { <-e.lookups }()
+	case <-ctx.Done():
+		return "", ctx.Err()
+	}
+	ctx, cancel := context.WithTimeout(ctx, e.cpTimeout())
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.cfg.ControlPlaneURL+spacev1.PathSignedFilesSandbox+"?"+sig.query().Encode(), nil)
+	if err != nil {
+		return "", fmt.Errorf("edge: building signed-URL request: %w", err)
+	}
+	req.Header.Set(spacev1.HeaderAPIKey, e.cfg.EdgeKey)
+	res, err := e.cfg.ControlPlaneClient.Do(req)
+	if err != nil {
+		if ctx.Err() != nil {
+			return "", ctx.Err()
+		}
+		e.log.Warn("control plane unreachable", "err", err)
+		return "", answer(errdefs.ErrUnavailable, "control_plane_unavailable", "control plane unreachable")
+	}
+	defer res.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(res.Body, maxControlResponse))
+	if err != nil {
+		return "", controlPlaneError("reading control plane response")
+	}
+	if res.StatusCode != http.StatusOK {
+		var ae spacev1.Error
+		_ = json.Unmarshal(raw, &ae)
+		if res.StatusCode == http.StatusUnauthorized {
+			return "", errdefs.WithReason(errdefs.Message(errdefs.ErrUnauthenticated, orDefault(ae.Message, "invalid signature")), "unauthorized")
+		}
+		e.log.Warn("control plane error", "status", res.StatusCode, "message", ae.Message)
+		return "", controlPlaneError("control plane error: " + orDefault(ae.Message, http.StatusText(res.StatusCode)))
+	}
+	var sb spacev1.SignedFilesSandbox
+	if err := json.Unmarshal(raw, &sb); err != nil || identity.ValidateSandboxID(sb.SandboxID) != nil {
+		return "", controlPlaneError("malformed signed-URL answer")
+	}
+	e.mu.Lock()
+	e.signed.Add(key, sb.SandboxID)
+	e.mu.Unlock()
+	return sb.SandboxID, nil
 }

@@ -5,7 +5,11 @@
 // (DESIGN.md sections 2, 4, 6 and 7).
 //
 // Addressing: the e2b SDKs send E2b-Sandbox-Id and E2b-Sandbox-Port headers;
-// public URLs use Host "<port>-<sandbox>.<domain>". Port 49983 is the guest
+// public URLs use Host "<port>-<sandbox>.<domain>", served over HTTPS too
+// (ServeTLS, Config.TLS: the direct URLs the SDKs build when
+// E2B_SANDBOX_URL is unset). A signed /files URL built on E2B_SANDBOX_URL
+// names no sandbox: the control plane finds it from the signature
+// (signedSandbox). Port 49983 is the guest
 // agent (envd): /process.Process/* needs a "process" capability,
 // /filesystem.Filesystem/* a "filesystem" one, /files and /health a "files"
 // one. Every other port is a service port ("service-port" capability with
@@ -29,6 +33,7 @@ package edge
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"io"
 	"log/slog"
@@ -60,9 +65,14 @@ type Edge struct {
 	mu       sync.Mutex
 	cache    *simplelru.LRU[cacheKey, *entry]
 	inflight map[cacheKey]*flight
+	// signed maps a signed /files URL that names no sandbox to the
+	// sandbox it was signed for; lookups bounds the control-plane
+	// lookups in flight (signedSandbox).
+	signed  *simplelru.LRU[string, string]
+	lookups chan struct{}
 
 	srvMu  sync.Mutex
-	srv    *http.Server
+	srvs   []*http.Server
 	closed bool
 
 	// reattachBackoff is the first wait between reattach tries (tests
@@ -82,9 +92,11 @@ func New(cfg Config) (*Edge, error) {
 		metrics:  newMetrics(),
 		cache:    newRouteCache(cfg.MaxEntries),
 		inflight: make(map[cacheKey]*flight),
+		lookups:  make(chan struct{}, signedLookups),
 
 		reattachBackoff: defaultReattachBackoff,
 	}
+	e.signed, _ = simplelru.NewLRU[string, string](signedCacheSize, nil)
 	e.budget.max = cfg.BufferedBodyBudget
 	e.proxy = &httputil.ReverseProxy{
 		Rewrite:        e.rewrite,
@@ -113,13 +125,29 @@ func New(cfg Config) (*Edge, error) {
 // own /metrics and /healthz for requests that address no sandbox.
 func (e *Edge) Handler() http.Handler { return e.handler }
 
-// Run listens on cfg.Addr and serves until ctx is done or Close is called.
+// Run listens on cfg.Addr (and, with cfg.TLS, on cfg.TLSAddr) and serves
+// until ctx is done or Close is called.
 func (e *Edge) Run(ctx context.Context) error {
 	ln, err := net.Listen("tcp", e.cfg.Addr)
 	if err != nil {
 		return err
 	}
-	return e.Serve(ctx, ln)
+	if e.cfg.TLS == nil {
+		return e.Serve(ctx, ln)
+	}
+	tln, err := net.Listen("tcp", e.cfg.TLSAddr)
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errc := make(chan error, 2)
+	go func() { errc <- e.Serve(ctx, ln) }()
+	go func() { errc <- e.ServeTLS(ctx, tln) }()
+	err = <-errc
+	cancel() // one listener failed or stopped: stop the other
+	return errors.Join(err, <-errc)
 }
 
 // HTTPServer returns an http.Server for the edge's handler with the
@@ -139,6 +167,21 @@ func (e *Edge) HTTPServer() *http.Server {
 
 // Serve serves on ln until ctx is done or Close is called.
 func (e *Edge) Serve(ctx context.Context, ln net.Listener) error {
+	return e.serve(ctx, ln, "http")
+}
+
+// ServeTLS serves HTTPS on ln with cfg.TLS (the direct sandbox URLs
+// https://<port>-<sandbox>.<domain>) until ctx is done or Close is
+// called. The requests are the same as on Serve's listener.
+func (e *Edge) ServeTLS(ctx context.Context, ln net.Listener) error {
+	if e.cfg.TLS == nil {
+		ln.Close()
+		return errors.New("edge: ServeTLS needs Config.TLS")
+	}
+	return e.serve(ctx, tls.NewListener(ln, e.cfg.TLS.Clone()), "https")
+}
+
+func (e *Edge) serve(ctx context.Context, ln net.Listener, scheme string) error {
 	srv := e.HTTPServer()
 	e.srvMu.Lock()
 	if e.closed {
@@ -146,9 +189,9 @@ func (e *Edge) Serve(ctx context.Context, ln net.Listener) error {
 		ln.Close()
 		return nil // closed before it served: a clean stop, as after Serve
 	}
-	e.srv = srv
+	e.srvs = append(e.srvs, srv)
 	e.srvMu.Unlock()
-	e.log.Info("space-edge listening", "addr", ln.Addr().String(), "domain", e.cfg.Domain)
+	e.log.Info("space-edge listening", "addr", ln.Addr().String(), "scheme", scheme, "domain", e.cfg.Domain)
 	done := make(chan struct{})
 	defer close(done)
 	go func() {
@@ -171,11 +214,11 @@ func (e *Edge) Serve(ctx context.Context, ln net.Listener) error {
 func (e *Edge) Close() error {
 	e.srvMu.Lock()
 	e.closed = true
-	srv := e.srv
+	srvs := e.srvs
 	e.srvMu.Unlock()
 	var err error
-	if srv != nil {
-		err = srv.Close()
+	for _, srv := range srvs {
+		err = errors.Join(err, srv.Close())
 	}
 	if t, ok := e.cfg.NodeTransport.(interface{ CloseIdleConnections() }); ok {
 		t.CloseIdleConnections()
@@ -216,6 +259,19 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
+	if sig, signed := signatureOf(r); !ok && signed && r.Header.Get(spacev1.HeaderAccessToken) == "" {
+		// A signed /files URL built on E2B_SANDBOX_URL: the signature
+		// tells the sandbox.
+		if sandbox, err = e.signedSandbox(r.Context(), sig); err != nil {
+			if r.Context().Err() == nil {
+				e.metrics.requests.WithLabelValues("none", statusLabel(errorStatus(err))).Inc()
+				dropUnreadBody(w, r)
+				writeError(w, err)
+			}
+			return
+		}
+		port, ok = EnvdPort, true
+	}
 	if !ok {
 		dropUnreadBody(w, r) // the edge's own endpoints read no body
 		e.own.ServeHTTP(w, r)
@@ -251,11 +307,13 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	// must not make the edge buffer (or even wait for) its body.
 	ent, err := e.resolve(r.Context(), st.key, t, callerToken)
 	if err != nil {
-		if !contextEnded(err) {
+		// A control plane that did not answer in time is answered (504),
+		// not left to an empty 200; only a client that is gone is not.
+		if r.Context().Err() == nil {
 			dropUnreadBody(w, r)
 			writeError(sw, err)
 		}
-		return // context cancelled: the client is gone
+		return
 	}
 	defer e.releaseBody(st)
 	if err := e.holdBody(w, r, st); err != nil {
@@ -266,7 +324,7 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		// Receiving the body took long enough that the route's
 		// authorization or capability is due: resolve it again.
 		if ent, err = e.resolve(r.Context(), st.key, t, callerToken); err != nil {
-			if !contextEnded(err) {
+			if r.Context().Err() == nil {
 				writeError(sw, err)
 			}
 			return

@@ -5,9 +5,7 @@ package edge
 // place that turns an error into what the client reads.
 
 import (
-	"context"
 	"encoding/json"
-	"errors"
 	"net/http"
 	"time"
 
@@ -57,13 +55,6 @@ func bodyTimeoutError() error {
 // isNotFound reports whether err is a control-plane 404 (sandbox gone).
 func isNotFound(err error) bool {
 	return errdefs.Reason(err) == reasonSandboxNotFound
-}
-
-// contextEnded reports an error that is the end of a request's context
-// (the client went away, a control-plane call ran out of time): there is
-// nobody, or nothing, to answer.
-func contextEnded(err error) bool {
-	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
 }
 
 // classified reports whether err carries an errdefs class, i.e. is one of

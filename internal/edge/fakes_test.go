@@ -62,6 +62,7 @@ type fakeCP struct {
 	nodeURL  string
 	authFor  time.Duration // AuthorizedUntil = now + authFor
 	calls    []cpCall
+	lookups  int    // signed-URL sandbox lookups
 	status   int    // if non-zero, answer this status
 	reason   string // the JSON error reason of a forced status
 	onRepair func()
@@ -79,6 +80,10 @@ func newFakeCP(t *testing.T, signer *capability.Signer, clk *clock) *fakeCP {
 
 func (cp *fakeCP) serve(w http.ResponseWriter, r *http.Request) {
 	const prefix = "/space/v1/sandboxes/"
+	if r.Method == http.MethodPost && r.URL.Path == spacev1.PathSignedFilesSandbox {
+		cp.serveSigned(w, r)
+		return
+	}
 	if r.Method != http.MethodPost || !strings.HasPrefix(r.URL.Path, prefix) || !strings.HasSuffix(r.URL.Path, "/capabilities") {
 		http.Error(w, "not found", 404)
 		return
@@ -139,6 +144,29 @@ func (cp *fakeCP) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	_ = json.NewEncoder(w).Encode(spacev1.CapabilityResponse{Token: tok, Route: rt, NodeURL: node,
 		ExpiresAt: claims.Expiry, AuthorizedUntil: cp.clock.Now().Add(authFor)})
+}
+
+// serveSigned finds the sandbox whose token made a signature ("sig-" +
+// token in these fakes).
+func (cp *fakeCP) serveSigned(w http.ResponseWriter, r *http.Request) {
+	cp.mu.Lock()
+	cp.lookups++
+	delay := cp.delay
+	found := ""
+	for sb, tok := range cp.tokens {
+		if tok != "" && r.URL.Query().Get("signature") == "sig-"+tok {
+			found = sb
+		}
+	}
+	cp.mu.Unlock()
+	time.Sleep(delay)
+	w.Header().Set("Content-Type", "application/json")
+	if r.Header.Get(spacev1.HeaderAPIKey) != "edge-key" || found == "" {
+		w.WriteHeader(http.StatusUnauthorized)
+		_ = json.NewEncoder(w).Encode(spacev1.Error{Code: 401, Message: "invalid signature"})
+		return
+	}
+	_ = json.NewEncoder(w).Encode(spacev1.SignedFilesSandbox{SandboxID: found})
 }
 
 func (cp *fakeCP) setRoute(sb string, r identity.Route) {

@@ -1,6 +1,8 @@
 package edge
 
 import (
+	"encoding/json"
+	"net/http"
 	"net/url"
 	"testing"
 
@@ -66,5 +68,72 @@ func TestSignedFilesURL(t *testing.T) {
 		if c.Query.Has("signature") {
 			t.Fatalf("signature forwarded for %+v", c)
 		}
+	}
+}
+
+// TestSignedURLNamingNoSandbox: a signed /files URL built on
+// E2B_SANDBOX_URL carries neither the sandbox headers nor a sandbox host;
+// the control plane names the sandbox from the signature (once per URL),
+// then it is authorized like any signed URL. An unknown signature is 401
+// with envd's words; an unsigned request still names no sandbox (400).
+func TestSignedURLNamingNoSandbox(t *testing.T) {
+	h := newHarness(t)
+	h.sandbox("sbx1")
+	h.sandbox("sbx2")
+	h.cp.tokens["sbx1"], h.cp.tokens["sbx2"] = "tok1", "tok2"
+	get := func(method string, q url.Values, hdr ...string) (int, string) {
+		t.Helper()
+		req, _ := http.NewRequest(method, h.srv.URL+"/files?"+q.Encode(), nil)
+		for i := 0; i+1 < len(hdr); i += 2 {
+			req.Header.Set(hdr[i], hdr[i+1])
+		}
+		res, err := h.cl.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.StatusCode, readAll(t, res)
+	}
+	q := url.Values{"path": {"/home/user/f"}, "username": {"user"}, "signature": {"sig-tok2"}}
+	for range 2 {
+		if code, body := get("GET", q); code != 200 {
+			t.Fatalf("signed GET naming no sandbox: %d %s", code, body)
+		}
+	}
+	lookups := func() int {
+		h.cp.mu.Lock()
+		defer h.cp.mu.Unlock()
+		return h.cp.lookups
+	}
+	if n := lookups(); n != 1 {
+		t.Fatalf("lookups %d, want 1 (the answer is kept)", n)
+	}
+	cps := h.cp.callsCopy()
+	if last := cps[len(cps)-1]; last.Sandbox != "sbx2" || last.Query.Get("signature") != "sig-tok2" {
+		t.Fatalf("capability request: %+v", last)
+	}
+	if code, _ := get("POST", q); code != 200 {
+		t.Fatalf("signed POST: %d", code)
+	}
+	bad := url.Values{"path": {"/home/user/f"}, "signature": {"sig-nope"}}
+	code, body := get("GET", bad)
+	var e spacev1.Error
+	if code != 401 || json.Unmarshal([]byte(body), &e) != nil || e.Code != 401 || e.Message != "invalid signature" {
+		t.Fatalf("unknown signature: %d %s", code, body)
+	}
+	// Not a signed URL: no lookup, no sandbox.
+	if code, _ := get("DELETE", q); code != 400 {
+		t.Fatalf("DELETE with a signature: %d", code)
+	}
+	if code, _ := get("GET", url.Values{"path": {"/x"}}); code != 400 {
+		t.Fatalf("unsigned: %d", code)
+	}
+	// With an access token the caller meant the token, not the signature.
+	if code, _ := get("GET", q, spacev1.HeaderAccessToken, "tok2"); code != 400 {
+		t.Fatalf("token and no sandbox: %d", code)
+	}
+	// POST (another operation) and the unknown signature asked; nothing
+	// after them did.
+	if n := lookups(); n != 3 {
+		t.Fatalf("lookups %d, want 3", n)
 	}
 }

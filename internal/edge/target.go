@@ -3,6 +3,7 @@ package edge
 import (
 	"net"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 
@@ -80,6 +81,19 @@ func signatureOf(r *http.Request) (fileSignature, bool) {
 	}
 	return fileSignature{signature: q.Get(QuerySignature), expiration: q.Get(QuerySignatureExpiration),
 		path: q.Get("path"), username: q.Get("username"), operation: op}, true
+}
+
+// query is the signature as the control plane reads it.
+func (s fileSignature) query() url.Values {
+	q := url.Values{}
+	q.Set(QuerySignature, s.signature)
+	if s.expiration != "" {
+		q.Set(QuerySignatureExpiration, s.expiration)
+	}
+	q.Set("path", s.path)
+	q.Set("username", s.username)
+	q.Set("operation", s.operation)
+	return q
 }
 
 // cacheToken is the cache identity of a signature: the edge must not reuse

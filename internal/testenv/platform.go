@@ -79,6 +79,10 @@ type Platform struct {
 	APIURL, SandboxURL string
 	APIAddr, EdgeAddr  string
 	APIKey             string
+	// EdgeTLSAddr is the edge's HTTPS address (--edge-tls-addr), CAFile
+	// the local CA its certificates come from (NODE_EXTRA_CA_CERTS in
+	// Env).
+	EdgeTLSAddr, CAFile string
 	// BinDir holds the binaries it runs from; Dir, DataDir and LogPath
 	// are its files (see PlatformOptions.Dir).
 	BinDir, Dir, DataDir, LogPath string
@@ -162,7 +166,11 @@ func LaunchPlatform(o PlatformOptions) (_ *Platform, err error) {
 	if p.EdgeAddr, err = freeAddr(); err != nil {
 		return nil, err
 	}
+	if p.EdgeTLSAddr, err = freeAddr(); err != nil {
+		return nil, err
+	}
 	p.APIURL, p.SandboxURL = "http://"+p.APIAddr, "http://"+p.EdgeAddr
+	p.CAFile = filepath.Join(p.DataDir, "tls", "ca.pem")
 	logf, err := os.Create(p.LogPath)
 	if err != nil {
 		return nil, err
@@ -174,7 +182,7 @@ func LaunchPlatform(o PlatformOptions) (_ *Platform, err error) {
 	if o.ExternalWorkers {
 		workers, readyLine = 0, "  space-node " // printed after the key
 	}
-	args := append([]string{"up", "--api-addr", p.APIAddr, "--edge-addr", p.EdgeAddr, "--data-dir", p.DataDir,
+	args := append([]string{"up", "--api-addr", p.APIAddr, "--edge-addr", p.EdgeAddr, "--edge-tls-addr", p.EdgeTLSAddr, "--data-dir", p.DataDir,
 		"--api-key", o.APIKey, "--workers", strconv.Itoa(workers), "--log-level", o.LogLevel,
 		"--keep-sandboxes=" + strconv.FormatBool(o.KeepSandboxes)}, o.Args...)
 	cmd := exec.CommandContext(ctx, filepath.Join(bin, "space"), args...)
@@ -231,8 +239,12 @@ func (p *Platform) Log() string {
 // Env is os.Environ() plus what the e2b SDK and the space CLI need to
 // reach p.
 func (p *Platform) Env() []string {
-	return append(os.Environ(), "E2B_API_URL="+p.APIURL, "E2B_SANDBOX_URL="+p.SandboxURL, "E2B_API_KEY="+p.APIKey,
+	env := append(os.Environ(), "E2B_API_URL="+p.APIURL, "E2B_SANDBOX_URL="+p.SandboxURL, "E2B_API_KEY="+p.APIKey,
 		"SPACE_API_URL="+p.APIURL, "SPACE_SANDBOX_URL="+p.SandboxURL, "SPACE_API_KEY="+p.APIKey)
+	if _, err := os.Stat(p.CAFile); err == nil { // not with --edge-tls-addr= (no HTTPS)
+		env = append(env, "NODE_EXTRA_CA_CERTS="+p.CAFile)
+	}
+	return env
 }
 
 // Stop interrupts space up and waits for it. A non-zero exit is an error

@@ -22,6 +22,9 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	cfg := Config{VMPrewarm: true}
 	fs.StringVar(&cfg.APIAddr, "api-addr", DefaultAPIAddr, "control plane listen address")
 	fs.StringVar(&cfg.EdgeAddr, "edge-addr", DefaultEdgeAddr, "edge (sandbox traffic) listen address")
+	fs.StringVar(&cfg.EdgeTLSAddr, "edge-tls-addr", DefaultEdgeTLSAddr, "edge HTTPS listen address for the direct sandbox URLs https://<port>-<id>.<domain>[:port] (empty: none)")
+	fs.StringVar(&cfg.TLSCertFile, "tls-cert", "", "PEM certificate (chain) for *.<domain> the edge serves HTTPS with (default: a local CA under <data-dir>/tls)")
+	fs.StringVar(&cfg.TLSKeyFile, "tls-key", "", "PEM key of --tls-cert")
 	fs.StringVar(&cfg.DataDir, "data-dir", DefaultDataDir, "state directory (etcd, keys, workers)")
 	fs.IntVar(&cfg.Workers, "workers", 1, "number of workers in this process; 0: none, workers are space-node processes joining (the banner prints their flags)")
 	fs.IntVar(&cfg.Capacity, "capacity", node.DefaultCapacity, "sandboxes per worker the scheduler may place (each idle ns sandbox holds about 13 host tasks against kernel.pid_max; a warning says when the host cannot hold them)")
@@ -90,13 +93,18 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
   control plane: %s
   edge:          %s
   API key:       %s%s
-
+`, len(p.Workers), p.APIURL, p.SandboxURL, p.APIKey, keyNote)
+	printDirectURLs(stdout, p, cfg.Domain)
+	fmt.Fprintf(stdout, `
 Paste into your shell to use the e2b SDK or the space CLI:
 export E2B_API_URL=%s
 export E2B_SANDBOX_URL=%s
 export E2B_VOLUME_API_URL=%s
-export E2B_API_KEY=%s
-`, len(p.Workers), p.APIURL, p.SandboxURL, p.APIKey, keyNote, p.APIURL, p.SandboxURL, p.APIURL, p.APIKey)
+`, p.APIURL, p.SandboxURL, p.APIURL)
+	if p.CAFile != "" {
+		fmt.Fprintf(stdout, "export NODE_EXTRA_CA_CERTS=%s\n", p.CAFile)
+	}
+	fmt.Fprintf(stdout, "export E2B_API_KEY=%s\n", p.APIKey)
 	if cfg.ExternalWorkers {
 		// Printed after the API key line, which tells a reader the
 		// platform is up: the workers still have to join.
@@ -110,4 +118,29 @@ export E2B_API_KEY=%s
 		fmt.Fprintln(stderr, "space up: shutting down and stopping the sandboxes")
 	}
 	return 0
+}
+
+// printDirectURLs says where the direct sandbox URLs are served and, for
+// the local CA, how to trust it and how the names resolve.
+func printDirectURLs(w io.Writer, p *Platform, domain string) {
+	if !p.DirectURLs {
+		return
+	}
+	fmt.Fprintf(w, "  sandbox URLs:  https://<port>-<id>.%s (what the SDKs build when E2B_SANDBOX_URL is unset)\n", p.SandboxDomain)
+	if p.CAFile == "" {
+		return
+	}
+	made := ""
+	if p.CACreated {
+		made = " (made by this start: trust it anew)"
+	}
+	fmt.Fprintf(w, `
+The edge's HTTPS certificates come from a local CA%s, valid only for *.%s:
+  Node:   export NODE_EXTRA_CA_CERTS=%s
+  curl:   curl --cacert %s https://<port>-<id>.%s/
+  system: cp %s /usr/local/share/ca-certificates/space-local-ca.crt && update-ca-certificates   (Debian)
+`, made, domain, p.CAFile, p.CAFile, p.SandboxDomain, p.CAFile)
+	if domain == "localhost" || strings.HasSuffix(domain, ".localhost") {
+		fmt.Fprintln(w, "  names:  *.localhost resolves to the loopback with glibc's myhostname module: `make run` (or `make localhost-names`) installs libnss-myhostname and adds it to the hosts line of /etc/nsswitch.conf")
+	}
 }

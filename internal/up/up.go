@@ -14,12 +14,14 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/controlplane"
 	"github.com/spacesbx/space/internal/edge"
+	"github.com/spacesbx/space/internal/edgecert"
 	"github.com/spacesbx/space/internal/guest"
 	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/node"
@@ -64,6 +66,16 @@ type Config struct {
 	BinDir string
 	// Domain is the public sandbox domain. Default localhost.
 	Domain string
+	// EdgeTLSAddr is the edge's HTTPS address for the direct sandbox URLs
+	// https://<port>-<id>.<Domain> (`space up`: 127.0.0.1:3443); empty:
+	// no HTTPS. With it, the domain the API reports carries its port
+	// unless that is 443 ("localhost:3443"), so the SDKs' getHost(port)
+	// and envd URLs reach it as they are.
+	EdgeTLSAddr string
+	// TLSCertFile and TLSKeyFile are the operator's certificate and key
+	// for *.<Domain>; without them the edge's certificates come from a
+	// local CA made once under <DataDir>/tls (package edgecert).
+	TLSCertFile, TLSKeyFile string
 	// VMKernelDir holds the microvm guest kernel (vmlinuz) and its modules
 	// (modules/), as `make vm-deps` extracts them. Default: .cache/vm/kernel
 	// beside BinDir's parent (the repository) when it exists. Without it,
@@ -121,8 +133,11 @@ type Config struct {
 const (
 	DefaultAPIAddr  = "127.0.0.1:3000"
 	DefaultEdgeAddr = "127.0.0.1:3001"
-	DefaultDataDir  = ".data"
-	DefaultDomain   = "localhost"
+	// DefaultEdgeTLSAddr is `space up`'s --edge-tls-addr (Config's
+	// EdgeTLSAddr has no default: no HTTPS).
+	DefaultEdgeTLSAddr = "127.0.0.1:3443"
+	DefaultDataDir     = ".data"
+	DefaultDomain      = "localhost"
 )
 
 // maxWorkers bounds Config.Workers.
@@ -183,6 +198,9 @@ func (c Config) Validate() error {
 	if c.Capacity < 0 {
 		return fmt.Errorf("up: capacity %d: want a positive number of sandboxes per worker", c.Capacity)
 	}
+	if (c.TLSCertFile != "" || c.TLSKeyFile != "") && c.EdgeTLSAddr == "" {
+		return fmt.Errorf("up: a TLS certificate without EdgeTLSAddr (--edge-tls-addr) would not be served")
+	}
 	if c.BinDir == "" { // the default: beside the executable
 		return nil
 	}
@@ -212,6 +230,15 @@ type Platform struct {
 	APIURL     string
 	SandboxURL string
 	APIKey     string
+	// SandboxDomain is the domain the API reports (Domain, with the
+	// HTTPS port unless it is 443); DirectURLs is true when the edge
+	// serves https://<port>-<id>.<SandboxDomain>. CAFile is the local
+	// CA clients trust ("" with an operator certificate); CACreated
+	// says this start made it.
+	SandboxDomain string
+	DirectURLs    bool
+	CAFile        string
+	CACreated     bool
 	// APIKeyGenerated is true when no key was configured.
 	APIKeyGenerated bool
 
@@ -287,9 +314,32 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		}
 	}()
 	p.SandboxURL = "http://" + edgeLn.Addr().String()
+	var tlsLn net.Listener
+	var certs *edgecert.Certs
+	p.SandboxDomain = cfg.Domain
+	if cfg.EdgeTLSAddr != "" {
+		certs, err = edgecert.New(edgecert.Config{Domain: cfg.Domain, CertFile: cfg.TLSCertFile, KeyFile: cfg.TLSKeyFile,
+			Dir: filepath.Join(cfg.DataDir, "tls"), Logger: log})
+		if err != nil {
+			return nil, fmt.Errorf("up: %w", err)
+		}
+		p.CAFile, p.CACreated = certs.CAFile(), certs.CACreated()
+		if tlsLn, err = net.Listen("tcp", cfg.EdgeTLSAddr); err != nil {
+			return nil, fmt.Errorf("up: edge TLS listen: %w", err)
+		}
+		defer func() {
+			if !edgeServed {
+				tlsLn.Close()
+			}
+		}()
+		p.DirectURLs = true
+		if port := tlsLn.Addr().(*net.TCPAddr).Port; port != 443 {
+			p.SandboxDomain = net.JoinHostPort(cfg.Domain, strconv.Itoa(port))
+		}
+	}
 	p.cp, err = controlplane.New(controlplane.Config{
 		Addr: cfg.APIAddr, DataDir: filepath.Join(cfg.DataDir, "api"), BootstrapAPIKey: cfg.APIKey,
-		EdgeKey: edgeKey, Domain: cfg.Domain, DefaultEnvdVersion: guest.EnvdVersion, EgressLimits: cfg.EgressLimits,
+		EdgeKey: edgeKey, Domain: p.SandboxDomain, DefaultEnvdVersion: guest.EnvdVersion, EgressLimits: cfg.EgressLimits,
 		SandboxURL: p.SandboxURL,
 		Templates: map[string]controlplane.Template{
 			"base": controlplane.DefaultTemplate, "base-vm": controlplane.DefaultVMTemplate,
@@ -323,12 +373,19 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		return nil, err
 	}
 
-	p.edge, err = edge.New(edge.Config{Addr: cfg.EdgeAddr, ControlPlaneURL: p.APIURL, EdgeKey: edgeKey, Domain: cfg.Domain, Logger: log})
+	ecfg := edge.Config{Addr: cfg.EdgeAddr, ControlPlaneURL: p.APIURL, EdgeKey: edgeKey, Domain: cfg.Domain, Logger: log}
+	if certs != nil {
+		ecfg.TLS = certs.TLSConfig()
+	}
+	p.edge, err = edge.New(ecfg)
 	if err != nil {
 		return nil, fmt.Errorf("up: edge: %w", err)
 	}
 	edgeServed = true
 	p.goRun("edge", func() error { return p.edge.Serve(rctx, edgeLn) })
+	if tlsLn != nil {
+		p.goRun("edge https", func() error { return p.edge.ServeTLS(rctx, tlsLn) })
+	}
 	return p, nil
 }
 

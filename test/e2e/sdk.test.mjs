@@ -78,7 +78,9 @@ test('service port through getHost', async () => {
   await sbx.files.write('/home/user/www/index.html', 'served from the sandbox\n')
   await sbx.commands.run('cd /home/user/www && exec python3 -m http.server 8000', { background: true })
   const host = sbx.getHost(8000)
-  assert.equal(host, `8000-${sbx.sandboxId}.localhost`)
+  // the domain carries the edge's HTTPS port (direct-urls.test.mjs)
+  assert.equal(host, `8000-${sbx.sandboxId}.${sbx.sandboxDomain}`)
+  assert.match(sbx.sandboxDomain, /^localhost:\d+$/)
   const edge = new URL(process.env.E2B_SANDBOX_URL)
   let res
   for (let i = 0; i < 100; i++) {
