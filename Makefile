@@ -63,6 +63,15 @@ registry-deps:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-registry && \
 	  { ! command -v systemctl >/dev/null || systemctl disable --now docker-registry.service >/dev/null 2>&1 || true; }; }
 
+## codeinterp-deps: the Debian packages internal/codeinterp's tests run the
+## code interpreter server on (the same ones its image holds): Jupyter's
+## client and the IPython kernel, matplotlib, pandas and numpy for /usr/bin/python3.
+CODEINTERP_PKGS := python3-ipykernel python3-jupyter-client python3-matplotlib python3-pandas python3-numpy
+.PHONY: codeinterp-deps
+codeinterp-deps:
+	@dpkg -s $(CODEINTERP_PKGS) >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(CODEINTERP_PKGS); }
+
 ## e2e-deps: the unmodified e2b npm SDK for the end-to-end tests
 e2e-deps: deps test/e2e/node_modules/.package-lock.json
 test/e2e/node_modules/.package-lock.json: test/e2e/package.json test/e2e/package-lock.json
@@ -83,7 +92,7 @@ $(VM_KERNEL_DIR)/.done:
 ## test: the whole suite, every tier: unit, root, platform (space up, the
 ## hostile suite, end to end with the e2b SDK) and kvm; run it as root.
 ## Ends with the list of what did not run (docs/TESTING.md).
-test: build e2e-deps registry-deps
+test: build e2e-deps registry-deps codeinterp-deps
 	@[ "$$(id -u)" = 0 ] || echo 'make test: not root: the root and platform tiers will not run (see the NOT RUN list at the end)'
 	set -o pipefail; SPACE_BIN_DIR=$(BIN) $(GO) test $(GOTESTFLAGS) -json $(PKGS) | $(NOTRUN)
 
