@@ -56,6 +56,13 @@ type server struct {
 // host's ~/.ipython is left alone).
 func startServer(t testing.TB, args ...string) *server {
 	t.Helper()
+	return startServerAs(t, -1, args...)
+}
+
+// startServerAs is startServer as uid (and the same gid) when uid >= 0:
+// the files it needs are made readable, its home and cwd its own.
+func startServerAs(t testing.TB, uid int, args ...string) *server {
+	t.Helper()
 	requirePython(t)
 	dir := t.TempDir()
 	if err := codeinterp.Install(filepath.Join(dir, "app")); err != nil {
@@ -71,10 +78,36 @@ func startServer(t testing.TB, args ...string) *server {
 	cmd := exec.Command(codeinterp.Python, argv...)
 	cmd.Dir = cwd
 	cmd.Env = append(os.Environ(), "IPYTHONDIR="+filepath.Join(dir, "ipython"), "PYTHONDONTWRITEBYTECODE=1")
-	log := &bytes.Buffer{}
-	cmd.Stdout, cmd.Stderr = log, log
 	// A process group of its own: the kernels go with it if the test dies.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if uid >= 0 {
+		// As in a sandbox: a user with a home of its own and nothing
+		// of the caller's runtime dirs.
+		home := filepath.Join(dir, "userhome")
+		for _, d := range []string{home, cwd} {
+			if err := os.MkdirAll(d, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Chown(d, uid, uid); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for d := dir; d != filepath.Dir(d) && strings.HasPrefix(d, os.TempDir()) && d != os.TempDir(); d = filepath.Dir(d) {
+			if err := os.Chmod(d, 0o755); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var env []string
+		for _, e := range cmd.Env {
+			if !strings.HasPrefix(e, "HOME=") && !strings.HasPrefix(e, "XDG_RUNTIME_DIR=") && !strings.HasPrefix(e, "IPYTHONDIR=") {
+				env = append(env, e)
+			}
+		}
+		cmd.Env = append(env, "HOME="+home, "USER=user")
+		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: uint32(uid), Gid: uint32(uid)}
+	}
+	log := &bytes.Buffer{}
+	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}

@@ -15,6 +15,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // The server is driven over HTTP exactly as @e2b/code-interpreter does
@@ -40,6 +42,7 @@ func TestServer(t *testing.T) {
 		{"InterruptOnDisconnect", testInterruptOnDisconnect},
 		{"Serialized", testSerialized},
 		{"KernelDeath", testKernelDeath},
+		{"RestartOrDeleteDuringExecution", testTakeOver},
 		{"BadRequests", testBadRequests},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -449,4 +452,69 @@ func pngOf(t *testing.T, r line) []byte {
 		t.Fatalf("png field is not a base64 PNG (%v): %.60q", err, r.str("png"))
 	}
 	return b
+}
+
+// In a sandbox the server runs as user (uid 1000) with its own home: the
+// kernels' connection files go to a private runtime dir it can write, and
+// code runs as that user.
+func TestRunsAsUser(t *testing.T) {
+	testenv.RequireRoot(t, "to run the server as uid 1000")
+	s := startServerAs(t, 1000)
+	got, _ := s.code("import os, pathlib; (os.getuid(), os.getcwd() == " + fmt.Sprintf("%q", s.cwd) + ", pathlib.Path.home().name)").mainText()
+	if got != "(1000, True, 'userhome')" {
+		t.Fatalf("as user: %s", got)
+	}
+	c := s.createContext(nil)
+	if got, _ := s.run(map[string]any{"code": "import os; os.getuid()", "context_id": c.ID}).mainText(); got != "1000" {
+		t.Fatalf("second context: %s", got)
+	}
+}
+
+// A restart or delete while code runs ends that execution with an error
+// saying so (not a hung stream); a restarted context is usable.
+func testTakeOver(t *testing.T, s *server) {
+	for _, tc := range []struct{ method, suffix, wantErr string }{
+		{"POST", "/restart", "ContextRestarting"},
+		{"DELETE", "", "ContextDeleted"},
+	} {
+		c := s.createContext(nil)
+		started := make(chan struct{})
+		done := make(chan execution, 1)
+		go func() {
+			once := false
+			exe, _, err := s.execute(context.Background(), map[string]any{"code": "print('go', flush=True)\nwhile True: pass", "context_id": c.ID}, func(l line) bool {
+				if l.typ() == "stdout" && !once {
+					once = true
+					close(started)
+				}
+				return true
+			})
+			if err != nil {
+				t.Errorf("execute: %v", err)
+			}
+			done <- exe
+		}()
+		select {
+		case <-started:
+		case <-time.After(60 * time.Second):
+			t.Fatal("loop did not start")
+		}
+		if code, body := s.status(tc.method, "/contexts/"+c.ID+tc.suffix, nil); code != 200 {
+			t.Fatalf("%s during an execution: %d %s", tc.method, code, body)
+		}
+		select {
+		case exe := <-done:
+			if e := exe.err(); e == nil || e.str("name") != tc.wantErr {
+				t.Fatalf("%s: the running execution got %v", tc.method, exe.lines)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%s: the running execution did not end", tc.method)
+		}
+		if tc.method == "POST" {
+			if got, _ := s.run(map[string]any{"code": "'ok'", "context_id": c.ID}).mainText(); got != "ok" {
+				t.Fatalf("after restart: %q", got)
+			}
+			s.status("DELETE", "/contexts/"+c.ID, nil)
+		}
+	}
 }

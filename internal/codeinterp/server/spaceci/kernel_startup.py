@@ -66,7 +66,9 @@ def _install(ip):
     from IPython.core.formatters import BaseFormatter
     from traitlets import ObjectName, Unicode
 
-    charts = _load_charts()
+    # charts.py imports matplotlib: loaded at the first figure (matplotlib
+    # is imported by then), not at every kernel start.
+    charts = []
 
     class ChartFormatter(BaseFormatter):
         format_type = Unicode("e2b/chart")
@@ -78,7 +80,9 @@ def _install(ip):
             if mpl is None or not isinstance(obj, mpl.Figure):
                 return None
             try:
-                return charts.figure_to_chart(obj)
+                if not charts:
+                    charts.append(_load_charts())
+                return charts[0].figure_to_chart(obj)
             except Exception:
                 return None
 
