@@ -59,6 +59,10 @@ func startServer(t testing.TB, args ...string) *server {
 	return startServerAs(t, -1, args...)
 }
 
+// serverEnv is added to the environment of the servers a test starts
+// (set before startServer, e.g. JUPYTER_PATH for extra kernelspecs).
+var serverEnv []string
+
 // startServerAs is startServer as uid (and the same gid) when uid >= 0:
 // the files it needs are made readable, its home and cwd its own.
 func startServerAs(t testing.TB, uid int, args ...string) *server {
@@ -78,6 +82,7 @@ func startServerAs(t testing.TB, uid int, args ...string) *server {
 	cmd := exec.Command(codeinterp.Python, argv...)
 	cmd.Dir = cwd
 	cmd.Env = append(os.Environ(), "IPYTHONDIR="+filepath.Join(dir, "ipython"), "PYTHONDONTWRITEBYTECODE=1")
+	cmd.Env = append(cmd.Env, serverEnv...)
 	// A process group of its own: the kernels go with it if the test dies.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if uid >= 0 {

@@ -81,6 +81,11 @@ class Languages:
             names = [n for n, _ in candidates]
             name, spec = candidates[names.index("python3")] if "python3" in names else candidates[0]
             return name, _flavor(name, spec)
+        # A kernelspec's own name works too ("deno", as E2B accepts).
+        for infos in specs.values():
+            for name, spec in infos:
+                if name.lower() == language:
+                    return name, _flavor(name, spec)
         raise BadRequest(f"language {language!r} has no kernel installed; installed: "
                          + ", ".join(self.installed()))
 
@@ -152,6 +157,10 @@ class Contexts:
             env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
             # debugpy's notice about frozen modules, printed at every start.
             env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
+        elif flavor == "deno":
+            # Deno colours what it prints and its results' text/plain:
+            # escape codes in execution.text are noise for an API client.
+            env["NO_COLOR"] = "1"
         return env
 
     def create(self, language=None, cwd=None):

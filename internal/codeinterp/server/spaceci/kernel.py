@@ -29,6 +29,10 @@ POLL_MS = 200
 # restarted instead: code stuck in C or that catches KeyboardInterrupt.
 INTERRUPT_GRACE = 10.0
 READY_TIMEOUT = 60.0
+# Deno's kernel may publish its idle status before the last outputs of an
+# execution (ipykernel never does): for kernels other than ipykernel, an
+# execution ends once nothing of it has arrived for this long after idle.
+SETTLE = 0.15
 HELPER_TIMEOUT = 30.0
 
 
@@ -212,6 +216,9 @@ class Kernel:
         # replaced by one TimeoutError (the SDK keeps the last error only).
         suppress_error = False
         last_alive_check = started
+        settle = self.flavor != "python"
+        idle_at = None
+        last_msg_at = started
 
         def send(line):
             nonlocal gone
@@ -223,7 +230,7 @@ class Kernel:
                 # restart() or close() took over.
                 send(results.error(self._abort[0], self._abort[1], ""))
                 return
-            for sock, _ in self.poller.poll(POLL_MS):
+            for sock, _ in self.poller.poll(POLL_MS if idle_at is None else SETTLE * 1000 / 3):
                 while True:
                     msg = self._recv(sock)
                     if msg is None:
@@ -238,6 +245,7 @@ class Kernel:
                         continue
                     t = msg["msg_type"]
                     c = msg["content"]
+                    last_msg_at = time.monotonic()
                     if t == "stream":
                         send(results.stream(msg))
                     elif t == "display_data":
@@ -250,9 +258,14 @@ class Kernel:
                     elif t == "execute_input":
                         send(results.number_of_executions(c.get("execution_count")))
                     elif t == "status" and c.get("execution_state") == "idle":
-                        send(results.END)
-                        return
+                        if not settle:
+                            send(results.END)
+                            return
+                        idle_at = last_msg_at
             now = time.monotonic()
+            if idle_at is not None and now - last_msg_at >= SETTLE:
+                send(results.END)
+                return
             if not gone and client_gone():
                 gone = True
             if interrupted_at is None:
