@@ -11,15 +11,19 @@ import (
 )
 
 // JavaScript and TypeScript run on Deno's Jupyter kernel, which the
-// code-interpreter image installs. The host has it only if deno is on PATH
-// or SPACE_CODEINTERP_DENO names the binary; its kernelspec is written into
-// a JUPYTER_PATH of the test's own, as `deno jupyter --install` writes it.
+// code-interpreter image installs. The test takes the deno binary make
+// codeinterp-deps installs into .cache/codeinterp-deno (or the one
+// SPACE_CODEINTERP_DENO names, or deno on PATH) and writes its kernelspec
+// into a JUPYTER_PATH of its own, as `deno jupyter --install` writes it.
 func TestDeno(t *testing.T) {
+	requirePython(t)
 	deno := os.Getenv("SPACE_CODEINTERP_DENO")
 	if deno == "" {
-		var err error
-		if deno, err = exec.LookPath("deno"); err != nil {
-			testenv.Skipf(t, "needs deno on PATH or SPACE_CODEINTERP_DENO (the image has it; the host test does not install it)")
+		deno, _ = filepath.Abs("../../.cache/codeinterp-deno/node_modules/@deno/linux-x64-glibc/deno")
+		if _, err := os.Stat(deno); err != nil {
+			if deno, err = exec.LookPath("deno"); err != nil {
+				testenv.Skipf(t, "needs deno: make codeinterp-deps, SPACE_CODEINTERP_DENO or deno on PATH")
+			}
 		}
 	}
 	jpath := t.TempDir()

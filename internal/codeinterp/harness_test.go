@@ -28,9 +28,13 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // requirePython skips t unless Debian's python3 has the packages the
 // server runs on (make codeinterp-deps installs them); mods are extra
-// modules the test needs.
+// modules the test needs. Tests with kernels are long for the unit tier:
+// -short skips them.
 func requirePython(t testing.TB, mods ...string) {
 	t.Helper()
+	if testenv.Short() {
+		testenv.Skipf(t, "real Jupyter kernels, a minute or so; skipped by -short")
+	}
 	if _, err := os.Stat(codeinterp.Python); err != nil {
 		testenv.Skipf(t, "needs %s: %v (make codeinterp-deps)", codeinterp.Python, err)
 	}

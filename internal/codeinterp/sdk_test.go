@@ -63,6 +63,7 @@ process.exit(0);
 // needs node and @e2b/code-interpreter in test/e2e/node_modules (make
 // e2e-deps), or in the node_modules dir SPACE_CODEINTERP_NODE_MODULES names.
 func TestRealSDK(t *testing.T) {
+	requirePython(t, "matplotlib", "pandas")
 	node, err := exec.LookPath("node")
 	if err != nil {
 		testenv.Skipf(t, "needs node (make deps)")
@@ -75,7 +76,6 @@ func TestRealSDK(t *testing.T) {
 	if _, err := os.Stat(entry); err != nil {
 		testenv.Skipf(t, "needs @e2b/code-interpreter in %s (make e2e-deps): %v", modules, err)
 	}
-	requirePython(t, "matplotlib", "pandas")
 	s := startServer(t)
 	script := filepath.Join(t.TempDir(), "sdk.mjs")
 	if err := os.WriteFile(script, []byte(sdkScript), 0o644); err != nil {

@@ -175,7 +175,7 @@ display({"text/plain": "plain", "application/x-custom": "custom"}, raw=True)
 func testDataFrame(t *testing.T, s *server) {
 	requirePython(t, "pandas")
 	exe := s.code(`import pandas as pd, numpy as np
-pd.DataFrame({"name": ["a", "b"], "v": [1.5, np.nan]})`)
+pd.DataFrame({"name": ["a", "b"], "v": [1.5, np.nan], "n": np.array([1, 2], dtype=np.int64), "t": pd.to_datetime(["2024-01-02", None])})`)
 	results := exe.of("result")
 	if len(results) != 1 {
 		t.Fatalf("results %v", exe.lines)
@@ -185,7 +185,7 @@ pd.DataFrame({"name": ["a", "b"], "v": [1.5, np.nan]})`)
 		t.Fatalf("DataFrame result without html table / text: %v", r)
 	}
 	data, ok := r["data"].(map[string]any)
-	if !ok || fmt.Sprint(data["name"]) != "[a b]" || fmt.Sprint(data["v"]) != "[1.5 <nil>]" {
+	if !ok || js(data) != `{"n":[1,2],"name":["a","b"],"t":["2024-01-02T00:00:00",null],"v":[1.5,null]}` {
 		t.Fatalf("DataFrame data %v", r["data"])
 	}
 }

@@ -11,8 +11,9 @@ The formatters never raise: IPython would print a formatter's exception into
 the user's output.
 """
 
+import datetime
 import importlib.util
-import json
+import math
 import os
 import sys
 import types
@@ -51,15 +52,29 @@ def _env_module():
     return mod
 
 
+def _json_value(v):
+    # numpy scalars -> Python ones, NaN/inf -> null, timestamps -> ISO
+    # strings (as E2B's formatter gives them); anything else JSON cannot
+    # hold -> its str.
+    if hasattr(v, "item") and type(v).__module__ == "numpy":
+        v = v.item()
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, (datetime.datetime, datetime.date)):
+        try:
+            if v != v:  # NaT
+                return None
+        except Exception:
+            pass
+        return v.isoformat()
+    return str(v)
+
+
 def _dataframe_data(df):
-    # Through pandas' own JSON writer: NaN -> null, timestamps -> ISO
-    # strings, numpy scalars -> numbers (the kernel's JSON encoder would
-    # reject some of them).
-    out = {}
-    for i, col in enumerate(df.columns):
-        series = df.iloc[:, i]
-        out[str(col)] = json.loads(series.to_json(orient="values", date_format="iso"))
-    return out
+    return {str(col): [_json_value(v) for v in values]
+            for col, values in df.to_dict(orient="list").items()}
 
 
 def _install(ip):
