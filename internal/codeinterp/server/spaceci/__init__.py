@@ -7,4 +7,21 @@
   kernel_startup loaded inside each IPython kernel: chart/data formatters,
                  per-execution environment variables
   charts         matplotlib figure -> the SDK's `chart` field (in the kernel)
+
+Where it differs from E2B's own server (on purpose, or by what it runs on):
+  - each stream ends with {"type": "end_of_execution"} (or
+    unexpected_end_of_execution when the kernel died); the SDK ignores both.
+  - env_vars are set and restored by silent helper executions, not by code
+    prepended to the cell: line numbers in tracebacks stay the user's. Deno's
+    kernel ignores `silent`, so there the helpers take execution counts too;
+    a kernel with no known way to set them answers 400.
+  - a context's working directory is the kernel process's own (set when it
+    starts), for every language.
+  - the sandbox's environment variables are the server's own environment,
+    passed to each kernel (E2B's server asks envd for them at the first
+    execution).
+  - no X-Access-Token check here: the edge authorizes every request to a
+    sandbox port before it reaches the server.
+  - box-and-whisker charts need boxplot(..., patch_artist=True), as in E2B's
+    extractor (a plain boxplot is lines only and reads as a line chart).
 """
