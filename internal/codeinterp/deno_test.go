@@ -1,6 +1,7 @@
 package codeinterp_test
 
 import (
+	"context"
 	"encoding/json"
 	"os"
 	"os/exec"
@@ -60,6 +61,17 @@ func TestDeno(t *testing.T) {
 	}
 	if got, _ := s.run(map[string]any{"code": "String(Deno.env.get('DENO_T'))", "language": "js"}).mainText(); got != `"undefined"` {
 		t.Fatalf("env var outlived its execution: %s", got)
+	}
+	// An interrupt (the client leaves) stops the code and keeps the state.
+	s.run(map[string]any{"code": "let kept = 5", "language": "js"})
+	ctx, cancel := context.WithCancel(context.Background())
+	_, _, err := s.execute(ctx, map[string]any{"code": "console.log('looping')\nwhile (true) {}", "language": "js"}, func(l line) bool { return l.typ() != "stdout" })
+	cancel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.run(map[string]any{"code": "kept + 1", "language": "js"}).mainText(); got != "6" {
+		t.Fatalf("after an interrupt: %q", got)
 	}
 	dir := t.TempDir()
 	c := s.createContext(map[string]any{"language": "deno", "cwd": dir})

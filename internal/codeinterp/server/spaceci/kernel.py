@@ -54,6 +54,11 @@ class Kernel:
         self._abort = ("ContextRestarting", "Context was restarted")
         self.shell = self.iopub = None
         self.km = KernelManager(kernel_name=spec_name)
+        if flavor == "deno":
+            # Deno's kernel exits on SIGINT (its kernelspec leaves the
+            # signal mode) but stops the running code, state kept, on an
+            # interrupt_request.
+            self.km.kernel_spec.interrupt_mode = "message"
         try:
             self.km.start_kernel(cwd=cwd, env=env, extra_arguments=list(extra_arguments))
             self._connect()
@@ -154,15 +159,16 @@ class Kernel:
         deadline = time.monotonic() + HELPER_TIMEOUT
         while time.monotonic() < deadline:
             for sock, _ in self.poller.poll(POLL_MS):
-                msg = self._recv(sock)
-                if msg is None or sock is not self.shell:
-                    continue
-                if msg["parent_header"].get("msg_id") != msg_id:
-                    continue
-                c = msg["content"]
-                if c.get("status") == "ok":
-                    return None
-                return (c.get("ename", "Error"), c.get("evalue", ""))
+                while True:
+                    msg = self._recv(sock)
+                    if msg is None:
+                        break
+                    if sock is not self.shell or msg["parent_header"].get("msg_id") != msg_id:
+                        continue
+                    c = msg["content"]
+                    if c.get("status") == "ok":
+                        return None
+                    return (c.get("ename", "Error"), c.get("evalue", ""))
             if not self._alive():
                 return ("KernelDied", "the kernel exited")
         return ("TimeoutError", "the kernel did not answer")
@@ -219,6 +225,12 @@ class Kernel:
         settle = self.flavor != "python"
         idle_at = None
         last_msg_at = started
+        # Deno reports some errors (an interrupted execution) only in the
+        # execute_reply. ipykernel always publishes them, and the reply can
+        # arrive before that (two sockets): used for other kernels only,
+        # when nothing else reported the error.
+        reply_error = None
+        error_sent = False
 
         def send(line):
             nonlocal gone
@@ -240,8 +252,11 @@ class Kernel:
                     if sock is self.shell:
                         # execute_reply: its error came on iopub too. An
                         # aborted request has no other trace.
-                        if msg["content"].get("status") == "aborted":
+                        status = msg["content"].get("status")
+                        if status == "aborted":
                             send(results.error("ExecutionAborted", "the kernel aborted the execution", ""))
+                        elif status == "error":
+                            reply_error = msg
                         continue
                     t = msg["msg_type"]
                     c = msg["content"]
@@ -253,6 +268,7 @@ class Kernel:
                     elif t == "execute_result":
                         send(results.result(c.get("data"), True))
                     elif t == "error":
+                        error_sent = True
                         if not suppress_error:
                             send(results.kernel_error(msg))
                     elif t == "execute_input":
@@ -264,6 +280,8 @@ class Kernel:
                         idle_at = last_msg_at
             now = time.monotonic()
             if idle_at is not None and now - last_msg_at >= SETTLE:
+                if reply_error is not None and not error_sent and not suppress_error:
+                    send(results.kernel_error(reply_error))
                 send(results.END)
                 return
             if not gone and client_gone():
