@@ -103,8 +103,8 @@ func StartCommand() string {
 }
 
 // ReadyCommand is a shell command that exits 0 once GET /health answers
-// 200 (urllib raises, so python exits 1, on anything else). The platform
-// runs it repeatedly until then.
+// 200 (urllib raises, so python exits 1, on anything else; its traceback
+// is dropped). The platform runs it repeatedly until then.
 func ReadyCommand() string {
-	return fmt.Sprintf(`%s -c 'import urllib.request; urllib.request.urlopen("http://127.0.0.1:%d/health", timeout=2)'`, Python, Port)
+	return fmt.Sprintf(`%s -c 'import urllib.request; urllib.request.urlopen("http://127.0.0.1:%d/health", timeout=2)' 2>/dev/null`, Python, Port)
 }
