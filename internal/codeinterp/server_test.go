@@ -445,6 +445,23 @@ func TestExecutionTimeout(t *testing.T) {
 	}
 }
 
+// Code that does not stop on an interrupt gets its kernel restarted after
+// the grace period: the client is told, the context is usable again.
+func TestInterruptIgnored(t *testing.T) {
+	s := startServer(t, "--execution-timeout", "1", "--interrupt-grace", "1")
+	exe := s.code("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass")
+	var names []string
+	for _, e := range exe.of("error") {
+		names = append(names, e.str("name"))
+	}
+	if !slices.Equal(names, []string{"TimeoutError", "ContextRestarting"}) || exe.lines[len(exe.lines)-1].typ() != "unexpected_end_of_execution" {
+		t.Fatalf("errors %v: %v", names, exe.lines)
+	}
+	if got, _ := s.code("'back'").mainText(); got != "back" {
+		t.Fatalf("after the restart: %q", got)
+	}
+}
+
 func pngOf(t *testing.T, r line) []byte {
 	t.Helper()
 	b, err := base64.StdEncoding.DecodeString(strings.TrimSpace(r.str("png")))

@@ -34,6 +34,9 @@ def parse_args(argv):
                    help="seconds after which an execution is interrupted "
                         "(0: none; the SDK's own timeout closes the connection, "
                         "which interrupts too)")
+    p.add_argument("--interrupt-grace", type=float, default=10,
+                   help="seconds a kernel gets to stop after an interrupt before it is "
+                        "restarted (code that ignores SIGINT or is stuck in C)")
     p.add_argument("--max-body-bytes", type=int, default=16 << 20,
                    help="largest request body accepted (413 above it)")
     p.add_argument("--log-level", default="INFO")
@@ -62,7 +65,8 @@ def main(argv=None):
 
     default_cwd = args.cwd if os.path.isdir(args.cwd) else os.getcwd()
     contexts = Contexts(default_cwd=default_cwd,
-                        execution_timeout=args.execution_timeout)
+                        execution_timeout=args.execution_timeout,
+                        interrupt_grace=args.interrupt_grace)
     try:
         # Warm before serving: /health answers only once the default python
         # context can run code, so a sandbox is handed out ready (and a

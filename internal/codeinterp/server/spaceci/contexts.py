@@ -131,9 +131,10 @@ class Context:
 
 
 class Contexts:
-    def __init__(self, default_cwd, execution_timeout=0):
+    def __init__(self, default_cwd, execution_timeout=0, interrupt_grace=10.0):
         self.default_cwd = default_cwd
         self.execution_timeout = execution_timeout
+        self.interrupt_grace = interrupt_grace
         self.languages = Languages()
         self._lock = threading.Lock()
         self._by_id = {}
@@ -178,7 +179,8 @@ class Contexts:
             # gets nothing but what `import` of it would not show.
             extra.append("--IPKernelApp.exec_lines="
                          f"__import__('runpy').run_path({STARTUP!r}, run_name='_space_ci_kernel_loader');")
-        kernel = Kernel(spec, cwd, self._kernel_env(flavor), extra, flavor)
+        kernel = Kernel(spec, cwd, self._kernel_env(flavor), extra, flavor,
+                        interrupt_grace=self.interrupt_grace)
         ctx = Context(str(uuid.uuid4()), language, cwd, kernel)
         with self._lock:
             self._by_id[ctx.id] = ctx

@@ -25,9 +25,6 @@ from . import results
 log = logging.getLogger("space-code-interpreter.kernel")
 
 POLL_MS = 200
-# How long a kernel gets to stop after an interrupt (SIGINT) before it is
-# restarted instead: code stuck in C or that catches KeyboardInterrupt.
-INTERRUPT_GRACE = 10.0
 READY_TIMEOUT = 60.0
 # Deno's kernel may publish its idle status before the last outputs of an
 # execution (ipykernel never does): for kernels other than ipykernel, an
@@ -41,12 +38,15 @@ class KernelError(Exception):
 
 
 class Kernel:
-    def __init__(self, spec_name, cwd, env, extra_arguments=(), flavor=None):
+    def __init__(self, spec_name, cwd, env, extra_arguments=(), flavor=None, interrupt_grace=10.0):
         self.spec_name = spec_name
         self.cwd = cwd
         # "python" (ipykernel + kernel_startup), "deno" or None: what the
         # environment-variable helpers are written in.
         self.flavor = flavor
+        # How long the kernel gets to stop after an interrupt before it is
+        # restarted instead: code stuck in C, or that ignores SIGINT.
+        self.interrupt_grace = interrupt_grace
         self.closed = False
         self._exec_lock = threading.Lock()
         self._admin_lock = threading.Lock()
@@ -295,7 +295,7 @@ class Kernel:
                                        f"execution exceeded {timeout:g} s and was interrupted", ""))
                     suppress_error = True
                     interrupted_at = self._interrupt(now)
-            elif now - interrupted_at > INTERRUPT_GRACE:
+            elif now - interrupted_at > self.interrupt_grace:
                 log.warning("kernel %s: did not stop on interrupt: restarting", self.spec_name)
                 send(results.error("ContextRestarting",
                                    "the kernel did not stop on interrupt and was restarted; its state is lost", ""))
