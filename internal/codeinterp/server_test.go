@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -39,6 +40,7 @@ func TestServer(t *testing.T) {
 		{"Cwd", testCwd},
 		{"Contexts", testContexts},
 		{"Languages", testLanguages},
+		{"Bash", testBash},
 		{"InterruptOnDisconnect", testInterruptOnDisconnect},
 		{"Serialized", testSerialized},
 		{"KernelDeath", testKernelDeath},
@@ -533,5 +535,56 @@ func testTakeOver(t *testing.T, s *server) {
 			}
 			s.status("DELETE", "/contexts/"+c.ID, nil)
 		}
+	}
+}
+
+// "bash" runs on the server's own kernel (spaceci/bash_kernel.py): one
+// bash per context, so variables and the directory carry over.
+func testBash(t *testing.T, s *server) {
+	if _, err := exec.LookPath("bash"); err != nil {
+		testenv.Skipf(t, "needs bash")
+	}
+	bash := func(code string, extra ...any) execution {
+		body := map[string]any{"code": code, "language": "bash"}
+		for i := 0; i+1 < len(extra); i += 2 {
+			body[extra[i].(string)] = extra[i+1]
+		}
+		return s.run(body)
+	}
+	exe := bash("X=5; cd /; echo out; echo err >&2")
+	if exe.stdout() != "out\n" || len(exe.of("stderr")) != 1 || exe.of("stderr")[0].str("text") != "err\n" || exe.err() != nil {
+		t.Fatalf("bash: %v", exe.lines)
+	}
+	if got := bash("echo $X $(pwd); printf 'no newline'").stdout(); got != "5 /\nno newline" {
+		t.Fatalf("bash state: %q", got)
+	}
+	if e := bash("false").err(); e == nil || e.str("name") != "ExitCode" || e.str("value") != "1" {
+		t.Fatalf("bash status: %v", e)
+	}
+	if got := bash("echo \"$V\"", "env_vars", map[string]string{"V": "it's scoped"}).stdout(); got != "it's scoped\n" {
+		t.Fatalf("bash env_vars: %q", got)
+	}
+	if got := bash("echo \"${V-unset}\"").stdout(); got != "unset\n" {
+		t.Fatalf("bash env var outlived its execution: %q", got)
+	}
+	// An interrupt (the client leaves) drops the rest of the code, not bash.
+	ctx, cancel := context.WithCancel(context.Background())
+	_, _, err := s.execute(ctx, map[string]any{"code": "echo looping; while true; do sleep 1; done", "language": "bash"}, func(l line) bool { return l.typ() != "stdout" })
+	cancel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := bash("echo $X").stdout(); got != "5\n" {
+		t.Fatalf("bash after an interrupt: %q", got)
+	}
+	if e := bash("exit 3").err(); e == nil || e.str("name") != "BashExited" {
+		t.Fatalf("bash exit: %v", e)
+	}
+	if got := bash("echo ${X-new}").stdout(); got != "new\n" {
+		t.Fatalf("bash after exit: %q", got)
+	}
+	code, body := s.status("POST", "/execute", []byte(`{"code": "1", "language": "bash", "env_vars": {"A-B": "x"}}`))
+	if code != 400 || !strings.Contains(body, "A-B") {
+		t.Fatalf("bad bash variable name: %d %s", code, body)
 	}
 }

@@ -60,9 +60,11 @@ def main(argv=None):
     # modules into the log of every process that loads it.
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
 
-    from spaceci.contexts import Contexts
+    from spaceci.contexts import Contexts, install_bash_kernelspec
     from spaceci.http_api import Server
 
+    # "bash" runs on a kernel of this server's own (spaceci/bash_kernel.py).
+    install_bash_kernelspec(os.path.join(runtime_dir, "share"))
     default_cwd = args.cwd if os.path.isdir(args.cwd) else os.getcwd()
     contexts = Contexts(default_cwd=default_cwd,
                         execution_timeout=args.execution_timeout,

@@ -7,6 +7,8 @@
   kernel_startup loaded inside each IPython kernel: chart/data formatters,
                  per-execution environment variables
   charts         matplotlib figure -> the SDK's `chart` field (in the kernel)
+  bash_kernel    the kernel of language "bash" (one bash per context), whose
+                 kernelspec the server writes at start
 
 Where it differs from E2B's own server (on purpose, or by what it runs on):
   - each stream ends with {"type": "end_of_execution"} (or
@@ -22,6 +24,9 @@ Where it differs from E2B's own server (on purpose, or by what it runs on):
     execution).
   - no X-Access-Token check here: the edge authorizes every request to a
     sandbox port before it reaches the server.
+  - "bash" is a kernel of this server's own (E2B's image has bash_kernel
+    from pip): a non-zero status is an error ExitCode with the status as its
+    value; the code runs in a function, so `declare` needs -g to last.
   - box-and-whisker charts need boxplot(..., patch_artist=True), as in E2B's
     extractor (a plain boxplot is lines only and reads as a line chart).
 """

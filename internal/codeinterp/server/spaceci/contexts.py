@@ -5,12 +5,17 @@ execution count). The default python context is started with the server;
 a language's default context (what /execute with `language` uses) is
 created at its first use. Languages are whatever kernelspecs are installed
 (jupyter_client.kernelspec, keyed by the spec's `language`); "js" and "ts"
-name JavaScript and TypeScript, which Deno's kernel runs both of.
+name JavaScript and TypeScript, which Deno's kernel runs both of; "bash" is
+the server's own kernel (bash_kernel.py) unless another is installed.
 """
 
 import json
 import logging
 import os
+import re
+import shlex
+import shutil
+import sys
 import threading
 import uuid
 
@@ -90,7 +95,31 @@ class Languages:
                          + ", ".join(self.installed()))
 
 
+def install_bash_kernelspec(parent):
+    """Writes the kernelspec of bash_kernel.py under parent and puts parent
+    on JUPYTER_PATH, so "bash" is a language when no other bash kernel is
+    installed. Returns False when there is no bash."""
+    bash = shutil.which("bash")
+    if not bash:
+        return False
+    d = os.path.join(parent, "kernels", "space-bash")
+    os.makedirs(d, exist_ok=True)
+    spec = {
+        "argv": [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bash_kernel.py"),
+                 "-f", "{connection_file}"],
+        "display_name": "Bash", "language": "bash",
+        "metadata": {"space_flavor": "bash"},
+    }
+    with open(os.path.join(d, "kernel.json"), "w") as f:
+        json.dump(spec, f)
+    paths = [parent] + [p for p in os.environ.get("JUPYTER_PATH", "").split(os.pathsep) if p]
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(paths)
+    return True
+
+
 def _flavor(name, spec):
+    if (spec.get("metadata") or {}).get("space_flavor") == "bash":
+        return "bash"
     argv = spec.get("argv") or [""]
     if "ipykernel_launcher" in argv or "ipykernel" in argv:
         return "python"
@@ -116,7 +145,21 @@ def env_code(flavor, env_vars):
                 "void (() => { for (const [k, v] of Object.entries(globalThis.__spaceEnvSaved ?? {})) "
                 "{ if (v === undefined) Deno.env.delete(k); else Deno.env.set(k, v); } "
                 "delete globalThis.__spaceEnvSaved; })()")
+    if flavor == "bash":
+        bad = [k for k in env_vars if not _BASH_NAME.match(k)]
+        if bad:
+            raise BadRequest(f"env_vars: {bad[0]!r} is not a bash variable name")
+        names = " ".join(env_vars)
+        pattern = "|".join(env_vars)
+        # `export -p` prints the current exports as commands that set them
+        # again; what was not exported is unset after.
+        return ("__space_env_saved=$(export -p | grep -E '^declare -x (" + pattern + ")(=|$)'); export "
+                + " ".join(f"{k}={shlex.quote(v)}" for k, v in env_vars.items()),
+                f"unset {names}; eval \"$__space_env_saved\"; unset __space_env_saved")
     raise BadRequest("env_vars are not supported for this context's kernel")
+
+
+_BASH_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class Context:
@@ -148,8 +191,15 @@ class Contexts:
 
     def _kernel_env(self, flavor):
         env = dict(os.environ)
-        # The connection files are the server's business, not the user's.
-        env.pop("JUPYTER_RUNTIME_DIR", None)
+        # The connection files and the server's own kernelspecs (under the
+        # runtime dir) are the server's business, not the user's.
+        runtime = env.pop("JUPYTER_RUNTIME_DIR", None)
+        paths = [p for p in env.get("JUPYTER_PATH", "").split(os.pathsep)
+                 if p and not (runtime and p.startswith(runtime))]
+        if paths:
+            env["JUPYTER_PATH"] = os.pathsep.join(paths)
+        else:
+            env.pop("JUPYTER_PATH", None)
         if flavor == "python":
             # Figures go through IPython's display system (png + chart) at
             # the end of a cell or on plt.show(), as in E2B's kernels: the

@@ -222,7 +222,7 @@ class Kernel:
         # replaced by one TimeoutError (the SDK keeps the last error only).
         suppress_error = False
         last_alive_check = started
-        settle = self.flavor != "python"
+        settle = self.flavor not in ("python", "bash")  # ipykernel's ordering
         idle_at = None
         last_msg_at = started
         # Deno reports some errors (an interrupted execution) only in the
