@@ -113,6 +113,16 @@ plt.show()`)
 			t.Fatalf("bars %s", got)
 		}
 	})
+	t.Run("BarGrouped", func(t *testing.T) {
+		c := chart(t, s, `import numpy as np
+x = np.arange(2)
+plt.bar(x - 0.2, [1, 2], 0.4, label="A"); plt.bar(x + 0.2, [3, 4], 0.4, label="B")
+plt.xticks(x, ["p", "q"]); plt.legend()
+plt.show()`)
+		if got := js(c["elements"]); got != `[{"group":"A","label":"p","value":1},{"group":"A","label":"q","value":2},{"group":"B","label":"p","value":3},{"group":"B","label":"q","value":4}]` {
+			t.Fatalf("grouped bars %s", got)
+		}
+	})
 	t.Run("BarHorizontal", func(t *testing.T) {
 		c := chart(t, s, `plt.barh(["x", "y"], [1, 2])
 plt.xlabel("Count"); plt.ylabel("Kind");`)

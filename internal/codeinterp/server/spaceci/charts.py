@@ -161,19 +161,36 @@ def _coord(axis, x):
     return _value(x)
 
 
+def _is_number(text):
+    try:
+        float(text.replace("\u2212", "-"))  # matplotlib's minus sign
+        return True
+    except ValueError:
+        return False
+
+
 def _tick_label_at(axis, pos):
-    """The label a reader sees at pos on axis: the category, or the tick
-    label of a tick at pos, or the position itself."""
+    """The label a reader sees at pos on axis: the category, the label of
+    a tick at pos, the text label of the nearest tick (bars grouped around
+    a labelled tick), or else the position itself."""
     if _is_categorical(axis):
         name = _category(axis, pos)
         if name is not None:
             return name
-    for loc, label in zip(axis.get_ticklocs(), axis.get_ticklabels()):
-        if math.isclose(float(loc), float(pos), rel_tol=1e-9, abs_tol=1e-9) and label.get_text():
-            return label.get_text()
+    ticks = [(float(loc), label.get_text()) for loc, label in zip(axis.get_ticklocs(), axis.get_ticklabels())]
+    for loc, text in ticks:
+        if math.isclose(loc, float(pos), rel_tol=1e-9, abs_tol=1e-9) and text:
+            return text
+    named = [(loc, text) for loc, text in ticks if text and not _is_number(text)]
+    if named:
+        locs = sorted(loc for loc, _ in named)
+        half = min((b - a for a, b in zip(locs, locs[1:])), default=float("inf")) / 2
+        loc, text = min(named, key=lambda lt: abs(lt[0] - float(pos)))
+        if abs(loc - float(pos)) < half or len(named) == 1:
+            return text
     c = _coord(axis, pos)
-    if isinstance(c, float) and c.is_integer():
-        return str(int(c))
+    if isinstance(c, float):
+        return format(c, "g")
     return str(c)
 
 
