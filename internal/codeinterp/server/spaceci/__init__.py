@@ -13,6 +13,9 @@
 Where it differs from E2B's own server (on purpose, or by what it runs on):
   - each stream ends with {"type": "end_of_execution"} (or
     unexpected_end_of_execution when the kernel died); the SDK ignores both.
+  - an error's traceback is the kernel's frames joined with newlines, as
+    Jupyter frontends show them (E2B's joins them with nothing); IPython's
+    colour codes are kept, as E2B's kernels send them.
   - env_vars are set and restored by silent helper executions, not by code
     prepended to the cell: line numbers in tracebacks stay the user's. Deno's
     kernel ignores `silent`, so there the helpers take execution counts too;
