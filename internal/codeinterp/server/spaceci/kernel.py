@@ -41,8 +41,9 @@ class Kernel:
     def __init__(self, spec_name, cwd, env, extra_arguments=(), flavor=None, interrupt_grace=10.0):
         self.spec_name = spec_name
         self.cwd = cwd
-        # "python" (ipykernel + kernel_startup), "deno" or None: what the
-        # environment-variable helpers are written in.
+        # "python" (ipykernel + kernel_startup), "deno", "bash"
+        # (bash_kernel) or None: how env_vars are set, how an interrupt is
+        # sent, whether output may trail the idle status.
         self.flavor = flavor
         # How long the kernel gets to stop after an interrupt before it is
         # restarted instead: code stuck in C, or that ignores SIGINT.
