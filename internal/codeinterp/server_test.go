@@ -30,6 +30,7 @@ func TestServer(t *testing.T) {
 		fn   func(*testing.T, *server)
 	}{
 		{"Health", testHealth},
+		{"ConnectionFiles", testConnectionFiles},
 		{"StateAndCounts", testStateAndCounts},
 		{"StreamOrder", testStreamOrder},
 		{"Error", testError},
@@ -54,6 +55,15 @@ func TestServer(t *testing.T) {
 		})
 	}
 	s.t = t
+}
+
+// The kernels' connection files (their HMAC keys) are in the server's
+// private runtime dir (0700), nowhere else in the temp dir.
+func testConnectionFiles(t *testing.T, s *server) {
+	got, _ := s.code("import json, os; from ipykernel.connect import get_connection_file as f; p = f(); d = os.path.dirname(p); json.dumps([os.path.basename(d).startswith('space-code-interpreter-'), oct(os.stat(d).st_mode & 0o777), oct(os.stat(p).st_mode & 0o777)])").mainText()
+	if got != `[true, "0o700", "0o600"]` {
+		t.Fatalf("connection file: %s", got)
+	}
 }
 
 func testHealth(t *testing.T, s *server) {

@@ -14,11 +14,14 @@ notices within one poll interval, reports why and lets go of the lock.
 """
 
 import logging
+import os
 import threading
 import time
+import uuid
 
 import zmq
 from jupyter_client.manager import KernelManager
+from jupyter_core.paths import jupyter_runtime_dir
 
 from . import results
 
@@ -54,7 +57,11 @@ class Kernel:
         self._gen = 0
         self._abort = ("ContextRestarting", "Context was restarted")
         self.shell = self.iopub = None
-        self.km = KernelManager(kernel_name=spec_name)
+        # The connection file (the kernel's ports and HMAC key) in the
+        # server's private runtime dir; a bare KernelManager would make it
+        # with mkstemp in $TMPDIR.
+        self.km = KernelManager(kernel_name=spec_name, connection_file=os.path.join(
+            jupyter_runtime_dir(), f"kernel-{uuid.uuid4()}.json"))
         if flavor == "deno":
             # Deno's kernel exits on SIGINT (its kernelspec leaves the
             # signal mode) but stops the running code, state kept, on an
