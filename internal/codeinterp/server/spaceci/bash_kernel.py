@@ -46,7 +46,12 @@ class BashKernel(Kernel):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self._dir = tempfile.mkdtemp(prefix="space-bash-")
+        # The cell file goes beside the connection file: the server's
+        # private runtime dir, which it removes when it stops (a kernel
+        # killed outright never runs do_shutdown).
+        conn = sys.argv[sys.argv.index("-f") + 1] if "-f" in sys.argv else ""
+        where = os.path.dirname(os.path.abspath(conn)) if conn else tempfile.gettempdir()
+        self._cell = os.path.join(where, "bash-cell-%d-%s.sh" % (os.getpid(), uuid.uuid4().hex[:8]))
         self._marker = ("__space_bash_%s__" % uuid.uuid4().hex).encode()
         self._start_bash()
 
@@ -78,7 +83,7 @@ class BashKernel(Kernel):
             self.send_response(self.iopub_socket, "stream", {"name": name, "text": text})
 
     def do_execute(self, code, silent, store_history=True, user_expressions=None, allow_stdin=False):
-        path = os.path.join(self._dir, "cell.sh")
+        path = self._cell
         with open(path, "w") as f:
             f.write(code)
             f.write("\n")
@@ -161,6 +166,10 @@ class BashKernel(Kernel):
     def do_shutdown(self, restart):
         try:
             self._bash.kill()
+        except OSError:
+            pass
+        try:
+            os.unlink(self._cell)
         except OSError:
             pass
         return {"status": "ok", "restart": restart}
