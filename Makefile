@@ -63,6 +63,21 @@ registry-deps:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-registry && \
 	  { ! command -v systemctl >/dev/null || systemctl disable --now docker-registry.service >/dev/null 2>&1 || true; }; }
 
+## codeinterp-deps: what internal/codeinterp's tests run the code
+## interpreter server on (what its image holds): Debian's Jupyter client,
+## IPython kernel, matplotlib, pandas and numpy for /usr/bin/python3, and
+## Deno (npm, version and integrity in the lock file) for its JS/TS kernel.
+CODEINTERP_PKGS := python3-ipykernel python3-jupyter-client python3-matplotlib python3-pandas python3-numpy
+CODEINTERP_DENO := $(CURDIR)/.cache/codeinterp-deno
+.PHONY: codeinterp-deps
+codeinterp-deps: deps $(CODEINTERP_DENO)/node_modules/.package-lock.json
+	@dpkg -s $(CODEINTERP_PKGS) >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(CODEINTERP_PKGS); }
+$(CODEINTERP_DENO)/node_modules/.package-lock.json: internal/codeinterp/testdata/deno/package.json internal/codeinterp/testdata/deno/package-lock.json
+	@mkdir -p $(CODEINTERP_DENO) && cp internal/codeinterp/testdata/deno/package*.json $(CODEINTERP_DENO)/
+	npm ci --prefix $(CODEINTERP_DENO) --no-audit --no-fund --loglevel=error
+	chmod 0755 $(CODEINTERP_DENO)/node_modules/@deno/linux-x64-glibc/deno
+
 ## e2e-deps: the unmodified e2b npm SDK for the end-to-end tests (and the
 ## *.localhost names direct-urls.test.mjs fetches)
 e2e-deps: deps localhost-names test/e2e/node_modules/.package-lock.json
@@ -102,7 +117,7 @@ $(VM_KERNEL_DIR)/.done:
 ## test: the whole suite, every tier: unit, root, platform (space up, the
 ## hostile suite, end to end with the e2b SDK) and kvm; run it as root.
 ## Ends with the list of what did not run (docs/TESTING.md).
-test: build e2e-deps registry-deps
+test: build e2e-deps registry-deps codeinterp-deps
 	@[ "$$(id -u)" = 0 ] || echo 'make test: not root: the root and platform tiers will not run (see the NOT RUN list at the end)'
 	set -o pipefail; SPACE_BIN_DIR=$(BIN) $(GO) test $(GOTESTFLAGS) -json $(PKGS) | $(NOTRUN)
 

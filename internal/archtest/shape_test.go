@@ -30,6 +30,9 @@ var layer = map[string]int{
 	"internal/guest/cgexec": 1, "internal/logsetup": 1, "internal/crashpoint": 1,
 	"internal/netpolicy": 1, "internal/sbxnet": 1, "internal/netsim": 1,
 	"internal/egress/intercept": 1, "internal/egress/socks5": 1,
+	// 1 also: the code interpreter server (Python, embedded) for the
+	// code-interpreter-v1 image.
+	"internal/codeinterp": 1,
 	// 2: contracts built on identity, envd connect stubs.
 	"api/spacev1": 2, "internal/capability": 2, "internal/edgecert": 2,
 	"api/envd/filesystem/filesystempbconnect": 2, "api/envd/process/processpbconnect": 2,
