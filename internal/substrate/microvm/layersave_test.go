@@ -280,3 +280,47 @@ func TestImageVMRecoversFromItsLayer(t *testing.T) {
 	}
 	checkImageFiles(t, ctx, a3)
 }
+
+// FuzzLayerState: any input either restores as a layer disk of the size
+// its header names, with nothing after it, or is refused and leaves no
+// disk behind.
+func FuzzLayerState(f *testing.F) {
+	hdr := func(h stateHeader) []byte {
+		b, err := h.marshal()
+		if err != nil {
+			f.Fatal(err)
+		}
+		return b
+	}
+	good := hdr(stateHeader{Version: layerStateVersion, Layer: &layerRef{Size: MinDiskBytes}})
+	f.Add(append(append(good, layerRecord(4096, 3, []byte("abc"))...), layerRecord(0, 0, nil)...))
+	f.Add(append(append(good, layerRecord(0, 0, nil)...), 'x'))
+	f.Add(hdr(stateHeader{Version: layerStateVersion, Layer: &layerRef{Size: MinDiskBytes + 1}}))
+	f.Add(hdr(stateHeader{Version: stateVersion, Layer: &layerRef{Size: MinDiskBytes}}))
+	dir := f.TempDir()
+	f.Fuzz(func(t *testing.T, in []byte) {
+		src := filepath.Join(dir, "state")
+		if err := os.WriteFile(src, in, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		dst := filepath.Join(dir, "layer.img")
+		os.Remove(dst)
+		f, h, err := openState(src)
+		if err != nil {
+			return
+		}
+		defer f.Close()
+		if h.Version != layerStateVersion || checkLayerState(h, &rootSpec{}) != nil {
+			return
+		}
+		if err := restoreLayerState(f, dst, h.Layer.Size); err != nil {
+			if _, serr := os.Stat(dst); serr == nil {
+				t.Fatalf("refused input (%v) left a disk", err)
+			}
+			return
+		}
+		if fi, err := os.Stat(dst); err != nil || fi.Size() != h.Layer.Size {
+			t.Fatalf("accepted input left %v, %v; want a %d-byte disk", fi, err, h.Layer.Size)
+		}
+	})
+}
