@@ -230,24 +230,35 @@ func createVM(ctx context.Context, t *testing.T, c *sdk.Client, p *testenv.Platf
 	return s, info, currentRoute(ctx, t, p, s.ID)
 }
 
-// waitRecovered waits (up to d) until s is served again through the edge
-// with its file, then checks that it is a new execution of the same
-// sandbox with its metadata and timeout, running commands, without the
-// old background process.
+// waitRecovered waits (up to d) until the control plane runs s as a new
+// execution, then checks through the edge that it serves its file, runs
+// commands without the old background process, and kept its metadata and
+// timeout. No read is sent before: the control plane holds a capability
+// request while the recovery runs, and one held past the edge's own 10 s
+// bound (DefaultControlPlaneTimeout) is answered 200 with no body (the
+// edge takes its own deadline for the client's end and writes nothing).
 func waitRecovered(ctx context.Context, t *testing.T, c *sdk.Client, p *testenv.Platform, s *sdk.Sandbox, info *sdk.SandboxInfo,
 	before spacev1.Execution, d time.Duration) spacev1.Execution {
 	t.Helper()
-	var got []byte
-	var err error
-	for deadline := time.Now().Add(d); ; time.Sleep(200 * time.Millisecond) {
-		if got, err = s.ReadFile(ctx, "/home/user/vm.txt"); err == nil || time.Now().After(deadline) {
+	var after spacev1.Execution
+	for deadline := time.Now().Add(d); after.Route.Generation == 0; {
+		for _, e := range executions(ctx, t, p, s.ID) {
+			if e.State == "running" && e.Route.Generation > before.Route.Generation {
+				after = e
+			}
+		}
+		if after.Route.Generation != 0 {
 			break
 		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no new execution %v after its QEMU died: %+v", d, executions(ctx, t, p, s.ID))
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
+	got, err := s.ReadFile(ctx, "/home/user/vm.txt")
 	if err != nil || string(got) != "kept on the layer disk" {
 		t.Fatalf("after its QEMU died: %q, %v", got, err)
 	}
-	after := currentRoute(ctx, t, p, s.ID)
 	if after.Route.Generation <= before.Route.Generation || after.Route.ExecutionID == before.Route.ExecutionID {
 		t.Errorf("runs %+v, want a new execution after %+v", after.Route, before.Route)
 	}
