@@ -35,8 +35,10 @@ func (a *auditLog) record(ad Admission, purpose capability.Purpose, path string)
 
 // lost records a decision about an execution whose processes are gone:
 // "reclaimed" (its leftovers ended at the worker's start), "lost" (its
-// init exited while served), "unrecoverable" (its state lived in its
-// memory), with the error that stopped it, if any.
+// init exited while served), "unrecoverable" (its files lived in its
+// memory: a microVM without a layer disk), "layer-saved" (a microVM's
+// layer disk saved for its recovery), with the error that stopped it, if
+// any.
 func (a *auditLog) lost(decision string, r identity.Route, err error) {
 	args := []any{"decision", decision, "sandbox", r.SandboxID, "generation", r.Generation, "execution", r.ExecutionID, "activation", r.ActivationID}
 	if err != nil {

@@ -50,7 +50,7 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: manager closed", errdefs.ErrUnavailable)
 	}
 	if hasOld && old.Route == r && !old.Retired && act != nil {
-		return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion, ProcessesKept: req.RestoreSnapshot != "" && m.caps(r).SavesState}, nil // idempotent retry
+		return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion, ProcessesKept: req.RestoreSnapshot != "" && m.caps(r).SavesState && processesKept(act.inst)}, nil // idempotent retry
 	}
 	if hasOld && old.Route.Generation > r.Generation {
 		return spacev1.InstallResponse{}, fmt.Errorf("install: %w: generation %d is older than installed %d", errdefs.ErrConflict, r.Generation, old.Route.Generation)
@@ -116,7 +116,16 @@ func (m *Manager) Install(ctx context.Context, req spacev1.InstallRequest) (spac
 	}
 	m.metrics.activations.Inc()
 	log.Info("execution installed", "execution", r.ExecutionID, "activation", r.ActivationID)
-	return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion, ProcessesKept: rec.restoreState != ""}, nil
+	return spacev1.InstallResponse{Route: r, EnvdVersion: m.cfg.EnvdVersion, ProcessesKept: rec.restoreState != "" && processesKept(newAct.inst)}, nil
+}
+
+// processesKept reports whether inst, started from a saved state, kept
+// its processes (a state saved from a layer disk alone boots).
+func processesKept(inst substrate.Instance) bool {
+	if rr, ok := inst.(substrate.RestoreReporter); ok {
+		return rr.ProcessesKept()
+	}
+	return true
 }
 
 // activationDir is short on purpose: the bridge and guest sockets live in
@@ -315,10 +324,40 @@ func (m *Manager) watchExit(a *activation) {
 	m.log.Warn("sandbox init exited while served; its execution is lost", "sandbox", a.route.SandboxID, "generation", a.route.Generation)
 	m.audit.lost("lost", a.route, nil)
 	m.stopActivation(a, "its init exited")
+	m.mu.RLock()
+	dir := m.records[a.route.SandboxID].Dir
+	m.mu.RUnlock()
+	recovers := m.recoverable(a.route, dir)
+	if !recovers {
+		m.unrecoverable(a.route)
+	}
 	unlock()
-	if m.onLost != nil && !m.caps(a.route).SavesState {
+	if m.onLost != nil && recovers {
 		m.onLost(a.route)
 	}
+}
+
+// recoverable reports whether the execution of route, whose activation
+// directory is dir, comes back from its files once its processes are
+// gone: always for a substrate whose snapshots are of its writable layer;
+// for one whose snapshots are an instance's whole state (SavesState),
+// only when the activation kept its files on a disk of its own
+// (substrate.LayerSaver: a microVM booted from an image, not one whose
+// files lived in its memory).
+func (m *Manager) recoverable(route identity.Route, dir string) bool {
+	if !m.caps(route).SavesState {
+		return true
+	}
+	ls, ok := m.subs[route.Substrate].(substrate.LayerSaver)
+	return ok && dir != "" && ls.HasLayer(dir)
+}
+
+// unrecoverable logs and audits an execution that nothing brings back
+// (see recoverable): its files went with its memory.
+func (m *Manager) unrecoverable(route identity.Route) {
+	m.audit.lost("unrecoverable", route, nil)
+	m.log.Error("lost execution not recoverable: its files lived in its memory", "sandbox", route.SandboxID,
+		"generation", route.Generation, "execution", route.ExecutionID)
 }
 
 // stopActivation ends the activation's streams, stops its bridge and the

@@ -369,8 +369,8 @@ func (m *Manager) Records() []identity.Record {
 // no running activation and can be recovered from their files: after a
 // restart of the worker, executions whose processes died with it (their
 // records and files are on disk). An instance whose files lived in its
-// memory (Capabilities.SavesState: a microVM) left nothing to recover
-// from; it is logged, not returned.
+// memory (a microVM without a layer disk: see recoverable) left nothing
+// to recover from; it is logged and audited, not returned.
 func (m *Manager) Lost() []identity.Route {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
@@ -379,10 +379,8 @@ func (m *Manager) Lost() []identity.Route {
 		if r.Retired || m.active[id] != nil || m.unreclaimed[id] {
 			continue
 		}
-		if m.caps(r.Route).SavesState {
-			m.audit.lost("unrecoverable", r.Route, nil)
-			m.log.Error("execution lost with the worker's restart and not recoverable: its state lived in its memory",
-				"sandbox", r.Route.SandboxID, "generation", r.Route.Generation)
+		if !m.recoverable(r.Route, r.Dir) {
+			m.unrecoverable(r.Route)
 			continue
 		}
 		out = append(out, r.Route)

@@ -56,6 +56,9 @@ func (m *Manager) Snapshot(ctx context.Context, route identity.Route, id string)
 	if act == nil && m.unreclaimed[route.SandboxID] {
 		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: what is left of the execution could not be ended at the worker's start; its files are not read", route.SandboxID, errdefs.ErrUnavailable)
 	}
+	if m.caps(route).SavesState && act == nil {
+		return m.snapshotLostLayer(ctx, rec, id)
+	}
 	if m.caps(route).SavesState {
 		return m.snapshotState(ctx, route, act, id)
 	}
@@ -89,15 +92,38 @@ func (m *Manager) Snapshot(ctx context.Context, route identity.Route, id string)
 	return spacev1.SnapshotResponse{SnapshotID: id, SizeBytes: n}, nil
 }
 
-// snapshotState stores a paused instance's whole state (memory, devices;
-// its files live in memory) under id. Runs under the sandbox lock.
-func (m *Manager) snapshotState(ctx context.Context, route identity.Route, act *activation, id string) (spacev1.SnapshotResponse, error) {
-	var saver substrate.StateSaver
-	if act != nil {
-		saver, _ = act.inst.(substrate.StateSaver)
+// snapshotLostLayer stores, under id, the files of an instance of a
+// substrate that saves whole states but whose instance is gone (its
+// process died, its memory with it): the disk it kept them on
+// (substrate.LayerSaver), from which the restoring install boots. The
+// substrate refuses a disk a live instance may still write; an instance
+// whose files lived in its memory left nothing. Runs under the sandbox
+// lock; the caller checked that nothing is left unreclaimed.
+func (m *Manager) snapshotLostLayer(ctx context.Context, rec record, id string) (spacev1.SnapshotResponse, error) {
+	route := rec.Route
+	ls, ok := m.subs[route.Substrate].(substrate.LayerSaver)
+	if !ok || !ls.HasLayer(rec.Dir) {
+		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: the VM is not running on this worker and its files lived in its memory; nothing to save", route.SandboxID, errdefs.ErrConflict)
 	}
+	var saved int64
+	n, err := m.putStream(ctx, id, func(w io.Writer) (err error) {
+		saved, err = ls.SaveLayer(ctx, rec.Dir, w)
+		return err
+	})
+	m.audit.lost("layer-saved", route, err)
+	if err != nil {
+		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w", route.SandboxID, lifecycleErr(ctx, err))
+	}
+	m.log.Info("layer disk of a lost VM stored", "sandbox", route.SandboxID, "generation", route.Generation, "snapshot", id, "bytes", n, "saved", saved)
+	return spacev1.SnapshotResponse{SnapshotID: id, SizeBytes: n}, nil
+}
+
+// snapshotState stores a paused instance's whole state (memory, devices,
+// files) under id. Runs under the sandbox lock.
+func (m *Manager) snapshotState(ctx context.Context, route identity.Route, act *activation, id string) (spacev1.SnapshotResponse, error) {
+	saver, _ := act.inst.(substrate.StateSaver)
 	if saver == nil {
-		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: the VM is not running on this worker, its state cannot be saved", route.SandboxID, errdefs.ErrConflict)
+		return spacev1.SnapshotResponse{}, fmt.Errorf("snapshot %s: %w: the VM's state cannot be saved", route.SandboxID, errdefs.ErrConflict)
 	}
 	var saved int64
 	n, err := m.putStream(ctx, id, func(w io.Writer) (err error) {

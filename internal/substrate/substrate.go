@@ -42,7 +42,8 @@ type Spec struct {
 	Limits Limits
 	// RestoreState, when set, is the path of a file written by
 	// StateSaver.SaveState: the instance continues from that state (its
-	// processes still running) instead of booting. The guest then still
+	// processes still running) instead of booting; or by
+	// LayerSaver.SaveLayer: the instance boots with the saved files. The guest then still
 	// holds the identity it had before; spaced-host activates it with
 	// Route before anything is served. Substrates whose instances do not
 	// implement StateSaver reject a non-empty RestoreState.
@@ -180,6 +181,35 @@ type LayerPreparer interface {
 	// this process reaches it while the layer is available (its instance
 	// runs, or PrepareLayer holds it).
 	LayerDir(dir string) string
+}
+
+// LayerSaver is implemented by substrates whose instances save their
+// whole state (Capabilities.SavesState) yet may also keep their files on
+// a disk of their own on the host (the microvm substrate's image VMs): an
+// instance whose process died (its memory, its processes gone) comes back
+// from those files, as a new instance that boots with them. The host
+// never mounts such a disk: it is saved and restored as it is.
+type LayerSaver interface {
+	// HasLayer reports whether the activation of dir kept its files on a
+	// disk of its own (false: they lived in its memory, and nothing of
+	// them outlives its process).
+	HasLayer(dir string) bool
+	// SaveLayer writes that disk of the ended activation of dir to w as a
+	// state for Spec.RestoreState, which Start boots a new instance from
+	// (its processes start afresh: RestoreReporter), and returns the
+	// bytes written. It refuses, with an error wrapping
+	// errdefs.ErrConflict, a disk that a live instance may still write
+	// (its process was not seen to end, or it still holds the disk), and
+	// with one wrapping errdefs.ErrNotFound an activation without one.
+	SaveLayer(ctx context.Context, dir string, w io.Writer) (int64, error)
+}
+
+// RestoreReporter is implemented by instances that tell what their start
+// from Spec.RestoreState kept: the processes (a state written by
+// StateSaver), or the files only (one written by LayerSaver: the instance
+// booted). An instance without it kept its processes when it restored.
+type RestoreReporter interface {
+	ProcessesKept() bool
 }
 
 // Instance is one running activation.

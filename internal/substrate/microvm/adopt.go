@@ -271,7 +271,13 @@ func (s *Substrate) Reclaim(ctx context.Context, route identity.Route, dir strin
 	if st.Route != route {
 		return fmt.Errorf("microvm: reclaim: %s is of activation %s, not %s", rec, st.Route, route)
 	}
-	if f, err := openPidfd(st.PID); err == nil {
+	f, err := openPidfd(st.PID)
+	if err != nil && !errors.Is(err, syscall.ESRCH) {
+		// Not known to be gone: the record stays, and nothing of the
+		// activation is read as ended (its layer disk is not saved).
+		return fmt.Errorf("microvm: reclaim: qemu %d: %w", st.PID, err)
+	}
+	if err == nil {
 		defer f.Close()
 		if st.verify(f) == nil {
 			// Anything else under that pid is not ours to kill.

@@ -12,12 +12,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/spacesbx/space/internal/substrate"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 // starterEnv makes the test binary start one VM as a worker would, write
@@ -464,5 +466,31 @@ func TestReclaim(t *testing.T) {
 	}
 	if err := s.Reclaim(ctx, route, dir); err != nil {
 		t.Fatalf("second Reclaim: %v", err)
+	}
+
+	// A pid that cannot be checked (here a thread that leads no thread
+	// group: pidfd_open refuses it) is not known to be gone: the record
+	// stays, so the activation's layer disk is not saved as ended.
+	tasks, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tid := 0
+	for _, e := range tasks {
+		if n, err := strconv.Atoi(e.Name()); err == nil && n != os.Getpid() {
+			tid = n // a runtime thread: they do not exit
+		}
+	}
+	if tid == 0 {
+		testenv.Skipf(t, "the test process has one thread")
+	}
+	_, id3 := start()
+	id3.PID = tid
+	write(id3)
+	if err := s.Reclaim(ctx, route, dir); err == nil {
+		t.Error("Reclaim of a record whose pid could not be checked succeeded")
+	}
+	if _, err := os.Stat(filepath.Join(dir, RecordName)); err != nil {
+		t.Errorf("record of an unchecked pid removed: %v", err)
 	}
 }

@@ -54,6 +54,11 @@
 // in guest memory: they survive Stop (a Start on the same directory boots
 // on them; Stop is a power cut, so what the guest had not written back is
 // lost, as on any VM), and a saved state carries the layer disk along.
+// They also survive QEMU's death: SaveLayer (layersave.go) saves the disk
+// of an ended VM as a layer state, which Start boots cold on (the
+// substrate.LayerSaver recovery of a lost execution). QEMU holds the
+// disk's OFD write lock through the descriptor it inherits, so no second
+// VM boots on it and no save reads it while QEMU lives.
 //
 // # The network
 //
@@ -88,7 +93,7 @@
 //	             4 MiB, while the process that started QEMU runs (kept;
 //	             Start errors quote its tail)
 //	layer.img    an image VM's writable layer disk (kept: the sandbox's
-//	             files)
+//	             files; OFD-locked by its QEMU)
 //
 // # Host side of the channel
 //

@@ -50,6 +50,10 @@ type instance struct {
 	console *os.File
 	copied  chan struct{}
 
+	// processesKept: the VM continued a saved state (Spec.RestoreState)
+	// rather than booting (substrate.RestoreReporter).
+	processesKept bool
+
 	wg       sync.WaitGroup
 	done     chan struct{}
 	detached atomic.Bool
@@ -67,7 +71,13 @@ var (
 	_ substrate.StateSaver    = (*instance)(nil)
 	_ substrate.StatsReporter = (*instance)(nil)
 	_ substrate.Adoptable     = (*instance)(nil)
+
+	_ substrate.RestoreReporter = (*instance)(nil)
 )
+
+// ProcessesKept reports whether the VM continued a saved state: false for
+// one that booted, from a layer state too.
+func (i *instance) ProcessesKept() bool { return i.processesKept }
 
 func (i *instance) Route() identity.Route { return i.route }
 func (i *instance) GuestSocket() string   { return i.socket }

@@ -173,8 +173,10 @@ func (s *Substrate) Close() error {
 	return nil
 }
 
-// Capabilities: a VM's state (its files included: they live in guest
-// memory) is saved whole, so a move keeps its processes; the agent is
+// Capabilities: a VM's state (its files included: a busybox VM's live in
+// guest memory, an image VM's on its layer disk too) is saved whole, so a
+// move keeps its processes (an image VM whose QEMU died comes back from
+// its layer disk alone: LayerSaver); the agent is
 // reached over QEMU's chardev and configured by spaced-host's activation
 // message; the NIC's backend is Spec.Network.Tap (there is no network
 // namespace on the host to attach a veth to).
@@ -240,6 +242,17 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 			return nil, err
 		}
 		defer f.Close()
+		if hdr.Version == layerStateVersion {
+			// A VM that died left its files only: a cold boot on them.
+			if err := checkLayerState(hdr, root); err != nil {
+				return nil, err
+			}
+			if err := restoreLayerState(f, layerPath, hdr.Layer.Size); err != nil {
+				return nil, err
+			}
+			root.layerSize = hdr.Layer.Size
+			break
+		}
 		if err := s.checkHeader(hdr, imgID, spec.Limits, root); err != nil {
 			return nil, err
 		}
@@ -293,6 +306,7 @@ func (s *Substrate) start(ctx context.Context, spec substrate.Spec, templateRAM 
 	if root != nil {
 		inst.root, inst.layerPath = root.disk, layerPath
 	}
+	inst.processesKept = spec.RestoreState != "" && l.incoming
 	fail := func(err error) (*instance, error) {
 		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -500,7 +514,7 @@ func (s *Substrate) rootFor(img *substrate.Image, lim substrate.Limits) (*rootSp
 // restoreLayer writes the layer disk records of a state file (positioned
 // at them) into a new path.
 func restoreLayer(f *os.File, path string, size int64) error {
-	if size < MinDiskBytes || size > MaxDiskBytes || size%(1<<20) != 0 {
+	if !validLayerSize(size) {
 		return fmt.Errorf("microvm: restore: %w: layer disk size %d", errdefs.ErrInvalid, size)
 	}
 	_ = os.Remove(path) // a retried restore: the state is the truth

@@ -279,6 +279,11 @@ func (lf *launchFiles) openDisks(root, layer string) (err error) {
 	if lf.layer, err = os.OpenFile(layer, os.O_RDWR|unix.O_CLOEXEC, 0); err != nil {
 		return fmt.Errorf("layer disk: %w", err)
 	}
+	// QEMU inherits this description and its lock (layersave.go): no
+	// other VM boots on the disk, and no save reads it, while QEMU runs.
+	if err := lockLayer(lf.layer); err != nil {
+		return err
+	}
 	if lf.layerRO, err = os.OpenFile(layer, os.O_RDONLY|unix.O_CLOEXEC, 0); err != nil {
 		return fmt.Errorf("layer disk: %w", err)
 	}

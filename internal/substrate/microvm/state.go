@@ -17,12 +17,16 @@ import (
 )
 
 // A state file is stateMagic, a big-endian uint32 length, that many bytes
-// of JSON stateHeader, then QEMU's migration stream to the end.
+// of JSON stateHeader, then QEMU's migration stream to the end. A layer
+// state (layersave.go: an image VM's layer disk without its machine) has
+// a version of its own, so a substrate that does not boot from one
+// refuses it by its version rather than fail to load its machine.
 const (
-	stateMagic     = "SPACEVM\x00"
-	stateVersion   = 1
-	maxHeaderBytes = 64 << 10
-	stateFDName    = "space-state"
+	stateMagic        = "SPACEVM\x00"
+	stateVersion      = 1
+	layerStateVersion = 2
+	maxHeaderBytes    = 64 << 10
+	stateFDName       = "space-state"
 )
 
 // stateHeader describes the machine a state was saved from; a restore
@@ -83,8 +87,8 @@ func readHeader(r io.Reader) (stateHeader, error) {
 	if err := json.Unmarshal(j, &h); err != nil {
 		return h, fmt.Errorf("microvm: state header: %w", err)
 	}
-	if h.Version != stateVersion {
-		return h, fmt.Errorf("microvm: state format version %d, this substrate reads %d", h.Version, stateVersion)
+	if h.Version != stateVersion && h.Version != layerStateVersion {
+		return h, fmt.Errorf("microvm: state format version %d, this substrate reads %d and %d", h.Version, stateVersion, layerStateVersion)
 	}
 	return h, nil
 }
