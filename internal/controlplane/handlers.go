@@ -39,12 +39,19 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request, c caller, 
 	p.RestoreSnapshot = snap
 	if built != nil {
 		p.Image = built.build.Image
+	} else {
+		built = platformStart(p.Template, p.Spec)
 	}
 	if p.VolumeMounts, err = s.resolveVolumeMounts(r.Context(), c.TeamID, req.VolumeMounts); err != nil {
 		s.writeError(w, r, err)
 		return
 	}
-	rec, err := s.createSandbox(r.Context(), c, p)
+	var rec store.SandboxRecord
+	if p.Spec.WarmSnapshot && snap == "" {
+		rec, err = s.createWarm(r.Context(), c, p)
+	} else {
+		rec, err = s.createSandbox(r.Context(), c, p)
+	}
 	if err != nil {
 		s.writeError(w, r, err)
 		return
