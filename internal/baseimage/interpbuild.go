@@ -100,7 +100,7 @@ func buildInterp(ctx context.Context, cfg InterpConfig, base Base, id string, lo
 		}
 	}
 	stage := dirs["stage"]
-	if err := fetchDeno(ctx, cfg.NPMRegistry, filepath.Join(stage, "deno")); err != nil {
+	if err := fetchDeno(ctx, denoURL(cfg.NPMRegistry), DenoIntegrity, filepath.Join(stage, "deno")); err != nil {
 		return 0, err
 	}
 	if err := os.WriteFile(filepath.Join(stage, "kernel.json"), []byte(denoKernelSpec), 0o644); err != nil {
@@ -196,12 +196,16 @@ func runLogged(ctx context.Context, log *slog.Logger, name string, cmd *exec.Cmd
 // maxDenoBytes bounds the download and the binary.
 const maxDenoBytes = 512 << 20
 
-// fetchDeno downloads Deno's pinned npm tarball, checks it against the
-// pinned integrity (before anything in it is read) and writes its binary
-// to dst.
-func fetchDeno(ctx context.Context, registry, dst string) error {
+// denoURL is the pinned Deno tarball's address on registry.
+func denoURL(registry string) string {
 	name := DenoPackage[strings.LastIndex(DenoPackage, "/")+1:]
-	url := fmt.Sprintf("%s/%s/-/%s-%s.tgz", registry, DenoPackage, name, DenoVersion)
+	return fmt.Sprintf("%s/%s/-/%s-%s.tgz", registry, DenoPackage, name, DenoVersion)
+}
+
+// fetchDeno downloads Deno's npm tarball from url, checks it against
+// integrity (npm's "sha512-<base64>", before anything in it is read) and
+// writes its binary to dst.
+func fetchDeno(ctx context.Context, url, integrity, dst string) error {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
@@ -230,8 +234,8 @@ func fetchDeno(ctx context.Context, registry, dst string) error {
 	if n > maxDenoBytes {
 		return fmt.Errorf("baseimage: deno: %w: %s is larger than %d bytes", errdefs.ErrInvalid, url, maxDenoBytes)
 	}
-	if got := "sha512-" + base64.StdEncoding.EncodeToString(h.Sum(nil)); got != DenoIntegrity {
-		return fmt.Errorf("baseimage: deno: %w: %s has integrity %s, want %s", errdefs.ErrInvalid, url, got, DenoIntegrity)
+	if got := "sha512-" + base64.StdEncoding.EncodeToString(h.Sum(nil)); got != integrity {
+		return fmt.Errorf("baseimage: deno: %w: %s has integrity %s, want %s", errdefs.ErrInvalid, url, got, integrity)
 	}
 	if _, err := tgz.Seek(0, io.SeekStart); err != nil {
 		return fmt.Errorf("baseimage: %w", err)
@@ -263,7 +267,7 @@ func extractDeno(r io.Reader, dst string) error {
 		}
 		if _, err := io.Copy(f, io.LimitReader(tr, maxDenoBytes)); err != nil {
 			f.Close()
-			return fmt.Errorf("baseimage: deno: %w", err)
+			return fmt.Errorf("baseimage: deno: %w: %w", errdefs.ErrInvalid, err)
 		}
 		return f.Close()
 	}
