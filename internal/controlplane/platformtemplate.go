@@ -167,3 +167,16 @@ func (s *Server) createWarm(ctx context.Context, c caller, p createParams) (stor
 	}
 	return s.createSandbox(ctx, c, p)
 }
+
+// restartPlatformServer starts the server of a platform template's
+// sandbox again after a move that restarted its processes (ns), before
+// the move is answered; a failure is logged (the sandbox itself moved).
+func (s *Server) restartPlatformServer(ctx context.Context, rec store.SandboxRecord) {
+	bt := platformStart(rec.TemplateID, s.cfg.Templates[rec.TemplateID])
+	if bt == nil {
+		return
+	}
+	if err := s.startTemplate(context.WithoutCancel(ctx), bt, rec); err != nil {
+		s.log.Warn("platform template: restarting the server after a move failed", "sandbox", rec.ID, "template", rec.TemplateID, "err", err)
+	}
+}

@@ -204,10 +204,30 @@ test('contexts survive pause and resume', async () => {
   assert.equal((await back.runCode('top')).text, "'default'")
 })
 
+test('after a move on ns the server is started again (a new kernel)', async () => {
+  const { sbx: s } = await create('code-interpreter-v1')
+  await s.runCode('before_move = 1')
+  const res = await fetch(`${process.env.E2B_API_URL}/space/v1/sandboxes/${s.sandboxId}/migrate`, {
+    method: 'POST',
+    headers: { 'X-API-Key': process.env.E2B_API_KEY, 'Content-Type': 'application/json' },
+    body: '{}',
+  })
+  assert.equal(res.status, 200, await res.text())
+  // ns moves restart processes: the platform started the server again
+  // before the move was answered; the old kernel's state is gone.
+  const r = await s.runCode('1 + 1')
+  assert.equal(r.text, '2')
+  assert.equal((await s.runCode('before_move')).error?.name, 'NameError')
+})
+
 test('microVM: code-interpreter-v1-vm, created from a snapshot with a warm kernel', async (t) => {
+  // The team's first create takes the warm snapshot (a VM boot, the
+  // server's start, a snapshot): more than the SDK's default 60 s request
+  // timeout under TCG.
+  const vmOpts = { requestTimeoutMs: 600_000 }
   let first
   try {
-    first = await create('code-interpreter-v1-vm')
+    first = await create('code-interpreter-v1-vm', vmOpts)
   } catch (e) {
     if (/microvm substrate|not available on this worker/.test(e.message)) {
       t.skip(`no microvm code interpreter on this platform: ${e.message}`)
@@ -219,7 +239,7 @@ test('microVM: code-interpreter-v1-vm, created from a snapshot with a warm kerne
   assert.match(r.text, /cloud/, 'not a microVM kernel')
   // A second create restores the team's warm snapshot: the first runCode
   // finds the kernel running (a kernel start is seconds).
-  const { sbx: s, ms } = await create('code-interpreter-v1-vm')
+  const { sbx: s, ms } = await create('code-interpreter-v1-vm', vmOpts)
   const t0 = performance.now()
   const one = await s.runCode('1 + 1')
   const firstRun = performance.now() - t0
