@@ -9,7 +9,8 @@
 // e2e_test.go.
 import { test, after, before } from 'node:test'
 import assert from 'node:assert/strict'
-import { Sandbox } from '@e2b/code-interpreter'
+import { randomBytes } from 'node:crypto'
+import { Sandbox, Template } from '@e2b/code-interpreter'
 
 for (const v of ['E2B_API_URL', 'E2B_SANDBOX_URL', 'E2B_API_KEY']) {
   if (!process.env[v]) throw new Error(`${v} must be set (run through go test ./test/e2e)`)
@@ -226,6 +227,16 @@ test('after a move on ns the server is started again (a new kernel)', async () =
   const r = await s.runCode('1 + 1')
   assert.equal(r.text, '2')
   assert.equal((await s.runCode('before_move')).error?.name, 'NameError')
+})
+
+test('a team template built from code-interpreter-v1 keeps its server', async () => {
+  // E2B's way to add packages to the code interpreter: a template on top.
+  const name = `ci-derived-${randomBytes(4).toString('hex')}`
+  await Template.build(Template().fromTemplate('code-interpreter-v1').runCmd('echo from-the-template > /home/user/marker.txt'), name)
+  const { sbx: s } = await create(name)
+  const r = await s.runCode('open("/home/user/marker.txt").read().strip()')
+  assert.equal(r.error, undefined, JSON.stringify(r.error))
+  assert.equal(unq(r.text), 'from-the-template')
 })
 
 test('microVM: code-interpreter-v1-vm, created from a snapshot with a warm kernel', async (t) => {
