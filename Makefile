@@ -22,7 +22,7 @@ CMDS := space space-api space-edge space-node spaced-host netgtw space-nsinit
 all: build
 
 ## build: all binaries into ./bin (spaced-guest is static: it runs inside sandboxes)
-build: vm-deps sandbox-deps base-image
+build: vm-deps sandbox-deps base-image code-interpreter-image
 	@mkdir -p $(BIN)
 	$(GO) build -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/spaced-guest ./cmd/spaced-guest
@@ -48,6 +48,15 @@ base-image:
 	@command -v mmdebstrap >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap; } || true
 	@$(GO) run ./cmd/space-baseimage || echo 'base-image: not built (see above): base sandboxes will run on the host /usr (template base-host)'
+
+## code-interpreter-image: the code-interpreter-v1 template's image, one
+## layer over the base image (Python's data stack from Debian, Deno from
+## npm with its Jupyter kernel, the code interpreter server), built once per
+## content ID into the same cache. Without it code-interpreter-v1 creates
+## fail with "template ... is not available on this worker".
+.PHONY: code-interpreter-image
+code-interpreter-image: base-image
+	@$(GO) run ./cmd/space-baseimage -code-interpreter || echo 'code-interpreter-image: not built (see above): code-interpreter-v1 sandboxes are unavailable'
 
 ## deps: system packages the tests use
 deps:

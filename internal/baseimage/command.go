@@ -12,7 +12,9 @@ import (
 )
 
 // Command is cmd/space-baseimage: it builds (or, with -lookup, only
-// finds) the image its flags describe and prints its ID and directory.
+// finds) the image its flags describe and prints its ID and directory
+// (with -code-interpreter: the stack's ID and its layers, bottom first,
+// joined by ':').
 // args exclude the program name; getenv supplies the log defaults. It
 // returns the exit code.
 func Command(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) int {
@@ -25,6 +27,7 @@ func Command(ctx context.Context, args []string, getenv func(string) string, std
 	fs.StringVar(&cfg.Suite, "suite", "", "Debian release (default: the host's)")
 	fs.StringVar(&pkgs, "packages", "", "comma-separated packages (default: E2B's base set)")
 	lookupOnly := fs.Bool("lookup", false, "only report whether the image is built; never build")
+	interp := fs.Bool("code-interpreter", false, "the code interpreter image (the code-interpreter-v1 template: a layer over the base) instead of the base")
 	timeout := fs.Duration("timeout", 30*time.Minute, "bound on the build")
 	logOpts := logsetup.Flags(fs, logsetup.Options{Format: getenv(logsetup.EnvFormat), Level: getenv(logsetup.EnvLevel)})
 	if err := fs.Parse(args); err != nil {
@@ -37,6 +40,23 @@ func Command(ctx context.Context, args []string, getenv func(string) string, std
 	}
 	if pkgs != "" {
 		cfg.Packages = strings.Split(pkgs, ",")
+	}
+	if *interp {
+		icfg := InterpConfig{Base: cfg}
+		var st Stack
+		if *lookupOnly {
+			st, err = LookupInterp(icfg)
+		} else {
+			ctx, cancel := context.WithTimeout(ctx, *timeout)
+			defer cancel()
+			st, err = EnsureInterp(ctx, icfg, log)
+		}
+		if err != nil {
+			fmt.Fprintln(stderr, "space-baseimage:", err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "%s %s\n", st.ID, strings.Join(st.Layers, ":"))
+		return 0
 	}
 	var b Base
 	if *lookupOnly {

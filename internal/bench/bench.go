@@ -132,7 +132,11 @@ type Report struct {
 	// Tpl is template build time, cold and cached.
 	Tpl    TemplateResult
 	TplErr error
-	Took   time.Duration
+	// CI is the code interpreter: runCode vs commands.run, create to the
+	// first result (codeinterp.go).
+	CI    CodeInterpResult
+	CIErr error
+	Took  time.Duration
 }
 
 // Run measures everything and writes the table and notes to out. A figure
@@ -168,6 +172,8 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 		return runServicePortOnly(ctx, cfg, out, progress, t0)
 	case "template":
 		return runTemplateOnly(ctx, cfg, out, progress, t0)
+	case "codeinterp":
+		return runCodeInterpOnly(ctx, cfg, out, progress, t0)
 	}
 
 	// 1. Capability verification first, while no platform competes for CPU.
@@ -222,6 +228,9 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 
 		progress("template builds: 3 rounds of a 3-step template, cold then cached")
 		rep.Tpl, rep.TplErr = MeasureTemplateBuild(ctx, on, 3)
+
+		progress("code interpreter: 3 creates to the first result, 100 runCode('1+1') / commands.run('python3 -c 1') pairs")
+		rep.CI, rep.CIErr = MeasureCodeInterp(ctx, on, "code-interpreter-v1", 3, 100)
 	}
 	closeOff()
 	closeOn()
@@ -246,7 +255,7 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	}
 	fmt.Fprintln(out)
 	fmt.Fprint(out, rep.Notes())
-	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.IsoErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr, rep.ReadoptErr, rep.EgressErr, rep.TplErr)
+	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.IsoErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr, rep.ReadoptErr, rep.EgressErr, rep.TplErr, rep.CIErr)
 }
 
 // runEgressOnly measures only the egress path (-only egress).

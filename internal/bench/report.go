@@ -82,6 +82,11 @@ func (r *Report) Rows() []Row {
 	} else if len(r.Tpl.Cold) > 0 {
 		rows = append(rows, r.Tpl.Rows()...)
 	}
+	if r.CIErr != nil {
+		fail("code interpreter", r.CIErr)
+	} else if len(r.CI.RunCode) > 0 {
+		rows = append(rows, r.CI.Rows()...)
+	}
 	if r.EgressErr != nil {
 		fail("egress", r.EgressErr)
 	} else if r.Egress.Rounds > 0 {

@@ -8,6 +8,7 @@ import (
 	"regexp"
 	"time"
 
+	"github.com/spacesbx/space/internal/codeinterp"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
@@ -44,6 +45,15 @@ type Template struct {
 	// Substrate runs the template's sandboxes (default Config.Substrate);
 	// only workers that advertise it are picked.
 	Substrate string
+	// StartCmd, when set, is run in every new sandbox of the template
+	// (in the background, as User in Workdir: defaults user and the
+	// user's home), which is answered once ReadyCmd exits 0
+	// (platformtemplate.go). WarmSnapshot: the template is started once
+	// per team and snapshotted, and creates restore that snapshot (for a
+	// substrate whose snapshots keep processes).
+	StartCmd, ReadyCmd string
+	User, Workdir      string
+	WarmSnapshot       bool
 }
 
 // DefaultTemplate is the "base" template's size: a 4 GiB writable layer
@@ -53,6 +63,20 @@ var DefaultTemplate = Template{CPUCount: 2, MemoryMB: 512, DiskSizeMB: 4096}
 // DefaultVMTemplate is "base-vm": the base userland in a microVM (its files
 // live in guest memory, so DiskSizeMB is 0).
 var DefaultVMTemplate = Template{CPUCount: 1, MemoryMB: 256, Substrate: identity.SubstrateMicroVM}
+
+// CodeInterpreterTemplate is "code-interpreter-v1", the
+// @e2b/code-interpreter SDK's default: the code interpreter image (the
+// workers' image of that template name) with its server
+// (internal/codeinterp) started as user in /home/user at create; a create
+// answers once the server is ready.
+var CodeInterpreterTemplate = Template{CPUCount: 2, MemoryMB: 1024, DiskSizeMB: 4096,
+	StartCmd: codeinterp.StartCommand(), ReadyCmd: codeinterp.ReadyCommand(), User: "user", Workdir: "/home/user"}
+
+// CodeInterpreterVMTemplate is "code-interpreter-v1-vm": the same in a
+// microVM, whose creates restore a snapshot taken with the server started
+// (its kernel warm).
+var CodeInterpreterVMTemplate = Template{CPUCount: 2, MemoryMB: 1024, Substrate: identity.SubstrateMicroVM,
+	StartCmd: codeinterp.StartCommand(), ReadyCmd: codeinterp.ReadyCommand(), User: "user", Workdir: "/home/user", WarmSnapshot: true}
 
 // Config holds the control plane's settings.
 type Config struct {
@@ -88,7 +112,8 @@ type Config struct {
 	DefaultTimeout time.Duration
 	MaxTimeout     time.Duration
 	// Templates that may be created, by template id (default: "base" with
-	// DefaultTemplate's resources and "base-vm" with DefaultVMTemplate's).
+	// DefaultTemplate's resources, "base-vm" with DefaultVMTemplate's and
+	// the code interpreter's two).
 	Templates map[string]Template
 	// Substrate of new executions (default "ns").
 	Substrate string
@@ -173,7 +198,8 @@ func (c Config) withDefaults() Config {
 func (c Config) templates() map[string]Template {
 	in := c.Templates
 	if len(in) == 0 {
-		in = map[string]Template{"base": DefaultTemplate, "base-vm": DefaultVMTemplate}
+		in = map[string]Template{"base": DefaultTemplate, "base-vm": DefaultVMTemplate,
+			"code-interpreter-v1": CodeInterpreterTemplate, "code-interpreter-v1-vm": CodeInterpreterVMTemplate}
 	}
 	out := make(map[string]Template, len(in))
 	for name, t := range in {

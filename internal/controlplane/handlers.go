@@ -40,11 +40,24 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request, c caller, 
 	if built != nil {
 		p.Image = built.build.Image
 	}
+	if built == nil || built.build.StartCmd == "" {
+		// A platform template's server, also under a team template built
+		// from it without a start command of its own (as E2B's templates
+		// built from code-interpreter-v1 keep its server).
+		if pt := platformStart(p.Template, p.Spec); pt != nil {
+			built = pt
+		}
+	}
 	if p.VolumeMounts, err = s.resolveVolumeMounts(r.Context(), c.TeamID, req.VolumeMounts); err != nil {
 		s.writeError(w, r, err)
 		return
 	}
-	rec, err := s.createSandbox(r.Context(), c, p)
+	var rec store.SandboxRecord
+	if p.Spec.WarmSnapshot && snap == "" {
+		rec, err = s.createWarm(r.Context(), c, p)
+	} else {
+		rec, err = s.createSandbox(r.Context(), c, p)
+	}
 	if err != nil {
 		s.writeError(w, r, err)
 		return

@@ -134,6 +134,9 @@ func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.Li
 	}
 	crashpoint.Hit(crashpoint.MovePublished)
 	m.retireOld()
+	if !m.processesKept {
+		s.restartPlatformServer(ctx, m.rec)
+	}
 	return m.rec, m.response(), nil
 }
 

@@ -55,6 +55,8 @@ type Server struct {
 	reg      *store.Registration
 
 	tb *templateBuilds
+	// warm holds the warm snapshots of platform templates (platformtemplate.go).
+	warm warmTemplates
 }
 
 // instanceTTL is how long a dead control plane's registration outlives it:

@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/signal"
 	"strconv"
@@ -52,6 +53,10 @@ const Ready = "netgtw ready\n"
 //
 //	netgtw --listen SOCK --bundle FILE --route JSON --init-pid PID
 //	       --init-start TICKS --netns-ino INO --manager-pid PID
+//
+// or, for a microVM (no namespace of its own on the host), --netns-path
+// (the worker's egress namespace) and --dial-addr (the VM's address on
+// its link) instead of --init-pid and --init-start.
 func Main(args []string, stdin io.Reader, stdout, stderr io.Writer, logOpts logsetup.Options) int {
 	fs := flag.NewFlagSet("netgtw", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -62,6 +67,8 @@ func Main(args []string, stdin io.Reader, stdout, stderr io.Writer, logOpts logs
 	initStart := fs.Uint64("init-start", 0, "start time of the sandbox's init (clock ticks)")
 	netnsIno := fs.Uint64("netns-ino", 0, "inode of the sandbox's network namespace recorded at activation")
 	managerPID := fs.Int("manager-pid", 0, "pid of sbx-manager: the only peer accepted on --listen")
+	netnsPath := fs.String("netns-path", "", "a microVM's: the egress network namespace's bind mount (checked against --netns-ino)")
+	dialAddr := fs.String("dial-addr", "", "a microVM's: its address on its link, dialed in --netns-path")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -86,7 +93,17 @@ func Main(args []string, stdin io.Reader, stdout, stderr io.Writer, logOpts logs
 	} else if err := ver.SetBundle(b); err != nil {
 		log.Warn("key bundle rejected", "err", err)
 	}
-	nd, err := OpenNetns(*initPID, *netnsIno, *initStart)
+	var nd *NetnsDialer
+	if *netnsPath != "" {
+		addr, perr := netip.ParseAddr(*dialAddr)
+		if perr != nil {
+			fmt.Fprintf(stderr, "netgtw: --dial-addr: %v\n", perr)
+			return 2
+		}
+		nd, err = OpenNetnsPath(*netnsPath, *netnsIno, addr)
+	} else {
+		nd, err = OpenNetns(*initPID, *netnsIno, *initStart)
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "netgtw: %v\n", err)
 		return 1

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"runtime"
 	"strconv"
@@ -41,6 +42,10 @@ var ErrNetnsMismatch = errors.New("gateway: sandbox network namespace mismatch")
 type NetnsDialer struct {
 	ns  *os.File
 	ino uint64
+	// target is the address dialed in the namespace: 127.0.0.1, or a
+	// microVM's address on its link in the worker's egress namespace
+	// (OpenNetnsPath).
+	target [4]byte
 	// pool holds sockets (or the error making one failed with) made
 	// ahead by the factory; at most netnsPoolSize.
 	pool chan sockResult
@@ -120,7 +125,38 @@ func OpenNetns(pid int, wantIno, wantStart uint64) (*NetnsDialer, error) {
 		f.Close()
 		return nil, fmt.Errorf("%w: init process %d start time %d, recorded %d (%v)", ErrNetnsMismatch, pid, start, wantStart, err)
 	}
-	d := &NetnsDialer{ns: f, ino: st.Ino, pool: make(chan sockResult, netnsPoolSize), refill: make(chan struct{}, 1),
+	return startDialer(f, st.Ino, [4]byte{127, 0, 0, 1})
+}
+
+// OpenNetnsPath opens the network namespace bind-mounted at path (a
+// worker's egress namespace), checks it against the inode recorded at
+// activation, and dials target there: a microVM's ports, which its guest
+// serves on its address on the link (the VM has no namespace on the
+// host). target must be an IPv4 address other than loopback or
+// unspecified: the egress namespace's own loopback is the worker's proxy.
+func OpenNetnsPath(path string, wantIno uint64, target netip.Addr) (*NetnsDialer, error) {
+	if !target.Is4() || target.IsLoopback() || target.IsUnspecified() {
+		return nil, fmt.Errorf("gateway: dial address %s is not a sandbox link's address", target)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("open netns: %w", err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("stat netns: %w", err)
+	}
+	if st.Ino != wantIno {
+		f.Close()
+		return nil, fmt.Errorf("%w: inode %d, recorded %d", ErrNetnsMismatch, st.Ino, wantIno)
+	}
+	return startDialer(f, st.Ino, target.As4())
+}
+
+// startDialer starts the socket factory of the namespace f.
+func startDialer(f *os.File, ino uint64, target [4]byte) (*NetnsDialer, error) {
+	d := &NetnsDialer{ns: f, ino: ino, target: target, pool: make(chan sockResult, netnsPoolSize), refill: make(chan struct{}, 1),
 		quit: make(chan struct{}), ended: make(chan struct{})}
 	ready := make(chan error, 1)
 	go d.factory(ready)
@@ -238,7 +274,8 @@ func (d *NetnsDialer) socket(ctx context.Context) (int, error) {
 	return r.fd, nil
 }
 
-// DialPort connects to 127.0.0.1:port inside the namespace.
+// DialPort connects to 127.0.0.1:port (or the dialer's target) inside
+// the namespace.
 func (d *NetnsDialer) DialPort(ctx context.Context, port int) (net.Conn, error) {
 	if port < 1 || port > 65535 {
 		return nil, fmt.Errorf("gateway: invalid port %d", port)
@@ -247,12 +284,12 @@ func (d *NetnsDialer) DialPort(ctx context.Context, port int) (net.Conn, error) 
 	if err != nil {
 		return nil, err
 	}
-	sa := &unix.SockaddrInet4{Port: port, Addr: [4]byte{127, 0, 0, 1}}
+	sa := &unix.SockaddrInet4{Port: port, Addr: d.target}
 	err = unix.Connect(fd, sa)
 
 	if err != nil && err != unix.EINPROGRESS && err != unix.EINTR {
 		unix.Close(fd)
-		return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: port}, Err: os.NewSyscallError("connect", err)}
+		return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: &net.TCPAddr{IP: net.IP(d.target[:]), Port: port}, Err: os.NewSyscallError("connect", err)}
 	}
 	f := os.NewFile(uintptr(fd), "sandbox-tcp") // non-blocking: pollable
 	defer f.Close()
@@ -286,7 +323,7 @@ func (d *NetnsDialer) DialPort(ctx context.Context, port int) (net.Conn, error) 
 			return nil, fmt.Errorf("gateway: connect to sandbox port %d: %w", port, werr)
 		}
 		if cerr != nil {
-			return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: port}, Err: os.NewSyscallError("connect", cerr)}
+			return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: &net.TCPAddr{IP: net.IP(d.target[:]), Port: port}, Err: os.NewSyscallError("connect", cerr)}
 		}
 		_ = f.SetWriteDeadline(time.Time{})
 	}

@@ -30,19 +30,46 @@ func baseImages(cfg Config) map[string]substrate.Image {
 		return nil
 	}
 	cfg.Logger.Info("base template: the Debian base image", "id", b.ID, "dir", b.Dir)
-	return map[string]substrate.Image{ns.TemplateBase: {ID: b.ID, Layers: []string{b.Dir}, Env: b.Env}}
+	images := map[string]substrate.Image{ns.TemplateBase: {ID: b.ID, Layers: []string{b.Dir}, Env: b.Env}}
+	icfg := baseimage.InterpConfig{Base: bcfg}
+	var st baseimage.Stack
+	if cfg.BaseImage == BaseImageBuild {
+		st, err = baseimage.EnsureInterp(context.Background(), icfg, cfg.Logger)
+	} else {
+		st, err = baseimage.LookupInterp(icfg)
+	}
+	if err != nil {
+		cfg.Logger.Warn("code interpreter template: its image is unavailable; "+TemplateCodeInterpreter+" creates on this host fail", "reason", err.Error())
+		return images
+	}
+	cfg.Logger.Info("code interpreter template: the code interpreter image", "id", st.ID)
+	images[TemplateCodeInterpreter] = substrate.Image{ID: st.ID, Layers: st.Layers, Env: st.Env}
+	return images
 }
+
+// The code interpreter templates (the @e2b/code-interpreter SDK's
+// default): the code interpreter image (baseimage.EnsureInterp) on ns, and
+// the same image in a microVM.
+const (
+	TemplateCodeInterpreter   = "code-interpreter-v1"
+	VMTemplateCodeInterpreter = "code-interpreter-v1-vm"
+)
 
 // VMTemplateBase is the microvm template that boots the Debian base
 // image when it is available (busybox otherwise).
 const VMTemplateBase = "base-vm"
 
-// vmImages gives the microvm substrate the Debian base for base-vm: the
-// same image serves both substrates.
+// vmImages gives the microvm substrate the Debian base for base-vm and
+// the code interpreter image for its VM template: the same images serve
+// both substrates.
 func vmImages(images map[string]substrate.Image) map[string]substrate.Image {
 	img, ok := images[ns.TemplateBase]
 	if !ok {
 		return nil
 	}
-	return map[string]substrate.Image{VMTemplateBase: img}
+	out := map[string]substrate.Image{VMTemplateBase: img}
+	if ci, ok := images[TemplateCodeInterpreter]; ok {
+		out[VMTemplateCodeInterpreter] = ci
+	}
+	return out
 }

@@ -4,12 +4,14 @@ import (
 	"bytes"
 	"errors"
 	"log/slog"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/spacesbx/space/internal/baseimage"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/testenv"
 )
 
 func TestBaseImageConfig(t *testing.T) {
@@ -43,5 +45,32 @@ func TestBaseImages(t *testing.T) {
 	im := baseImages(Config{BaseImage: BaseImageAuto, Logger: log})
 	if got := im[ns.TemplateBase]; got.ID != b.ID || len(got.Layers) != 1 || got.Layers[0] != b.Dir {
 		t.Fatalf("base: %+v, want %s", got, b.Dir)
+	}
+}
+
+// TestCodeInterpreterImages: code-interpreter-v1 (ns) and its VM variant
+// get the code interpreter stack when it is built; without it, none, and
+// the log says why.
+func TestCodeInterpreterImages(t *testing.T) {
+	var logs bytes.Buffer
+	log := slog.New(slog.NewTextHandler(&logs, nil))
+	if _, err := baseimage.Lookup(baseimage.Config{}); err != nil {
+		testenv.Skipf(t, "the Debian base image is not built (make base-image): %v", err)
+	}
+	im := baseImages(Config{BaseImage: BaseImageAuto, Logger: log})
+	st, err := baseimage.LookupInterp(baseimage.InterpConfig{})
+	if err != nil {
+		if _, ok := im[TemplateCodeInterpreter]; ok || !strings.Contains(logs.String(), "code interpreter template: its image is unavailable") {
+			t.Fatalf("without the image: %v\n%s", im, logs.String())
+		}
+		testenv.Skipf(t, "the code interpreter image is not built (make build): %v", err)
+	}
+	got := im[TemplateCodeInterpreter]
+	if got.ID != st.ID || !slices.Equal(got.Layers, st.Layers) || len(got.Layers) != 2 || got.Layers[0] != im[ns.TemplateBase].Layers[0] {
+		t.Fatalf("%s: %+v, want %+v over the base", TemplateCodeInterpreter, got, st)
+	}
+	vm := vmImages(im)
+	if vm[VMTemplateCodeInterpreter].ID != st.ID || vm[VMTemplateBase].ID != im[ns.TemplateBase].ID {
+		t.Fatalf("vm images: %+v", vm)
 	}
 }

@@ -146,16 +146,18 @@ func (c EgressConfig) Validate() error {
 // network namespace. It implements sbxmanager.Egress; the worker runs
 // and closes it.
 type workerEgress struct {
-	net      *sbxnet.Net
-	proxy    *egress.Proxy
-	defaults netpolicy.Defaults
-	resolver netip.Addr
-	tcp      *net.TCPListener
-	udp      *net.UDPConn
-	dnsTCP   *net.TCPListener
-	log      *slog.Logger
-	closeMu  sync.Mutex
-	closed   bool
+	net *sbxnet.Net
+	// netnsPath is the egress namespace's bind mount (NetnsPath).
+	netnsPath string
+	proxy     *egress.Proxy
+	defaults  netpolicy.Defaults
+	resolver  netip.Addr
+	tcp       *net.TCPListener
+	udp       *net.UDPConn
+	dnsTCP    *net.TCPListener
+	log       *slog.Logger
+	closeMu   sync.Mutex
+	closed    bool
 }
 
 // newWorkerEgress opens worker workerID's egress namespace (kept under
@@ -169,7 +171,7 @@ func newWorkerEgress(c EgressConfig, stateDir string, reg prometheus.Registerer,
 	if err != nil {
 		return nil, fmt.Errorf("egress namespace: %w", err)
 	}
-	e := &workerEgress{net: n, log: log}
+	e := &workerEgress{net: n, netnsPath: nc.NetnsPath, log: log}
 	defer func() {
 		if err != nil {
 			e.closeSockets()
@@ -274,6 +276,10 @@ func (e *workerEgress) Release(l sbxmanager.Link) error {
 }
 
 func (e *workerEgress) Resolver() netip.Addr { return e.resolver }
+
+// NetnsPath is where the egress namespace is bind-mounted: netgtw dials a
+// microVM's service ports there (its taps live in it).
+func (e *workerEgress) NetnsPath() string { return e.netnsPath }
 
 func (e *workerEgress) InUse() ([]int, error) { return e.net.InUse() }
 

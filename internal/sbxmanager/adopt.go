@@ -280,6 +280,10 @@ func (m *Manager) adoptBridge(ctx context.Context, rec record, inst substrate.In
 		if act.gwState, err = recordGateway(inst, rec.Dir); err != nil {
 			return fail(fmt.Errorf("%w: gateway state: %v", substrate.ErrNotAdoptable, err))
 		}
+	} else if m.caps(r).Tap {
+		if act.gwState, err = m.recordTapGateway(inst, rec.Dir, rec.Link); err != nil {
+			return fail(fmt.Errorf("%w: gateway state: %v", substrate.ErrNotAdoptable, err))
+		}
 	}
 	paused := false
 	if a, ok := inst.(substrate.Adoptable); ok {

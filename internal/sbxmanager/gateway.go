@@ -25,6 +25,11 @@ package sbxmanager
 // the new activation; another execution: retired, nothing is served).
 // Stopping the activation ends the streams and netgtw exactly as before,
 // and a netgtw whose start races the stop is stopped by it.
+//
+// A microVM has no namespace on the host: its guest serves its ports on
+// its address on its tap, which lives in the worker's egress namespace.
+// Its netgtw enters that namespace (bind mount path and inode recorded at
+// activation) and dials the VM's address, which sbx-manager allocated.
 
 import (
 	"bufio"
@@ -36,6 +41,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httputil"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -44,6 +50,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
@@ -78,6 +86,11 @@ type gatewayState struct {
 	initPID   int
 	initStart uint64
 	netnsIno  uint64
+	// netnsPath and dialAddr, for a microVM (no namespace of its own):
+	// the worker's egress namespace, where its tap is, and the VM's
+	// address on that link; netnsIno is then the egress namespace's.
+	netnsPath string
+	dialAddr  netip.Addr
 
 	mu sync.Mutex
 	// route is the trusted activation state netgtw starts with (and that
@@ -101,6 +114,27 @@ func recordGateway(inst substrate.Instance, dir string) (*gatewayState, error) {
 		return nil, fmt.Errorf("netgtw: record sandbox netns: %w", err)
 	}
 	return &gatewayState{dir: dir, initPID: inst.InitPID(), initStart: start, netnsIno: ino, route: inst.Route()}, nil
+}
+
+// tapNetns is implemented by an Egress whose namespace holds the taps of
+// microVMs (internal/node's): their service ports are dialed there.
+type tapNetns interface{ NetnsPath() string }
+
+// recordTapGateway records the trusted state of a microVM's netgtw: the
+// egress namespace (its inode now) and the VM's address on link l, which
+// sbx-manager allocated (a guest cannot move it: its link is a /30 of
+// its own).
+func (m *Manager) recordTapGateway(inst substrate.Instance, dir string, l *Link) (*gatewayState, error) {
+	tn, ok := m.egress.(tapNetns)
+	if !ok || l == nil || !l.Addr.IsValid() {
+		return nil, nil
+	}
+	path := tn.NetnsPath()
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return nil, fmt.Errorf("netgtw: record egress netns: %w", err)
+	}
+	return &gatewayState{dir: dir, netnsIno: st.Ino, netnsPath: path, dialAddr: l.Addr.Addr(), route: inst.Route()}, nil
 }
 
 // gateway returns act's netgtw, starting it on first use. (nil, nil): no
@@ -170,10 +204,14 @@ func (m *Manager) startGateway(ctx context.Context, gs *gatewayState) (*gatewayP
 		return nil, fmt.Errorf("netgtw log: %w", err)
 	}
 	defer logf.Close()
-	cmd := exec.Command(bin, "--listen", sock, "--bundle", filepath.Join(m.cfg.StateDir, "bundle.json"),
-		"--route", string(want), "--init-pid", strconv.Itoa(gs.initPID),
-		"--init-start", strconv.FormatUint(start, 10), "--netns-ino", strconv.FormatUint(ino, 10),
-		"--manager-pid", strconv.Itoa(os.Getpid()))
+	args := []string{"--listen", sock, "--bundle", filepath.Join(m.cfg.StateDir, "bundle.json"),
+		"--route", string(want), "--netns-ino", strconv.FormatUint(ino, 10), "--manager-pid", strconv.Itoa(os.Getpid())}
+	if gs.netnsPath != "" {
+		args = append(args, "--netns-path", gs.netnsPath, "--dial-addr", gs.dialAddr.String())
+	} else {
+		args = append(args, "--init-pid", strconv.Itoa(gs.initPID), "--init-start", strconv.FormatUint(start, 10))
+	}
+	cmd := exec.Command(bin, args...)
 	cmd.Stderr = logf
 	cmd.Env = append([]string{"GOMAXPROCS=1", "GOGC=50"}, logsetup.Env(m.cfg.ChildLog)...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}

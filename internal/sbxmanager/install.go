@@ -285,8 +285,15 @@ func (m *Manager) activate(ctx context.Context, rec *record, tm *installTiming) 
 	}
 	act.link = rec.Link // from now on stopActivation releases it
 	if !caps.Netns {
-		// No network namespace on the host to reach its ports from:
-		// service ports are not served for it (never the host's).
+		// No network namespace on the host to reach its ports from: a
+		// microVM's are dialed on its link in the egress namespace;
+		// without a link no service ports are served (never the host's).
+		if caps.Tap {
+			if act.gwState, err = m.recordTapGateway(inst, rec.Dir, rec.Link); err != nil {
+				m.stopActivation(act, "gateway failed")
+				return nil, err
+			}
+		}
 		return act, nil
 	}
 	t0 = time.Now()

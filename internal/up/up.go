@@ -343,7 +343,9 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		SandboxURL: p.SandboxURL,
 		Templates: map[string]controlplane.Template{
 			"base": controlplane.DefaultTemplate, "base-vm": controlplane.DefaultVMTemplate,
-			ns.TemplateBaseHost: controlplane.DefaultTemplate,
+			ns.TemplateBaseHost:            controlplane.DefaultTemplate,
+			node.TemplateCodeInterpreter:   controlplane.CodeInterpreterTemplate,
+			node.VMTemplateCodeInterpreter: controlplane.CodeInterpreterVMTemplate,
 		},
 	}, controlplane.Deps{Store: p.st, Logger: log, Snapshots: p.host.Snapshots(), Volumes: volumeFiles(p.host)})
 	if err != nil {

@@ -4,6 +4,7 @@ package ns
 
 import (
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/substrate"
 )
@@ -42,8 +44,8 @@ func TestStartErrors(t *testing.T) {
 	}
 	spec = newSpec(t, substrate.Limits{})
 	spec.Template = "nope"
-	if _, err := s.Start(ctx, spec); err == nil {
-		t.Error("unknown template accepted")
+	if _, err := s.Start(ctx, spec); !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), `template "nope" is not available on this worker`) {
+		t.Errorf("unknown template: %v", err)
 	}
 
 	// A failure inside the init comes back as a clear error, and Start

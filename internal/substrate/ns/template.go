@@ -12,6 +12,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacesbx/space/internal/errdefs"
 )
 
 // TemplateBase is the default template. It runs the image Config.Images
@@ -51,7 +53,9 @@ func (s *Substrate) templateDir(name string) string {
 // processes by an flock on StateDir/templates/.lock.
 func (s *Substrate) ensureTemplate(name string) (string, error) {
 	if name != TemplateBase && name != TemplateBaseHost {
-		return "", fmt.Errorf("ns: unknown template %q", name)
+		// A template of the platform whose image this host has not built
+		// (Config.Images): said as such, never run on another tree.
+		return "", fmt.Errorf("ns: %w: template %q is not available on this worker (no image for it: make build builds the platform's images)", errdefs.ErrUnavailable, name)
 	}
 	name = TemplateBase
 	s.tmplMu.Lock()
