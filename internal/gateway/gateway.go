@@ -376,6 +376,16 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		out.Host = h
 	}
 	out.Header.Del(spacev1.HeaderRequestHost)
+	// The transport reads the request body while the response streams
+	// back: without full duplex the server discards and closes that body
+	// once the response headers go out, and the transport's last read of
+	// it (the one that sees EOF) fails with "invalid Read on closed Body",
+	// which closes the guest connection mid-response (a server that
+	// answers as soon as it has the body, as the code interpreter does,
+	// lost about 1 in 100 responses). In full duplex the handler closes
+	// the body itself (golang/go#68560).
+	_ = http.NewResponseController(w).EnableFullDuplex()
+	defer r.Body.Close()
 	g.proxy.ServeHTTP(w, out)
 }
 
