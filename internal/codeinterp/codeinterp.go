@@ -96,10 +96,16 @@ func ContentHash() string {
 	return hex.EncodeToString(h.Sum(nil))
 }
 
+// StateFile keeps the contexts in the sandbox's files, so a server that
+// starts again after a move (ns moves restart processes and keep files)
+// lists them, each reporting at its next execution that its kernel
+// restarted.
+const StateFile = "/home/user/.cache/space-code-interpreter/contexts.json"
+
 // StartCommand is the shell command the template runs (as user `user`, in
 // /home/user) to start the server on Port.
 func StartCommand() string {
-	return fmt.Sprintf("%s %s --port %d", Python, path.Join(InstallDir, Entry), Port)
+	return fmt.Sprintf("%s %s --port %d --state-file %s", Python, path.Join(InstallDir, Entry), Port, StateFile)
 }
 
 // ReadyCommand is a shell command that exits 0 once GET /health answers

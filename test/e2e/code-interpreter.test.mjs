@@ -213,9 +213,11 @@ test('contexts survive pause and resume', async () => {
   assert.equal(unq((await back.runCode('top')).text), 'default')
 })
 
-test('after a move on ns the server is started again (a new kernel)', async () => {
+test('after a move on ns the contexts report that their kernels restarted', async () => {
   const { sbx: s } = await create('code-interpreter-v1')
   await s.runCode('before_move = 1')
+  const ctx = await s.createCodeContext({ language: 'python' })
+  await s.runCode('in_ctx = 2', { context: ctx })
   const res = await fetch(`${process.env.E2B_API_URL}/space/v1/sandboxes/${s.sandboxId}/migrate`, {
     method: 'POST',
     headers: { 'X-API-Key': process.env.E2B_API_KEY, 'Content-Type': 'application/json' },
@@ -223,10 +225,19 @@ test('after a move on ns the server is started again (a new kernel)', async () =
   })
   assert.equal(res.status, 200, await res.text())
   // ns moves restart processes: the platform started the server again
-  // before the move was answered; the old kernel's state is gone.
-  const r = await s.runCode('1 + 1')
-  assert.equal(r.text, '2')
+  // before the move was answered, on the contexts kept in the sandbox's
+  // files. Each context is still listed and says once that its kernel
+  // restarted (that code does not run); then it runs code again, without
+  // the old kernel's state.
+  assert.ok((await s.listCodeContexts()).some((c) => c.id === ctx.id), 'the context is not listed after the move')
+  for (const opts of [{}, { context: ctx }]) {
+    const first = await s.runCode('1 + 1', opts)
+    assert.equal(first.error?.name, 'KernelRestarted', JSON.stringify(first))
+    assert.equal(first.results.length, 0)
+    assert.equal((await s.runCode('1 + 1', opts)).text, '2')
+  }
   assert.equal((await s.runCode('before_move')).error?.name, 'NameError')
+  assert.equal((await s.runCode('in_ctx', { context: ctx })).error?.name, 'NameError')
 })
 
 test('a team template built from code-interpreter-v1 keeps its server', async () => {

@@ -39,6 +39,9 @@ def parse_args(argv):
                         "restarted (code that ignores SIGINT or is stuck in C)")
     p.add_argument("--max-body-bytes", type=int, default=16 << 20,
                    help="largest request body accepted (413 above it)")
+    p.add_argument("--state-file", default="",
+                   help="file the contexts are kept in, so a server started again on it "
+                        "(after the sandbox moved) lists them with new kernels (empty: none)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -68,7 +71,8 @@ def main(argv=None):
     default_cwd = args.cwd if os.path.isdir(args.cwd) else os.getcwd()
     contexts = Contexts(default_cwd=default_cwd,
                         execution_timeout=args.execution_timeout,
-                        interrupt_grace=args.interrupt_grace)
+                        interrupt_grace=args.interrupt_grace,
+                        state_file=args.state_file or None)
     try:
         # Warm before serving: /health answers only once the default python
         # context can run code, so a sandbox is handed out ready (and a

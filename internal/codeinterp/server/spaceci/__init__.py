@@ -30,6 +30,9 @@ Where it differs from E2B's own server (on purpose, or by what it runs on):
   - "bash" is a kernel of this server's own (E2B's image has bash_kernel
     from pip): a non-zero status is an error ExitCode with the status as its
     value; the code runs in a function, so `declare` needs -g to last.
+  - with --state-file, contexts outlive the server: one started again on
+    the file (after an ns move) lists them, and each one's next execution
+    is an error KernelRestarted instead of running (E2B loses them).
   - box-and-whisker charts need boxplot(..., patch_artist=True), as in E2B's
     extractor (a plain boxplot is lines only and reads as a line chart).
 """

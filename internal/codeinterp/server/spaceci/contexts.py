@@ -7,6 +7,14 @@ created at its first use. Languages are whatever kernelspecs are installed
 (jupyter_client.kernelspec, keyed by the spec's `language`); "js" and "ts"
 name JavaScript and TypeScript, which Deno's kernel runs both of; "bash" is
 the server's own kernel (bash_kernel.py) unless another is installed.
+
+Contexts outlive the server when it is given a state file: each change is
+saved there (ids, languages, working directories, which is a language's
+default), and a server started again on the same file (the sandbox moved
+to a new execution, whose processes start afresh while its files are
+kept) lists them as before. Their kernels are new: the first execution in
+each reports KernelRestarted instead of running, so a client learns that
+its variables and imports are gone rather than meeting a NameError.
 """
 
 import json
@@ -16,6 +24,7 @@ import re
 import shlex
 import shutil
 import sys
+import tempfile
 import threading
 import uuid
 
@@ -163,19 +172,32 @@ _BASH_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class Context:
-    def __init__(self, id, language, cwd, kernel):
+    def __init__(self, id, language, cwd, kernel, restarted=False):
         self.id = id
         self.language = language
         self.cwd = cwd
         self.kernel = kernel
+        # restarted: recreated from the state file with a new kernel; the
+        # next execution reports it (and clears it) instead of running.
+        self.restarted = restarted
 
     def to_json(self):
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
 
+KERNEL_RESTARTED = ("KernelRestarted",
+                    "this context's kernel was restarted (the sandbox moved to a new execution, "
+                    "or its code interpreter restarted): its variables and imports are gone and "
+                    "this code did not run; run it again, after any set-up it needs")
+
+
 class Contexts:
-    def __init__(self, default_cwd, execution_timeout=0, interrupt_grace=10.0):
+    def __init__(self, default_cwd, execution_timeout=0, interrupt_grace=10.0, state_file=None):
         self.default_cwd = default_cwd
+        self.state_file = state_file
+        # _saved: contexts of an earlier server on the state file, not yet
+        # recreated (by id: language, cwd, whether it was a default).
+        self._saved = _load_state(state_file)
         self.execution_timeout = execution_timeout
         self.interrupt_grace = interrupt_grace
         self.languages = Languages()
@@ -188,6 +210,49 @@ class Contexts:
 
     def start_default(self):
         self.default_for("python")
+
+    def _save_locked(self):
+        """Writes the state file (atomically: a crash leaves the old one).
+        Called with _lock held."""
+        if not self.state_file:
+            return
+        defaults = set(self._default_by_language.values())
+        entries = [{"id": c.id, "language": c.language, "cwd": c.cwd, "default": c.id in defaults}
+                   for c in self._by_id.values()]
+        entries += [dict(v, id=k) for k, v in self._saved.items()]
+        try:
+            d = os.path.dirname(self.state_file)
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".contexts-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.state_file)
+        except OSError as e:
+            log.warning("saving contexts to %s: %s", self.state_file, e)
+
+    def _restore(self, ctx_id):
+        """Recreates saved context ctx_id with a new kernel (marked
+        restarted), or returns None when nothing is saved under it."""
+        with self._lock:
+            saved = self._saved.pop(ctx_id, None)
+        if saved is None:
+            return None
+        try:
+            ctx = self.create(saved["language"], saved["cwd"], ctx_id=ctx_id, restarted=True)
+        except BadRequest as e:
+            # Its language or directory is gone: it cannot come back.
+            log.warning("context %s not restored: %s", ctx_id, e)
+            with self._lock:
+                self._save_locked()
+            return None
+        if saved.get("default"):
+            with self._lock:
+                self._default_by_language.setdefault(ctx.language, ctx.id)
+                self._save_locked()
+        log.info("context %s restored with a new %s kernel", ctx_id, ctx.language)
+        return ctx
 
     def _kernel_env(self, flavor):
         env = dict(os.environ)
@@ -214,7 +279,7 @@ class Contexts:
             env["NO_COLOR"] = "1"
         return env
 
-    def create(self, language=None, cwd=None):
+    def create(self, language=None, cwd=None, ctx_id=None, restarted=False):
         language = normalize_language(language)
         if cwd is None or cwd == "":
             cwd = self.default_cwd
@@ -231,9 +296,10 @@ class Contexts:
                          f"__import__('runpy').run_path({STARTUP!r}, run_name='_space_ci_kernel_loader');")
         kernel = Kernel(spec, cwd, self._kernel_env(flavor), extra, flavor,
                         interrupt_grace=self.interrupt_grace)
-        ctx = Context(str(uuid.uuid4()), language, cwd, kernel)
+        ctx = Context(ctx_id or str(uuid.uuid4()), language, cwd, kernel, restarted)
         with self._lock:
             self._by_id[ctx.id] = ctx
+            self._save_locked()
         log.info("context %s: %s kernel %s in %s", ctx.id, language, spec, cwd)
         return ctx
 
@@ -246,31 +312,48 @@ class Contexts:
                 ctx_id = self._default_by_language.get(language)
                 if ctx_id in self._by_id:
                     return self._by_id[ctx_id]
+                saved = [k for k, v in self._saved.items() if v.get("default") and v.get("language") == language]
+            if saved:
+                ctx = self._restore(saved[0])
+                if ctx is not None:
+                    return ctx
             ctx = self.create(language)
             with self._lock:
                 self._default_by_language[language] = ctx.id
+                self._save_locked()
             return ctx
 
     def get(self, ctx_id):
         with self._lock:
             ctx = self._by_id.get(ctx_id)
         if ctx is None:
+            ctx = self._restore(ctx_id)
+        if ctx is None:
             raise NotFound(f"Context {ctx_id} not found")
         return ctx
 
     def list(self):
         with self._lock:
-            return [c.to_json() for c in self._by_id.values()]
+            return ([c.to_json() for c in self._by_id.values()]
+                    + [{"id": k, "language": v["language"], "cwd": v["cwd"]} for k, v in self._saved.items()])
 
     def delete(self, ctx_id):
         with self._lock:
             ctx = self._by_id.pop(ctx_id, None)
-        if ctx is None:
+            saved = self._saved.pop(ctx_id, None)
+            for lang, d in list(self._default_by_language.items()):
+                if d == ctx_id:
+                    del self._default_by_language[lang]
+            self._save_locked()
+        if ctx is None and saved is None:
             raise NotFound(f"Context {ctx_id} not found")
-        ctx.kernel.close()
+        if ctx is not None:
+            ctx.kernel.close()
 
     def restart(self, ctx_id):
-        self.get(ctx_id).kernel.restart()
+        ctx = self.get(ctx_id)
+        ctx.kernel.restart()
+        ctx.restarted = False  # the client asked for it: nothing to report
 
     def close(self):
         with self._lock:
@@ -281,3 +364,27 @@ class Contexts:
                 c.kernel.close()
             except Exception as e:
                 log.warning("context %s: close: %s", c.id, e)
+
+
+def _load_state(path):
+    """The contexts saved in path ({} when there is none or it is not a
+    list of well-formed entries: a damaged file loses the old contexts,
+    never the server)."""
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("contexts in %s not read: %s", path, e)
+        return {}
+    out = {}
+    if not isinstance(entries, list):
+        return out
+    for e in entries:
+        if (isinstance(e, dict) and isinstance(e.get("id"), str) and isinstance(e.get("language"), str)
+                and isinstance(e.get("cwd"), str)):
+            out[e["id"]] = {"language": e["language"], "cwd": e["cwd"], "default": bool(e.get("default"))}
+    return out

@@ -23,7 +23,7 @@ import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from . import results
-from .contexts import BadRequest, NotFound, env_code
+from .contexts import KERNEL_RESTARTED, BadRequest, NotFound, env_code
 from .kernel import KernelError
 
 log = logging.getLogger("space-code-interpreter.http")
@@ -249,6 +249,13 @@ class Handler(BaseHTTPRequestHandler):
         env_set = env_restore = None
         if env:
             env_set, env_restore = env_code(ctx.kernel.flavor, env)
+        if ctx.restarted:
+            # Once: the code does not run on a kernel whose state the
+            # client may rely on and that is gone.
+            ctx.restarted = False
+            body = "".join(dumps(line) + "\n" for line in
+                           (results.error(KERNEL_RESTARTED[0], KERNEL_RESTARTED[1], ""), results.END))
+            return self._send(200, body, "application/x-ndjson")
 
         self.send_response(200)
         self.send_header("Content-Type", "application/x-ndjson")
