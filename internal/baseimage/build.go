@@ -58,20 +58,11 @@ var customFiles = []struct {
 // renames it into place; it returns the tree's size in bytes.
 func build(ctx context.Context, cfg Config, id string, log *slog.Logger) (size int64, err error) {
 	t0 := time.Now()
-	tmp, err := os.MkdirTemp(cfg.CacheDir, ".build-"+dirName(id)+"-")
+	tmp, err := newBuildDir(cfg.CacheDir, id)
 	if err != nil {
-		return 0, fmt.Errorf("baseimage: %w", err)
+		return 0, err
 	}
-	defer func() {
-		if err != nil {
-			if rerr := removeTree(tmp); rerr != nil {
-				log.Warn("baseimage: removing a failed build", "dir", tmp, "err", rerr)
-			}
-		}
-	}()
-	if err := os.Chmod(tmp, 0o700); err != nil {
-		return 0, fmt.Errorf("baseimage: %w", err)
-	}
+	defer dropFailed(&err, tmp, log)
 	root := filepath.Join(tmp, rootfsName)
 	if err := os.Mkdir(root, 0o755); err != nil {
 		return 0, fmt.Errorf("baseimage: %w", err)
@@ -95,19 +86,53 @@ func build(ctx context.Context, cfg Config, id string, log *slog.Logger) (size i
 	}
 	inf := info{ID: id, Builder: BuilderVersion, Suite: cfg.Suite, Sources: sources(cfg.Mirror, cfg.Suite), Packages: cfg.Packages,
 		Built: time.Now().UTC(), BuildSeconds: time.Since(t0).Seconds(), Bytes: size}
+	if err := publish(cfg.CacheDir, tmp, id, inf); err != nil {
+		return 0, err
+	}
+	return size, nil
+}
+
+// newBuildDir makes a private (0700) directory in the cache to build
+// image id in; it is renamed into place by publish, so a crash never
+// leaves a half image under the final name.
+func newBuildDir(cacheDir, id string) (string, error) {
+	tmp, err := os.MkdirTemp(cacheDir, ".build-"+dirName(id)+"-")
+	if err != nil {
+		return "", fmt.Errorf("baseimage: %w", err)
+	}
+	if err := os.Chmod(tmp, 0o700); err != nil {
+		_ = removeTree(tmp)
+		return "", fmt.Errorf("baseimage: %w", err)
+	}
+	return tmp, nil
+}
+
+// dropFailed removes the build directory tmp when the build failed (*err
+// is set); deferred by the builds.
+func dropFailed(err *error, tmp string, log *slog.Logger) {
+	if *err == nil {
+		return
+	}
+	if rerr := removeTree(tmp); rerr != nil {
+		log.Warn("baseimage: removing a failed build", "dir", tmp, "err", rerr)
+	}
+}
+
+// publish writes the image's info next to its tree, renames the build
+// directory tmp to image id's place and syncs the cache directory.
+func publish(cacheDir, tmp, id string, inf any) error {
 	b, _ := json.MarshalIndent(inf, "", "  ")
 	if err := writeSynced(filepath.Join(tmp, infoName), b); err != nil {
-		return 0, fmt.Errorf("baseimage: %w", err)
+		return fmt.Errorf("baseimage: %w", err)
 	}
-	final := filepath.Join(cfg.CacheDir, dirName(id))
-	if err := os.Rename(tmp, final); err != nil {
-		return 0, fmt.Errorf("baseimage: publish: %w", err)
+	if err := os.Rename(tmp, filepath.Join(cacheDir, dirName(id))); err != nil {
+		return fmt.Errorf("baseimage: publish: %w", err)
 	}
-	if d, err := os.Open(cfg.CacheDir); err == nil {
+	if d, err := os.Open(cacheDir); err == nil {
 		_ = d.Sync()
 		d.Close()
 	}
-	return size, nil
+	return nil
 }
 
 // mmdebstrap runs the builder into root. Root mode because this runs as

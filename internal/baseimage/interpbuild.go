@@ -7,7 +7,6 @@ import (
 	"context"
 	"crypto/sha512"
 	"encoding/base64"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -78,20 +77,11 @@ dpkg-query --admindir="$m/var/lib/dpkg" -W -f='${Package}\t${Version}\t${Archite
 // layer's size in bytes.
 func buildInterp(ctx context.Context, cfg InterpConfig, base Base, id string, log *slog.Logger) (size int64, err error) {
 	t0 := time.Now()
-	tmp, err := os.MkdirTemp(cfg.Base.CacheDir, ".build-"+dirName(id)+"-")
+	tmp, err := newBuildDir(cfg.Base.CacheDir, id)
 	if err != nil {
-		return 0, fmt.Errorf("baseimage: %w", err)
+		return 0, err
 	}
-	defer func() {
-		if err != nil {
-			if rerr := removeTree(tmp); rerr != nil {
-				log.Warn("baseimage: removing a failed build", "dir", tmp, "err", rerr)
-			}
-		}
-	}()
-	if err := os.Chmod(tmp, 0o700); err != nil {
-		return 0, fmt.Errorf("baseimage: %w", err)
-	}
+	defer dropFailed(&err, tmp, log)
 	dirs := map[string]string{}
 	for _, d := range []string{"upper", "work", "merged", "stage", "store"} {
 		dirs[d] = filepath.Join(tmp, d)
@@ -149,17 +139,8 @@ func buildInterp(ctx context.Context, cfg InterpConfig, base Base, id string, lo
 	}
 	inf := interpInfo{ID: id, Builder: InterpBuilderVersion, Base: base.ID, Packages: cfg.Packages, Deno: DenoPackage + "@" + DenoVersion,
 		DenoSum: DenoIntegrity, Built: time.Now().UTC(), BuildSeconds: time.Since(t0).Seconds(), Bytes: size}
-	b, _ := json.MarshalIndent(inf, "", "  ")
-	if err := writeSynced(filepath.Join(tmp, infoName), b); err != nil {
-		return 0, fmt.Errorf("baseimage: %w", err)
-	}
-	final := filepath.Join(cfg.Base.CacheDir, dirName(id))
-	if err := os.Rename(tmp, final); err != nil {
-		return 0, fmt.Errorf("baseimage: publish: %w", err)
-	}
-	if d, err := os.Open(cfg.Base.CacheDir); err == nil {
-		_ = d.Sync()
-		d.Close()
+	if err := publish(cfg.Base.CacheDir, tmp, id, inf); err != nil {
+		return 0, err
 	}
 	return size, nil
 }
