@@ -105,18 +105,9 @@ func OpenNetns(pid int, wantIno, wantStart uint64) (*NetnsDialer, error) {
 	if pid <= 1 {
 		return nil, fmt.Errorf("%w: invalid init pid %d", ErrNetnsMismatch, pid)
 	}
-	f, err := os.Open(fmt.Sprintf("/proc/%d/ns/net", pid))
+	f, err := openNetnsFile(fmt.Sprintf("/proc/%d/ns/net", pid), wantIno)
 	if err != nil {
-		return nil, fmt.Errorf("open netns: %w", err)
-	}
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("stat netns: %w", err)
-	}
-	if st.Ino != wantIno {
-		f.Close()
-		return nil, fmt.Errorf("%w: inode %d, recorded %d", ErrNetnsMismatch, st.Ino, wantIno)
+		return nil, err
 	}
 	// Read after opening: if pid was reused between recording and
 	// opening, the start time differs.
@@ -125,7 +116,7 @@ func OpenNetns(pid int, wantIno, wantStart uint64) (*NetnsDialer, error) {
 		f.Close()
 		return nil, fmt.Errorf("%w: init process %d start time %d, recorded %d (%v)", ErrNetnsMismatch, pid, start, wantStart, err)
 	}
-	return startDialer(f, st.Ino, [4]byte{127, 0, 0, 1})
+	return startDialer(f, wantIno, [4]byte{127, 0, 0, 1})
 }
 
 // OpenNetnsPath opens the network namespace bind-mounted at path (a
@@ -138,6 +129,17 @@ func OpenNetnsPath(path string, wantIno uint64, target netip.Addr) (*NetnsDialer
 	if !target.Is4() || target.IsLoopback() || target.IsUnspecified() {
 		return nil, fmt.Errorf("gateway: dial address %s is not a sandbox link's address", target)
 	}
+	f, err := openNetnsFile(path, wantIno)
+	if err != nil {
+		return nil, err
+	}
+	return startDialer(f, wantIno, target.As4())
+}
+
+// openNetnsFile opens the namespace file at path and checks that it is
+// the namespace recorded at activation (its inode, read from the open
+// file: a path swapped after the check cannot change what is used).
+func openNetnsFile(path string, wantIno uint64) (*os.File, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("open netns: %w", err)
@@ -151,7 +153,7 @@ func OpenNetnsPath(path string, wantIno uint64, target netip.Addr) (*NetnsDialer
 		f.Close()
 		return nil, fmt.Errorf("%w: inode %d, recorded %d", ErrNetnsMismatch, st.Ino, wantIno)
 	}
-	return startDialer(f, st.Ino, target.As4())
+	return f, nil
 }
 
 // startDialer starts the socket factory of the namespace f.
