@@ -160,30 +160,9 @@ func mmdebstrap(ctx context.Context, cfg Config, root string, log *slog.Logger) 
 		cfg.Suite, root,
 	}
 	args = append(args, sources(cfg.Mirror, cfg.Suite)...)
-	cmd := exec.CommandContext(ctx, bin, args...)
-	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C.UTF-8", "DEBIAN_FRONTEND=noninteractive"}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS, Setpgid: true}
 	// mmdebstrap cleans up on SIGTERM; its children go with the group.
-	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM) }
-	cmd.WaitDelay = 30 * time.Second
-	pr, pw := io.Pipe()
-	cmd.Stdout, cmd.Stderr = pw, pw
-	tail := &lineTail{max: 40}
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		sc := bufio.NewScanner(pr)
-		sc.Buffer(make([]byte, 64<<10), 1<<20)
-		for sc.Scan() {
-			tail.add(sc.Text())
-			log.Debug("mmdebstrap", "line", sc.Text())
-		}
-		_, _ = io.Copy(io.Discard, pr)
-	})
-	err = cmd.Run()
-	pw.Close()
-	wg.Wait()
-	if err != nil {
-		return fmt.Errorf("baseimage: mmdebstrap %s from %s: %w\n%s", cfg.Suite, cfg.Mirror, err, tail.String())
+	if err := runLogged(ctx, log, "mmdebstrap", exec.CommandContext(ctx, bin, args...), "DEBIAN_FRONTEND=noninteractive"); err != nil {
+		return fmt.Errorf("baseimage: mmdebstrap %s from %s: %w", cfg.Suite, cfg.Mirror, err)
 	}
 	return nil
 }
@@ -360,4 +339,35 @@ func (t *lineTail) String() string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return strings.Join(t.lines, "\n")
+}
+
+// runLogged runs cmd in a mount namespace and process group of its own
+// (SIGTERM to the group on cancel: the builders clean up on it), with a
+// plain environment plus env, its output logged at debug level and its
+// last lines in the error.
+func runLogged(ctx context.Context, log *slog.Logger, name string, cmd *exec.Cmd, env ...string) error {
+	cmd.Env = append([]string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C.UTF-8"}, env...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS, Setpgid: true}
+	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM) }
+	cmd.WaitDelay = 30 * time.Second
+	pr, pw := io.Pipe()
+	cmd.Stdout, cmd.Stderr = pw, pw
+	tail := &lineTail{max: 40}
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		sc := bufio.NewScanner(pr)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			tail.add(sc.Text())
+			log.Debug(name, "line", sc.Text())
+		}
+		_, _ = io.Copy(io.Discard, pr)
+	})
+	err := cmd.Run()
+	pw.Close()
+	wg.Wait()
+	if err != nil {
+		return fmt.Errorf("%w\n%s", err, tail.String())
+	}
+	return nil
 }

@@ -2,7 +2,6 @@ package baseimage
 
 import (
 	"archive/tar"
-	"bufio"
 	"compress/gzip"
 	"context"
 	"crypto/sha512"
@@ -16,8 +15,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
-	"syscall"
 	"time"
 
 	"github.com/spacesbx/space/internal/codeinterp"
@@ -103,7 +100,7 @@ func buildInterp(ctx context.Context, cfg InterpConfig, base Base, id string, lo
 		return 0, fmt.Errorf("baseimage: the code interpreter server's files: %w", err)
 	}
 	args := append([]string{"-c", interpScript, "interp", base.Dir, dirs["upper"], dirs["work"], dirs["merged"], stage}, cfg.Packages...)
-	if err := runLogged(ctx, log, "interp-build", exec.CommandContext(ctx, "/bin/sh", args...)); err != nil {
+	if err := runLogged(ctx, log, "interp-build", exec.CommandContext(ctx, "/bin/sh", args...), "INSTALL_DIR="+codeinterp.InstallDir); err != nil {
 		return 0, fmt.Errorf("baseimage: code interpreter layer: %w", err)
 	}
 	// The upper directory holds overlay's own markers: copied into layer
@@ -143,35 +140,6 @@ func buildInterp(ctx context.Context, cfg InterpConfig, base Base, id string, lo
 		return 0, err
 	}
 	return size, nil
-}
-
-// runLogged runs cmd in a mount namespace and process group of its own,
-// its output logged at debug level and its last lines in the error.
-func runLogged(ctx context.Context, log *slog.Logger, name string, cmd *exec.Cmd) error {
-	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C.UTF-8", "INSTALL_DIR=" + codeinterp.InstallDir}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS, Setpgid: true}
-	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM) }
-	cmd.WaitDelay = 30 * time.Second
-	pr, pw := io.Pipe()
-	cmd.Stdout, cmd.Stderr = pw, pw
-	tail := &lineTail{max: 40}
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		sc := bufio.NewScanner(pr)
-		sc.Buffer(make([]byte, 64<<10), 1<<20)
-		for sc.Scan() {
-			tail.add(sc.Text())
-			log.Debug(name, "line", sc.Text())
-		}
-		_, _ = io.Copy(io.Discard, pr)
-	})
-	err := cmd.Run()
-	pw.Close()
-	wg.Wait()
-	if err != nil {
-		return fmt.Errorf("%w\n%s", err, tail.String())
-	}
-	return nil
 }
 
 // maxDenoBytes bounds the download and the binary.
