@@ -65,13 +65,13 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("GET /volumes/{id}", s.withKey(s.handleGetVolume))
 	mux.HandleFunc("DELETE /volumes/{id}", s.withKey(s.handleDeleteVolume))
 	// E2B: volume content, authorized by the volume's token (volumecontent.go).
-	mux.HandleFunc("GET /volumecontent/{id}/dir", s.handleVolumeList)
-	mux.HandleFunc("POST /volumecontent/{id}/dir", s.handleVolumeMkdir)
-	mux.HandleFunc("GET /volumecontent/{id}/path", s.handleVolumeStat)
-	mux.HandleFunc("PATCH /volumecontent/{id}/path", s.handleVolumeSetAttrs)
-	mux.HandleFunc("DELETE /volumecontent/{id}/path", s.handleVolumeRemove)
-	mux.HandleFunc("GET /volumecontent/{id}/file", s.handleVolumeRead)
-	mux.HandleFunc("PUT /volumecontent/{id}/file", s.handleVolumeWrite)
+	mux.HandleFunc("GET /volumecontent/{id}/dir", s.volumeHandler(volumeList))
+	mux.HandleFunc("POST /volumecontent/{id}/dir", s.volumeHandler(volumeMkdir))
+	mux.HandleFunc("GET /volumecontent/{id}/path", s.volumeHandler(volumeStat))
+	mux.HandleFunc("PATCH /volumecontent/{id}/path", s.volumeHandler(volumeSetAttrs))
+	mux.HandleFunc("DELETE /volumecontent/{id}/path", s.volumeHandler(volumeRemove))
+	mux.HandleFunc("GET /volumecontent/{id}/file", s.volumeHandler(volumeRead))
+	mux.HandleFunc("PUT /volumecontent/{id}/file", s.volumeHandler(volumeWrite))
 
 	// SPACE's own (inspect.go, capabilities.go, move.go, rotate.go).
 	mux.HandleFunc("GET /space/v1/workers", s.handleWorkers)

@@ -95,119 +95,97 @@ func queryBool(r *http.Request, name string) bool {
 	return b
 }
 
-// handleVolumeList is GET /volumecontent/{id}/dir?path&depth.
-func (s *Server) handleVolumeList(w http.ResponseWriter, r *http.Request) {
-	d, p, err := s.volumeDir(r)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
+// volumeHandler serves one volume content call: fn gets the volume's
+// directory (closed after it) and the request's path in it; an error fn
+// returns, before it wrote anything, is the answer.
+func (s *Server) volumeHandler(fn func(w http.ResponseWriter, r *http.Request, d *volume.Dir, p string) error) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		d, p, err := s.volumeDir(r)
+		if err != nil {
+			s.writeError(w, r, err)
+			return
+		}
+		defer d.Close()
+		if err := fn(w, r, d, p); err != nil {
+			s.writeError(w, r, err)
+		}
 	}
-	defer d.Close()
+}
+
+// volumeList is GET /volumecontent/{id}/dir?path&depth.
+func volumeList(w http.ResponseWriter, r *http.Request, d *volume.Dir, p string) error {
 	depth := 1
 	if v := r.URL.Query().Get("depth"); v != "" {
+		var err error
 		if depth, err = strconv.Atoi(v); err != nil || depth < 1 || depth > 64 {
-			s.writeError(w, r, fmt.Errorf("%w: depth must be 1..64", errdefs.ErrInvalid))
-			return
+			return fmt.Errorf("%w: depth must be 1..64", errdefs.ErrInvalid)
 		}
 	}
 	out, err := d.List(p, depth)
 	if err != nil {
-		s.writeError(w, r, err)
-		return
+		return err
 	}
 	writeJSON(w, http.StatusOK, out)
+	return nil
 }
 
-// handleVolumeMkdir is POST /volumecontent/{id}/dir?path&uid&gid&mode&force.
-func (s *Server) handleVolumeMkdir(w http.ResponseWriter, r *http.Request) {
-	d, p, err := s.volumeDir(r)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	defer d.Close()
+// volumeMkdir is POST /volumecontent/{id}/dir?path&uid&gid&mode&force.
+func volumeMkdir(w http.ResponseWriter, r *http.Request, d *volume.Dir, p string) error {
 	a, err := queryAttrs(r)
 	if err != nil {
-		s.writeError(w, r, err)
-		return
+		return err
 	}
 	e, err := d.Mkdir(p, a, queryBool(r, "force"))
 	if err != nil {
-		s.writeError(w, r, err)
-		return
+		return err
 	}
 	writeJSON(w, http.StatusCreated, e)
+	return nil
 }
 
-// handleVolumeStat is GET /volumecontent/{id}/path?path.
-func (s *Server) handleVolumeStat(w http.ResponseWriter, r *http.Request) {
-	d, p, err := s.volumeDir(r)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	defer d.Close()
+// volumeStat is GET /volumecontent/{id}/path?path.
+func volumeStat(w http.ResponseWriter, r *http.Request, d *volume.Dir, p string) error {
 	e, err := d.Stat(p)
 	if err != nil {
-		s.writeError(w, r, err)
-		return
+		return err
 	}
 	writeJSON(w, http.StatusOK, e)
+	return nil
 }
 
-// handleVolumeSetAttrs is PATCH /volumecontent/{id}/path?path with
+// volumeSetAttrs is PATCH /volumecontent/{id}/path?path with
 // {uid, gid, mode}.
-func (s *Server) handleVolumeSetAttrs(w http.ResponseWriter, r *http.Request) {
-	d, p, err := s.volumeDir(r)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	defer d.Close()
+func volumeSetAttrs(w http.ResponseWriter, r *http.Request, d *volume.Dir, p string) error {
 	var body struct {
 		UID  *uint32 `json:"uid"`
 		GID  *uint32 `json:"gid"`
 		Mode *uint32 `json:"mode"`
 	}
 	if err := json.NewDecoder(io.LimitReader(r.Body, 4096)).Decode(&body); err != nil {
-		s.writeError(w, r, fmt.Errorf("%w: body must be {uid, gid, mode}", errdefs.ErrInvalid))
-		return
+		return fmt.Errorf("%w: body must be {uid, gid, mode}", errdefs.ErrInvalid)
 	}
 	e, err := d.SetAttrs(p, volume.Attrs{UID: body.UID, GID: body.GID, Mode: body.Mode})
 	if err != nil {
-		s.writeError(w, r, err)
-		return
+		return err
 	}
 	writeJSON(w, http.StatusOK, e)
+	return nil
 }
 
-// handleVolumeRemove is DELETE /volumecontent/{id}/path?path.
-func (s *Server) handleVolumeRemove(w http.ResponseWriter, r *http.Request) {
-	d, p, err := s.volumeDir(r)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	defer d.Close()
+// volumeRemove is DELETE /volumecontent/{id}/path?path.
+func volumeRemove(w http.ResponseWriter, r *http.Request, d *volume.Dir, p string) error {
 	if err := d.Remove(p); err != nil {
-		s.writeError(w, r, err)
-		return
+		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
+	return nil
 }
 
-// handleVolumeRead is GET /volumecontent/{id}/file?path.
-func (s *Server) handleVolumeRead(w http.ResponseWriter, r *http.Request) {
-	d, p, err := s.volumeDir(r)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	defer d.Close()
+// volumeRead is GET /volumecontent/{id}/file?path.
+func volumeRead(w http.ResponseWriter, r *http.Request, d *volume.Dir, p string) error {
 	f, err := d.Open(p)
 	if err != nil {
-		s.writeError(w, r, err)
-		return
+		return err
 	}
 	defer f.Close()
 	if fi, err := f.Stat(); err == nil {
@@ -216,26 +194,20 @@ func (s *Server) handleVolumeRead(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "application/octet-stream")
 	w.WriteHeader(http.StatusOK)
 	_, _ = io.Copy(w, f)
+	return nil
 }
 
-// handleVolumeWrite is PUT /volumecontent/{id}/file?path&uid&gid&mode
-// with the file's bytes.
-func (s *Server) handleVolumeWrite(w http.ResponseWriter, r *http.Request) {
-	d, p, err := s.volumeDir(r)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	defer d.Close()
+// volumeWrite is PUT /volumecontent/{id}/file?path&uid&gid&mode with the
+// file's bytes.
+func volumeWrite(w http.ResponseWriter, r *http.Request, d *volume.Dir, p string) error {
 	a, err := queryAttrs(r)
 	if err != nil {
-		s.writeError(w, r, err)
-		return
+		return err
 	}
 	e, err := d.WriteFile(p, r.Body, a, maxVolumeUpload)
 	if err != nil {
-		s.writeError(w, r, err)
-		return
+		return err
 	}
 	writeJSON(w, http.StatusOK, e)
+	return nil
 }
