@@ -146,14 +146,17 @@ func get(c *http.Client, req *http.Request) error {
 	return nil
 }
 
-// Rows renders the result for the report table (no targets: the figures
-// are reported beside their same-run baseline).
+// Rows renders the result for the report table, each figure beside its
+// same-run baseline; the targets are issue 14's (p50 at most 1.2x direct,
+// new connections at least 0.8x).
 func (r ServicePortResult) Rows() []Row {
 	e, d := Median(ms(r.Edge)), Median(ms(r.Direct))
 	e99, d99 := Percentile(ms(r.Edge), 99), Percentile(ms(r.Direct), 99)
 	return []Row{
-		{Figure: "service-port HTTP p50 (edge+netgtw vs direct)", Value: fmt.Sprintf("%.3f ms", e), Baseline: fmt.Sprintf("%.3f ms", d), Ratio: ratio(e, d)},
+		{Figure: "service-port HTTP p50 (edge+netgtw vs direct)", Value: fmt.Sprintf("%.3f ms", e), Baseline: fmt.Sprintf("%.3f ms", d), Ratio: ratio(e, d),
+			Target: "<= 1.2x", Verdict: atMost(e/d, 1.2)},
 		{Figure: "service-port HTTP p99 (edge+netgtw vs direct)", Value: fmt.Sprintf("%.3f ms", e99), Baseline: fmt.Sprintf("%.3f ms", d99), Ratio: ratio(e99, d99)},
-		{Figure: "service-port new connections/s (edge+netgtw vs direct)", Value: fmt.Sprintf("%.0f/s", r.EdgeCPS), Baseline: fmt.Sprintf("%.0f/s", r.DirectCPS), Ratio: ratio(r.EdgeCPS, r.DirectCPS)},
+		{Figure: "service-port new connections/s (edge+netgtw vs direct)", Value: fmt.Sprintf("%.0f/s", r.EdgeCPS), Baseline: fmt.Sprintf("%.0f/s", r.DirectCPS), Ratio: ratio(r.EdgeCPS, r.DirectCPS),
+			Target: ">= 0.8x", Verdict: atLeast(r.EdgeCPS/r.DirectCPS, 0.8)},
 	}
 }

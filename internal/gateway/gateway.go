@@ -1,16 +1,19 @@
 // Package gateway is netgtw, the per-activation service-port gateway
 // (DESIGN.md sections 2, 5, 7 and 9).
 //
-// sbx-manager launches one netgtw per activation and forwards to it, over a
-// Unix socket, the service-port requests it has already admitted. The
-// gateway checks them a second time, on its own: the capability must be a
-// valid "service-port" capability whose port and protocol match the request,
-// and its identity must equal the TRUSTED activation state sbx-manager gave
-// the gateway (never anything the request says), compared with
-// identity.Compare with this gateway's sandbox as the endpoint sandbox (a
-// capability for another sandbox is a Deny). Only then does it open the
-// guest connection: it dials 127.0.0.1:<port> from inside the sandbox's
-// network namespace (see NetnsDialer).
+// sbx-manager launches one netgtw per activation and asks it, over a Unix
+// socket, for a guest connection for every service-port request it has
+// already admitted (the dial protocol, dial.go). The gateway checks it a
+// second time, on its own: the capability must be a valid "service-port"
+// capability whose port and protocol match the request, and its identity
+// must equal the TRUSTED activation state sbx-manager gave the gateway
+// (never anything the request says), compared with identity.Compare with
+// this gateway's sandbox as the endpoint sandbox (a capability for another
+// sandbox is a Deny). Only then does it open the guest connection: it dials
+// 127.0.0.1:<port> from inside the sandbox's network namespace (see
+// NetnsDialer) and passes the connected socket to sbx-manager, which
+// forwards the request on it (GuestRequest, ProxyOn, ServeTCP). Gateway's
+// ServeHTTP runs the same checks and forwarding in one process.
 //
 // Protocols, as the edge classifies them:
 //   - http: no Upgrade header; reverse-proxied.
@@ -361,21 +364,20 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	g.streams.Add(1)
 	defer g.streams.Add(-1)
-	r.Header.Del(spacev1.HeaderCapability)
 	if proto == ProtocolTCP {
-		g.serveTCP(ctx, w, r, port)
+		if err := CheckTCPUpgrade(r); err != nil {
+			writeJSON(w, http.StatusBadRequest, "", err.Error())
+			return
+		}
+		gc, err := g.dialGuest(ctx, port)
+		if err != nil {
+			writeJSON(w, http.StatusBadGateway, "", "sandbox port unreachable: "+err.Error())
+			return
+		}
+		defer gc.Close()
+		ServeTCP(ctx, w, r, gc)
 		return
 	}
-	out := r.WithContext(ctx)
-	out.URL.Scheme = "http"
-	out.URL.Host = net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
-	// The edge names the Host the service sees (the client's, or the
-	// sandbox's maskRequestHost); without it, the port's own address.
-	out.Host = out.URL.Host
-	if h := r.Header.Get(spacev1.HeaderRequestHost); h != "" && validHost(h) {
-		out.Host = h
-	}
-	out.Header.Del(spacev1.HeaderRequestHost)
 	// The transport reads the request body while the response streams
 	// back: without full duplex the server discards and closes that body
 	// once the response headers go out, and the transport's last read of
@@ -386,23 +388,39 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// the body itself (golang/go#68560).
 	_ = http.NewResponseController(w).EnableFullDuplex()
 	defer r.Body.Close()
-	g.proxy.ServeHTTP(w, out)
+	g.proxy.ServeHTTP(w, GuestRequest(r.WithContext(ctx), port))
 }
 
-// serveTCP answers an "Upgrade: tcp" request: it dials the port, switches
-// protocols and carries raw bytes until either side closes or the lease
-// ends.
-func (g *Gateway) serveTCP(ctx context.Context, w http.ResponseWriter, r *http.Request, port int) {
+// GuestRequest is r as the sandbox's server sees it: addressed to
+// 127.0.0.1:port, without the capability, with the Host the edge named
+// (the client's, or the sandbox's maskRequestHost; without it, the port's
+// own address).
+func GuestRequest(r *http.Request, port int) *http.Request {
+	out := r.Clone(r.Context())
+	out.Header.Del(spacev1.HeaderCapability)
+	out.URL.Scheme = "http"
+	out.URL.Host = net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
+	out.Host = out.URL.Host
+	if h := r.Header.Get(spacev1.HeaderRequestHost); h != "" && validHost(h) {
+		out.Host = h
+	}
+	out.Header.Del(spacev1.HeaderRequestHost)
+	return out
+}
+
+// CheckTCPUpgrade refuses an "Upgrade: tcp" request without
+// "Connection: Upgrade".
+func CheckTCPUpgrade(r *http.Request) error {
 	if !headerHasToken(r.Header, "Connection", "upgrade") {
-		writeJSON(w, http.StatusBadRequest, "", "Upgrade: tcp needs Connection: Upgrade")
-		return
+		return errors.New("Upgrade: tcp needs Connection: Upgrade")
 	}
-	gc, err := g.dialGuest(ctx, port)
-	if err != nil {
-		writeJSON(w, http.StatusBadGateway, "", "sandbox port unreachable: "+err.Error())
-		return
-	}
-	defer gc.Close()
+	return nil
+}
+
+// ServeTCP answers an admitted "Upgrade: tcp" request on the guest
+// connection gc: it switches protocols and carries raw bytes until either
+// side closes or ctx ends. The caller closes gc.
+func ServeTCP(ctx context.Context, w http.ResponseWriter, r *http.Request, gc net.Conn) {
 	cc, brw, err := http.NewResponseController(w).Hijack()
 	if err != nil {
 		writeJSON(w, http.StatusInternalServerError, "", "cannot take over the connection")
@@ -414,6 +432,41 @@ func (g *Gateway) serveTCP(ctx context.Context, w http.ResponseWriter, r *http.R
 		return
 	}
 	splice(ctx, cc, brw.Reader, gc)
+}
+
+// ProxyOn forwards the guest request out (see GuestRequest) on the one
+// guest connection gc and writes the answer to w; an upgrade (WebSocket)
+// is passed through and spliced after its 101. gc serves this request
+// only: it is never pooled, so every guest connection was admitted for
+// the request it carries. The caller closes gc.
+func ProxyOn(w http.ResponseWriter, out *http.Request, gc net.Conn, bufs *BufferPool, errorLog *slog.Logger) {
+	var used atomic.Bool
+	tr := &http.Transport{
+		DialContext: func(context.Context, string, string) (net.Conn, error) {
+			if used.Swap(true) {
+				return nil, errors.New("guest connection already used")
+			}
+			return gc, nil
+		},
+		DisableKeepAlives:  true,
+		DisableCompression: true,
+		MaxConnsPerHost:    1,
+	}
+	defer tr.CloseIdleConnections()
+	p := &httputil.ReverseProxy{
+		Rewrite:       func(*httputil.ProxyRequest) {},
+		Transport:     tr,
+		FlushInterval: -1,
+		BufferPool:    bufs,
+		ErrorLog:      slog.NewLogLogger(errorLog.Handler(), slog.LevelWarn),
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			if r.Context().Err() != nil {
+				return
+			}
+			writeJSON(w, http.StatusBadGateway, "", "sandbox port unreachable: "+err.Error())
+		},
+	}
+	p.ServeHTTP(w, out)
 }
 
 // splice copies client->guest (after draining what the client's reader

@@ -10,14 +10,12 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"os/signal"
 	"strconv"
 	"sync"
 	"syscall"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -129,10 +127,10 @@ func Main(args []string, stdin io.Reader, stdout, stderr io.Writer, logOpts logs
 	defer cancel()
 	go WatchBundle(ctx, *bundle, ver, 0, log)
 
-	srv := &http.Server{Handler: g, ReadHeaderTimeout: 30 * time.Second, MaxHeaderBytes: 1 << 20,
-		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
+	// The socket speaks the dial protocol (dial.go): netgtw admits each
+	// guest connection and hands the connected socket to sbx-manager.
 	srvDone := make(chan error, 1)
-	go func() { srvDone <- srv.Serve(&peerListener{Listener: ln, pid: *managerPID, log: log}) }()
+	go func() { srvDone <- g.ServeDialListener(ctx, &peerListener{Listener: ln, pid: *managerPID, log: log}) }()
 
 	var outMu sync.Mutex
 	reply := func(s string) {
@@ -161,11 +159,11 @@ func Main(args []string, stdin io.Reader, stdout, stderr io.Writer, logOpts logs
 		log.Error("serve", "err", err)
 		code = 1
 	}
-	g.Close() // ends every stream before the server stops
-	sctx, scancel := context.WithTimeout(context.Background(), 2*time.Second)
-	_ = srv.Shutdown(sctx)
-	scancel()
-	_ = srv.Close()
+	g.Close() // ends every stream (their sockets shut down) first
+	ln.Close()
+	if code == 0 {
+		<-srvDone // every dial connection has ended
+	}
 	return code
 }
 

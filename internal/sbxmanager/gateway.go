@@ -6,11 +6,16 @@ package sbxmanager
 // node-api hands service-port requests (E2b-Sandbox-Port set by the edge to
 // a port other than the guest agent's) to the manager like any other guest
 // request. The manager admits them first (service-port capability for this
-// port and protocol, identity equal to the installed record) and forwards
-// them over the activation's netgtw Unix socket, whose peer it verifies per
-// connection; netgtw then checks them a second time against the trusted
-// activation state this file handed it, and dials the port inside the
-// sandbox's network namespace.
+// port and protocol, identity equal to the installed record) and then asks
+// the activation's netgtw, over its Unix socket (peer verified per
+// connection), for a guest connection; netgtw checks the capability a
+// second time against the trusted activation state this file handed it,
+// dials the port inside the sandbox's network namespace and passes the
+// connected socket back (gateway's dial protocol). The manager forwards on
+// that socket itself, one guest connection per request, never pooled: so
+// no byte crosses netgtw, and every guest connection was admitted twice
+// for the request it carries. netgtw keeps a handle on each socket and
+// shuts it down when the execution is replaced.
 //
 // Lazily: most sandboxes never serve a port, and an idle netgtw is a
 // process and several threads per sandbox (every one counts against the
@@ -40,7 +45,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/http/httputil"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -66,12 +70,10 @@ import (
 
 // gatewayProc is one activation's running netgtw.
 type gatewayProc struct {
-	cmd   *exec.Cmd
-	proc  procid.Process
-	sock  string
-	done  chan struct{}
-	tr    *http.Transport
-	proxy *httputil.ReverseProxy
+	cmd  *exec.Cmd
+	proc procid.Process
+	sock string
+	done chan struct{}
 
 	ctlMu sync.Mutex
 	ctl   io.WriteCloser
@@ -254,39 +256,6 @@ func (m *Manager) startGateway(ctx context.Context, gs *gatewayState) (*gatewayP
 	if g.proc, err = procid.Read(cmd.Process.Pid); err != nil {
 		return fail(fmt.Errorf("netgtw identity: %w", err))
 	}
-	g.tr = &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			c, err := d.DialContext(ctx, "unix", sock)
-			if err != nil {
-				return nil, err
-			}
-			// Per connection: the gateway must be the process launched here.
-			if err := procid.VerifyPeer(c, g.proc); err != nil {
-				c.Close()
-				return nil, fmt.Errorf("netgtw endpoint verification: %w", err)
-			}
-			return c, nil
-		},
-		MaxIdleConnsPerHost: 32,
-		IdleConnTimeout:     30 * time.Second,
-		DisableCompression:  true,
-	}
-	g.proxy = &httputil.ReverseProxy{
-		Rewrite: func(pr *httputil.ProxyRequest) {
-			// The capability and port header stay: netgtw checks them again.
-			pr.Out.URL.Scheme, pr.Out.URL.Host = "http", "netgtw"
-		},
-		Transport:     g.tr,
-		FlushInterval: -1,
-		BufferPool:    proxyBuffers,
-		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			if r.Context().Err() != nil {
-				return
-			}
-			m.writeError(w, m.unreachable("service-port gateway", r, err))
-		},
-	}
 	return g, nil
 }
 
@@ -324,7 +293,6 @@ func (g *gatewayProc) control(c gateway.Control) (string, error) {
 
 // stop retires netgtw (its streams end at once) and stops it.
 func (g *gatewayProc) stop() {
-	g.tr.CloseIdleConnections()
 	g.cmd.Process.Signal(syscall.SIGTERM)
 	g.ctl.Close()
 	select {
@@ -461,9 +429,40 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		m.writeError(w, awaitingViewError(ad.Claims.SandboxID))
 		return
 	}
-	if proto == gateway.ProtocolHTTP {
-		_ = http.NewResponseController(w).EnableFullDuplex()
-		defer r.Body.Close() // see ServeHTTP: full duplex needs it (golang/go#68560)
+	if proto == gateway.ProtocolTCP {
+		if err := gateway.CheckTCPUpgrade(r); err != nil {
+			m.writeError(w, fmt.Errorf("%w: %v", errdefs.ErrInvalid, err))
+			return
+		}
 	}
-	gw.proxy.ServeHTTP(w, r.WithContext(ctx))
+	// netgtw admits the stream a second time, on its own, and hands over
+	// the guest socket; this process then forwards on it directly.
+	gc, hold, err := gateway.OpenGuest(ctx, gw.sock, func(c net.Conn) error {
+		// Per connection: the gateway must be the process launched here.
+		if err := procid.VerifyPeer(c, gw.proc); err != nil {
+			return fmt.Errorf("netgtw endpoint verification: %w", err)
+		}
+		return nil
+	}, gateway.DialRequest{Token: r.Header.Get(spacev1.HeaderCapability), Port: port, Protocol: proto})
+	var refused *gateway.RefusedError
+	switch {
+	case errors.As(err, &refused):
+		gateway.WriteRefusal(w, refused)
+		return
+	case err != nil:
+		if ctx.Err() == nil {
+			m.writeError(w, m.unreachable("service-port gateway", r, err))
+		}
+		return
+	}
+	defer hold.Close() // after the guest socket: netgtw then just drops its copy
+	defer gc.Close()
+	if proto == gateway.ProtocolTCP {
+		gateway.ServeTCP(ctx, w, r, gc)
+		return
+	}
+	// Full duplex: see gateway.Gateway.ServeHTTP (golang/go#68560).
+	_ = http.NewResponseController(w).EnableFullDuplex()
+	defer r.Body.Close()
+	gateway.ProxyOn(w, gateway.GuestRequest(r.WithContext(ctx), port), gc, proxyBuffers, m.log)
 }

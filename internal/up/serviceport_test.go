@@ -26,6 +26,7 @@ import (
 
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/gateway"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/sdk"
 )
@@ -184,18 +185,36 @@ func spGatewaySock(r identity.Route) string {
 }
 
 // spDirect sends a service-port GET with a capability straight to a base
-// URL (node-api) or, with sock set, to a netgtw socket; it returns the
-// status and route outcome.
+// URL (node-api) or, with sock set, asks that netgtw socket for the guest
+// connection (the dial protocol sbx-manager speaks) and sends the GET on
+// it; it returns the status and route outcome.
 func spDirect(t *testing.T, base, sock, token string, port int, hdr map[string]string) (int, string) {
 	t.Helper()
-	tr := &http.Transport{}
 	if sock != "" {
-		tr.DialContext = func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", sock)
+		proto := gateway.ProtocolHTTP
+		if strings.EqualFold(hdr["Upgrade"], "tcp") {
+			proto = gateway.ProtocolTCP
 		}
-		base = "http://netgtw"
+		gc, hold, err := gateway.OpenGuest(spCtx(t, 30*time.Second), sock, nil, gateway.DialRequest{Token: token, Port: port, Protocol: proto})
+		var refused *gateway.RefusedError
+		if errors.As(err, &refused) {
+			return refused.Status, refused.Outcome
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer hold.Close()
+		defer gc.Close()
+		gc.SetDeadline(time.Now().Add(30 * time.Second))
+		fmt.Fprintf(gc, "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+		res, err := http.ReadResponse(bufio.NewReader(gc), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res.Body.Close()
+		return res.StatusCode, ""
 	}
+	tr := &http.Transport{}
 	defer tr.CloseIdleConnections()
 	req, _ := http.NewRequestWithContext(spCtx(t, 30*time.Second), "GET", base+"/", nil)
 	req.Header.Set(spacev1.HeaderCapability, token)
