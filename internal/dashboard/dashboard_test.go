@@ -1,0 +1,159 @@
+package dashboard
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"io/fs"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"testing"
+)
+
+// sourcesHash is build.mjs's sourcesHash over web/dashboard: keep the two
+// in step.
+func sourcesHash(t *testing.T, dir string) string {
+	t.Helper()
+	files := []string{"package.json", "package-lock.json", "build.mjs"}
+	err := filepath.WalkDir(filepath.Join(dir, "src"), func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		rel, err := filepath.Rel(dir, p)
+		files = append(files, filepath.ToSlash(rel))
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sort.Strings(files)
+	h := sha256.New()
+	for _, f := range files {
+		b, err := os.ReadFile(filepath.Join(dir, filepath.FromSlash(f)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		sum := sha256.Sum256(b)
+		h.Write([]byte(f + "\x00" + hex.EncodeToString(sum[:]) + "\n"))
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// TestBundleCurrent fails when web/dashboard changed after the committed
+// bundle was built: run `make dashboard` and commit internal/dashboard/assets.
+func TestBundleCurrent(t *testing.T) {
+	want := sourcesHash(t, filepath.Join("..", "..", "web", "dashboard"))
+	got, err := fs.ReadFile(assets, "assets/sources.sha256")
+	if err != nil {
+		t.Fatalf("bundle has no sources.sha256: run `make dashboard`: %v", err)
+	}
+	if strings.TrimSpace(string(got)) != want {
+		t.Fatalf("internal/dashboard/assets is stale (built from sources %s, sources now %s): run `make dashboard` and commit the bundle",
+			strings.TrimSpace(string(got)), want)
+	}
+	for _, f := range []string{"index.html", "app.js", "app.css"} {
+		if st, err := fs.Stat(assets, "assets/"+f); err != nil || st.Size() == 0 {
+			t.Errorf("bundle lacks %s: %v", f, err)
+		}
+	}
+}
+
+// TestNoInlineCode: the page works under its CSP only if it has no inline
+// script or style, and it loads nothing from another origin.
+func TestNoInlineCode(t *testing.T) {
+	b, err := fs.ReadFile(assets, "assets/index.html")
+	if err != nil {
+		t.Fatal(err)
+	}
+	html := string(b)
+	for _, re := range []string{`<script(?:[^>](?:[^s]|s[^r]|sr[^c]))*?>\s*\S`, `<style`, `\sstyle=`, `\son[a-z]+=`, `(?:src|href)="(?:https?:)?//`} {
+		if m := regexp.MustCompile(`(?i)` + re).FindString(html); m != "" {
+			t.Errorf("index.html has %q (forbidden by the CSP or third-party)", m)
+		}
+	}
+	if !strings.Contains(html, `<script type="module" src="app.js"></script>`) {
+		t.Errorf("index.html does not load app.js as a module:\n%s", html)
+	}
+}
+
+func get(t *testing.T, h http.Handler, method, path string, hdr ...string) *httptest.ResponseRecorder {
+	t.Helper()
+	r := httptest.NewRequest(method, path, nil)
+	for i := 0; i+1 < len(hdr); i += 2 {
+		r.Header.Set(hdr[i], hdr[i+1])
+	}
+	w := httptest.NewRecorder()
+	h.ServeHTTP(w, r)
+	return w
+}
+
+func TestHandler(t *testing.T) {
+	h := Handler()
+	for _, tc := range []struct {
+		method, path string
+		code         int
+		ctype        string
+		body         string
+	}{
+		{"GET", "/dashboard/", 200, "text/html; charset=utf-8", `<div id="app">`},
+		{"HEAD", "/dashboard/", 200, "text/html; charset=utf-8", ""},
+		{"GET", "/dashboard/index.html", 200, "text/html; charset=utf-8", `<div id="app">`},
+		{"GET", "/dashboard/app.js", 200, "text/javascript; charset=utf-8", ""},
+		{"GET", "/dashboard/app.css", 200, "text/css; charset=utf-8", ""},
+		{"GET", "/dashboard", 301, "", ""},
+		{"GET", "/dashboard/nope.js", 404, "", ""},
+		{"GET", "/dashboard/sources.sha256", 404, "", ""},
+		{"GET", "/dashboard/../go.mod", 404, "", ""},
+		{"GET", "/dashboard//app.js", 404, "", ""},
+		{"GET", "/dashboardx/app.js", 404, "", ""},
+		{"POST", "/dashboard/", 405, "", ""},
+		{"DELETE", "/dashboard/app.js", 405, "", ""},
+	} {
+		w := get(t, h, tc.method, tc.path)
+		if w.Code != tc.code {
+			t.Errorf("%s %s: %d, want %d", tc.method, tc.path, w.Code, tc.code)
+			continue
+		}
+		if got := w.Header().Get("Content-Security-Policy"); got != ContentSecurityPolicy {
+			t.Errorf("%s %s: CSP %q", tc.method, tc.path, got)
+		}
+		if w.Header().Get("X-Frame-Options") != "DENY" || w.Header().Get("X-Content-Type-Options") != "nosniff" {
+			t.Errorf("%s %s: headers %v", tc.method, tc.path, w.Header())
+		}
+		if tc.ctype != "" && w.Header().Get("Content-Type") != tc.ctype {
+			t.Errorf("%s %s: Content-Type %q, want %q", tc.method, tc.path, w.Header().Get("Content-Type"), tc.ctype)
+		}
+		if tc.body != "" && !strings.Contains(w.Body.String(), tc.body) {
+			t.Errorf("%s %s: body lacks %q", tc.method, tc.path, tc.body)
+		}
+		if tc.code == 301 && w.Header().Get("Location") != Prefix {
+			t.Errorf("%s %s: Location %q", tc.method, tc.path, w.Header().Get("Location"))
+		}
+	}
+	if !strings.Contains(ContentSecurityPolicy, "script-src 'self'") || strings.Contains(ContentSecurityPolicy, "unsafe") {
+		t.Errorf("CSP allows inline code: %s", ContentSecurityPolicy)
+	}
+}
+
+// TestRevalidate: a reload with the current ETag is 304, so the browser
+// checks on every load yet downloads the bundle only after an upgrade.
+func TestRevalidate(t *testing.T) {
+	h := Handler()
+	for _, p := range []string{"/dashboard/", "/dashboard/app.js"} {
+		w := get(t, h, "GET", p)
+		etag := w.Header().Get("ETag")
+		if etag == "" || w.Header().Get("Cache-Control") != "no-cache" {
+			t.Fatalf("%s: ETag %q Cache-Control %q", p, etag, w.Header().Get("Cache-Control"))
+		}
+		if w := get(t, h, "GET", p, "If-None-Match", etag); w.Code != http.StatusNotModified {
+			t.Errorf("%s with its ETag: %d, want 304", p, w.Code)
+		}
+		if w := get(t, h, "GET", p, "If-None-Match", `"old"`); w.Code != http.StatusOK {
+			t.Errorf("%s with an old ETag: %d, want 200", p, w.Code)
+		}
+	}
+}
