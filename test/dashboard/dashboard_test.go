@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"net/url"
 	"os"
 	"os/exec"
@@ -208,7 +209,7 @@ func TestDashboard(t *testing.T) {
 	if _, err := exec.LookPath(chromiumPath); err != nil {
 		testenv.Skipf(t, "Debian's chromium is not installed at %s (make dashboard-deps installs it): %v", chromiumPath, err)
 	}
-	p := testenv.StartPlatform(t, testenv.PlatformOptions{})
+	p := testenv.StartPlatform(t, testenv.PlatformOptions{Workers: 2})
 	c, err := sdk.New(sdk.Config{APIURL: p.APIURL, SandboxURL: p.SandboxURL, APIKey: p.APIKey})
 	if err != nil {
 		t.Fatal(err)
@@ -236,6 +237,14 @@ func TestDashboard(t *testing.T) {
 	busy, idle := ids[0], ids[1]
 
 	origin := strings.TrimRight(p.APIURL, "/")
+	res, err := http.Get(origin + "/dashboard/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	res.Body.Close()
+	if res.StatusCode != http.StatusOK || !strings.Contains(res.Header.Get("Content-Security-Policy"), "script-src 'self'") {
+		t.Fatalf("GET /dashboard/: %s, CSP %q", res.Status, res.Header.Get("Content-Security-Policy"))
+	}
 	b := startBrowser(t, origin)
 	page := origin + "/dashboard/"
 
@@ -299,10 +308,24 @@ func TestDashboard(t *testing.T) {
 	b.do(t, "keys", chromedp.Navigate(page+"#/keys"))
 	b.waitJS(t, "keys page answered", `!!document.querySelector('[data-testid=keys],[data-testid=no-keys-api]')`, 15*time.Second)
 
-	// Everything the page fetched came from its own origin, and nothing
-	// went wrong in it (CSP violations are console errors).
+	// The CSP is in force and this test sees its violations: an inline
+	// style added now is refused, and reported.
+	before := len(b.report())
+	b.eval(t, `(document.head.appendChild(Object.assign(document.createElement('style'), {textContent: 'body{color:red}'})), getComputedStyle(document.body).color)`)
+	b.waitJS(t, "inline style refused", `getComputedStyle(document.body).color !== 'rgb(255, 0, 0)'`, 5*time.Second)
+	deadline := time.Now().Add(10 * time.Second)
+	for len(b.report()) == before && time.Now().Before(deadline) {
+		time.Sleep(100 * time.Millisecond)
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if len(b.problems) == before || !strings.Contains(strings.Join(b.problems[before:], "\n"), "Content Security Policy") {
+		t.Errorf("an inline style was not reported as a CSP violation: %v", b.problems[before:])
+	}
+	b.problems = b.problems[:before]
+
+	// Everything the page fetched came from its own origin, and nothing
+	// went wrong in it (CSP violations are console errors).
 	if len(b.requests) == 0 {
 		t.Error("no requests recorded")
 	}
