@@ -157,3 +157,75 @@ func TestRevalidate(t *testing.T) {
 		}
 	}
 }
+
+// FuzzHandler: whatever the path, the handler answers a status (never a
+// panic or a 5xx), with its CSP, and serves only the bundle's files.
+func FuzzHandler(f *testing.F) {
+	for _, s := range []string{"/dashboard/", "/dashboard/app.js", "/dashboard/../assets/app.js", "/dashboard/%2e%2e/x", "/dashboard//", "/dashboard/assets/index.html", "/dashboard/sources.sha256", "/x"} {
+		f.Add(s)
+	}
+	h := Handler()
+	served := map[string]bool{"/dashboard/": true, "/dashboard/index.html": true, "/dashboard/app.js": true, "/dashboard/app.css": true}
+	f.Fuzz(func(t *testing.T, p string) {
+		r, err := http.NewRequest("GET", "http://h"+p, nil)
+		if err != nil || r.URL.Path == "" {
+			return
+		}
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, r)
+		if w.Code >= 500 {
+			t.Fatalf("%q: %d", p, w.Code)
+		}
+		if w.Header().Get("Content-Security-Policy") != ContentSecurityPolicy {
+			t.Fatalf("%q: no CSP", p)
+		}
+		if w.Code == http.StatusOK && !served[r.URL.Path] {
+			t.Fatalf("%q (path %q): 200, want only the bundle's files", p, r.URL.Path)
+		}
+	})
+}
+
+// TestSourcesHashSeesChanges: the stale check notices an edited, an added
+// and a removed source file (a copy of web/dashboard is changed).
+func TestSourcesHashSeesChanges(t *testing.T) {
+	src := filepath.Join("..", "..", "web", "dashboard")
+	dir := t.TempDir()
+	// The sources only: node_modules (in a built tree) is not one.
+	if err := os.CopyFS(filepath.Join(dir, "src"), os.DirFS(filepath.Join(src, "src"))); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{"package.json", "package-lock.json", "build.mjs"} {
+		b, err := os.ReadFile(filepath.Join(src, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, f), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	base := sourcesHash(t, dir)
+	if base != sourcesHash(t, src) {
+		t.Fatal("a copy hashes differently")
+	}
+	for name, change := range map[string]func(string) error{
+		"edited": func(d string) error {
+			return os.WriteFile(filepath.Join(d, "src", "main.jsx"), []byte("// changed\n"), 0o644)
+		},
+		"added": func(d string) error {
+			return os.WriteFile(filepath.Join(d, "src", "new.js"), nil, 0o644)
+		},
+		"removed": func(d string) error { return os.Remove(filepath.Join(d, "src", "style.css")) },
+		"lock":    func(d string) error { return os.WriteFile(filepath.Join(d, "package-lock.json"), []byte("{}"), 0o644) },
+	} {
+		d := filepath.Join(t.TempDir(), name)
+		if err := os.CopyFS(d, os.DirFS(dir)); err != nil {
+			t.Fatal(err)
+		}
+		if err := change(d); err != nil {
+			t.Fatal(err)
+		}
+		if sourcesHash(t, d) == base {
+			t.Errorf("%s source file: hash unchanged", name)
+		}
+	}
+}

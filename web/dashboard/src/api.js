@@ -49,6 +49,8 @@ export async function api(cred, method, path, body) {
   const headers = { Accept: 'application/json' };
   if (cred.kind === 'token') headers.Authorization = 'Bearer ' + cred.secret;
   else headers['X-API-Key'] = cred.secret;
+  // An access token acts on its user's default team unless told another.
+  if (cred.kind === 'token' && cred.teamID) headers['X-Team-ID'] = cred.teamID;
   const init = { method, headers, cache: 'no-store', credentials: 'omit', referrerPolicy: 'no-referrer' };
   if (body !== undefined) {
     headers['Content-Type'] = 'application/json';
@@ -90,3 +92,4 @@ export const sandboxes = {
 
 export const templates = { list: (c) => api(c, 'GET', '/templates') };
 export const apiKeys = { list: (c) => api(c, 'GET', '/api-keys') };
+export const teams = { list: (c) => api(c, 'GET', '/teams') };

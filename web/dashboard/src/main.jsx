@@ -3,8 +3,8 @@
 // access token the user types (see api.js for where it is kept).
 import { render } from 'preact';
 import { useCallback, useState } from 'preact/hooks';
-import { api, credentialFor, loadCredential, saveCredential, clearCredential } from './api.js';
-import { useHash } from './hooks.js';
+import { api, teams, credentialFor, loadCredential, saveCredential, clearCredential } from './api.js';
+import { useHash, usePoll } from './hooks.js';
 import { SandboxList, SandboxDetail } from './sandboxes.jsx';
 import { Templates, Keys } from './pages.jsx';
 import './style.css';
@@ -68,6 +68,29 @@ function Login({ onLogin }) {
   );
 }
 
+// TeamPicker names the team the page acts on: an API key's own team, or,
+// for an access token, a choice among its user's teams (sent as
+// X-Team-ID). Hidden where the control plane has no /teams.
+function TeamPicker({ cred, onChange }) {
+  const [t] = usePoll(() => teams.list(cred), [cred.secret], 0);
+  const list = Array.isArray(t.data) ? t.data : [];
+  if (!list.length) return null;
+  if (cred.kind !== 'token' || list.length === 1) {
+    const one = list.find((x) => x.teamID === cred.teamID) || list.find((x) => x.isDefault) || list[0];
+    return <span class="team" data-testid="team">team {one.name || one.teamID}</span>;
+  }
+  const current = cred.teamID || (list.find((x) => x.isDefault) || list[0]).teamID;
+  return (
+    <select class="team" data-testid="team" value={current} onChange={(e) => onChange(e.currentTarget.value)}>
+      {list.map((x) => (
+        <option key={x.teamID} value={x.teamID}>
+          team {x.name || x.teamID}
+        </option>
+      ))}
+    </select>
+  );
+}
+
 function App() {
   const [cred, setCred] = useState(loadCredential);
   const [expired, setExpired] = useState(false);
@@ -108,6 +131,14 @@ function App() {
           {tab('templates', 'Templates')}
           {tab('keys', 'API keys')}
         </nav>
+        <TeamPicker
+          cred={cred}
+          onChange={(teamID) => {
+            const c = { ...cred, teamID };
+            saveCredential(c);
+            setCred(c);
+          }}
+        />
         <span class="who mono">{cred.kind === 'token' ? 'access token' : 'API key'} …{cred.secret.slice(-4)}</span>
         <button onClick={logout} data-action="logout">
           Sign out
