@@ -75,6 +75,18 @@ func TestNoInlineCode(t *testing.T) {
 			t.Errorf("index.html has %q (forbidden by the CSP or third-party)", m)
 		}
 	}
+	// The bundle names no other origin (XML namespace names are not fetched).
+	for _, f := range []string{"assets/app.js", "assets/app.css"} {
+		b, err := fs.ReadFile(assets, f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, u := range regexp.MustCompile(`(?i)(?:https?:)?//[a-z0-9.-]+\.[a-z]{2,}[^\s"'\x60)]*`).FindAllString(string(b), -1) {
+			if !strings.HasPrefix(u, "http://www.w3.org/") {
+				t.Errorf("%s names %s: the dashboard loads nothing third-party", f, u)
+			}
+		}
+	}
 	if !strings.Contains(html, `<script type="module" src="app.js"></script>`) {
 		t.Errorf("index.html does not load app.js as a module:\n%s", html)
 	}
