@@ -8,9 +8,7 @@ import (
 
 // dashboardRoutes mounts the web dashboard (internal/dashboard): static,
 // unauthenticated pages whose API calls carry the key or token the user
-// typed, to this same listener.
+// typed, to this same listener. The mux redirects "/dashboard" to it.
 func (s *Server) dashboardRoutes(mux *http.ServeMux) {
-	h := dashboard.Handler()
-	mux.Handle(dashboard.Prefix, h)
-	mux.Handle("/dashboard", h)
+	mux.Handle(dashboard.Prefix, dashboard.Handler())
 }
