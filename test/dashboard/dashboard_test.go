@@ -43,7 +43,7 @@ func startBrowser(t *testing.T, origin string) *browser {
 	opts := append(chromedp.DefaultExecAllocatorOptions[:],
 		chromedp.ExecPath(chromiumPath),
 		chromedp.Flag("headless", "new"),
-		chromedp.WindowSize(1280, 860),
+		chromedp.WindowSize(1280, 480), // full-page screenshots: the page decides the height
 		chromedp.Flag("hide-scrollbars", true),
 		chromedp.Flag("force-device-scale-factor", "1"),
 	)
@@ -217,7 +217,7 @@ func TestDashboard(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	var ids []string
-	for i := range 2 {
+	for i := range 3 {
 		sb, err := c.CreateSandbox(ctx, sdk.CreateOptions{Timeout: 10 * time.Minute, Metadata: map[string]string{"n": fmt.Sprint(i)}})
 		if err != nil {
 			t.Fatalf("create: %v", err)
@@ -234,7 +234,15 @@ func TestDashboard(t *testing.T) {
 			}
 		}
 	}
-	busy, idle := ids[0], ids[1]
+	busy, idle, paused := ids[0], ids[1], ids[2]
+	// One paused through the API, for the list to show (and resume).
+	req, _ := http.NewRequestWithContext(ctx, "POST", p.APIURL+"/sandboxes/"+paused+"/pause", nil)
+	req.Header.Set("X-API-Key", p.APIKey)
+	if res, err := http.DefaultClient.Do(req); err != nil || res.StatusCode != http.StatusNoContent {
+		t.Fatalf("pause %s through the API: %v %v", paused, res, err)
+	} else {
+		res.Body.Close()
+	}
 
 	origin := strings.TrimRight(p.APIURL, "/")
 	res, err := http.Get(origin + "/dashboard/")
@@ -262,10 +270,11 @@ func TestDashboard(t *testing.T) {
 	b.eval(t, `document.getElementById('secret').value = ''`)
 	b.do(t, "sign in", chromedp.SendKeys(chromedp.ID("secret"), p.APIKey),
 		chromedp.Click(chromedp.CSS(`button[type=submit]`)))
-	for _, id := range ids {
+	for _, id := range ids[:2] {
 		b.waitJS(t, "list shows "+id, fmt.Sprintf(`(() => { const r = document.querySelector('tr[data-sandbox-id=%q]');
 			return !!r && r.dataset.state === 'running' && /\S/.test(r.children[3].textContent) && r.children[3].textContent !== '—'; })()`, id), 30*time.Second)
 	}
+	b.waitJS(t, "list shows "+paused+" paused", fmt.Sprintf(`!!document.querySelector('tr[data-sandbox-id=%q][data-state=paused] button[data-action=resume]')`, paused), 30*time.Second)
 	where := b.eval(t, `location.href + ' ' + document.cookie + ' ' + sessionStorage.getItem('space.dashboard.credential')`)
 	if u, _ := url.Parse(strings.Fields(where)[0]); strings.Contains(u.String(), p.APIKey) {
 		t.Errorf("the key is in the URL: %s", u)
@@ -301,6 +310,11 @@ func TestDashboard(t *testing.T) {
 		chromedp.Click(chromedp.CSS(row+` button[data-action=kill-confirm]`)))
 	waitState(t, c, idle, "gone", 60*time.Second)
 	b.waitJS(t, "list drops the killed sandbox", fmt.Sprintf(`!document.querySelector(%q)`, row), 15*time.Second)
+	// Resume from the list, too.
+	prow := fmt.Sprintf(`tr[data-sandbox-id=%q]`, paused)
+	b.do(t, "resume from the list", chromedp.Click(chromedp.CSS(prow+` button[data-action=resume]`)))
+	waitState(t, c, paused, "running", 60*time.Second)
+	b.waitJS(t, "list shows "+paused+" running", fmt.Sprintf(`!!document.querySelector(%q)`, prow+`[data-state=running]`), 15*time.Second)
 
 	// Templates and keys pages answer (keys: "no API" until there is one).
 	b.do(t, "templates", chromedp.Navigate(page+"#/templates"))
