@@ -108,7 +108,7 @@ export function ErrorLine({ error }) {
 
 // Actions: pause or resume (by state) and kill, which asks once more in
 // place (no window.confirm: a blocking dialog).
-export function Actions({ cred, sandbox, onDone, compact }) {
+export function Actions({ cred, sandbox, onDone, onKilled, compact }) {
   const [busy, setBusy] = useState('');
   const [error, setError] = useState(null);
   const [arm, setArm] = useState(false);
@@ -118,6 +118,7 @@ export function Actions({ cred, sandbox, onDone, compact }) {
     setError(null);
     try {
       await fn(cred, id);
+      if (name === 'kill' && onKilled) return onKilled();
     } catch (e) {
       setError(e);
     }
@@ -206,7 +207,7 @@ export function SandboxDetail({ cred, id, onAuthError }) {
             <dt>Ends</dt>
             <dd title={d.endAt}>{ago(d.endAt)}</dd>
           </dl>
-          <Actions cred={cred} sandbox={d} onDone={reload} />
+          <Actions cred={cred} sandbox={d} onDone={reload} onKilled={() => (location.hash = '#/sandboxes')} />
         </div>
       )}
       <Metrics cred={cred} id={id} />
