@@ -178,3 +178,18 @@ check:
 
 clean:
 	rm -rf $(BIN)
+
+## dashboard: the web dashboard's bundle (web/dashboard -> internal/dashboard/assets,
+## embedded in the control plane): npm packages pinned by web/dashboard's lock
+## file, built with esbuild. Commit the bundle after: internal/dashboard's test
+## fails when it is older than its sources. dashboard-deps: what test/dashboard
+## drives it with, Debian's chromium (headless).
+.PHONY: dashboard dashboard-deps
+dashboard: deps web/dashboard/node_modules/.package-lock.json
+	node web/dashboard/build.mjs
+web/dashboard/node_modules/.package-lock.json: web/dashboard/package.json web/dashboard/package-lock.json
+	npm ci --prefix web/dashboard --no-audit --no-fund --loglevel=error
+dashboard-deps:
+	@command -v chromium >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core; }
+test: dashboard-deps

@@ -33,6 +33,8 @@ var layer = map[string]int{
 	// 1 also: the code interpreter server (Python, embedded) for the
 	// code-interpreter-v1 image.
 	"internal/codeinterp": 1,
+	// 1 also: the web dashboard's embedded bundle.
+	"internal/dashboard": 1,
 	// 2: contracts built on identity, envd connect stubs.
 	"api/spacev1": 2, "internal/capability": 2, "internal/edgecert": 2,
 	"api/envd/filesystem/filesystempbconnect": 2, "api/envd/process/processpbconnect": 2,
