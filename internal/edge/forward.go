@@ -18,6 +18,7 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/telemetry"
 )
 
 // rewrite prepares the outbound request; the forwarder sets the node URL
@@ -141,6 +142,7 @@ func (f *forwarder) send(out *http.Request, st *reqState, ent *entry) (*http.Res
 	req.URL = &u
 	req.Host = ""
 	req.Header.Set(spacev1.HeaderCapability, ent.token)
+	telemetry.Inject(req.Context(), req.Header) // never the client's trace context
 	switch {
 	case st.held && len(st.body) > 0:
 		req.Body = io.NopCloser(bytes.NewReader(st.body))

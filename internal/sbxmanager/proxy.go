@@ -18,6 +18,7 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/telemetry"
 )
 
 // ServeHTTP serves the guest API paths (/files, /process.Process/...,
@@ -33,6 +34,9 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		m.writeError(w, fmt.Errorf("%w: no such guest API path %q", errdefs.ErrNotFound, r.URL.Path))
 		return
 	}
+	ctx, span := telemetry.StartSpan(r.Context(), telemetry.ScopeSbxManager, "sbx-manager admit", telemetry.AttrPurpose.String(string(purpose)), telemetry.AttrWorker.String(m.cfg.WorkerID))
+	defer span.End()
+	r = r.WithContext(ctx)
 	var sandbox string
 	var act *activation
 	if m.cfg.UnsafeSkipIdentityChecks {
@@ -42,6 +46,7 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		m.mu.RUnlock()
 	} else {
 		ad := m.Admit(r.Header.Get(spacev1.HeaderCapability), purpose)
+		traceDecision(ctx, ad)
 		if !m.judge(w, ad, purpose, r.URL.Path) {
 			return
 		}
@@ -91,6 +96,10 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if act.paused.Load() {
 		m.writeError(w, pausedError(sandbox)) // never into a frozen guest
 		return
+	}
+	act.use.requests.Add(1)
+	if r.Body != nil && r.Body != http.NoBody {
+		r.Body = countingBody{r.Body, &act.use.rxBytes}
 	}
 	// A lease that ends mid-response ends it with "execution replaced".
 	lw := newLeaseWriter(w, r, act)
@@ -179,7 +188,7 @@ func newBridgeTransport(sock string, verify func(net.Conn) error) (*http.Transpo
 		MaxIdleConnsPerHost: 64,
 		IdleConnTimeout:     90 * time.Second,
 	}
-	return tr, noRetryTransport{tr}
+	return tr, telemetry.Transport(noRetryTransport{tr}) // spaced-host's parent is the admission span
 }
 
 // noRetryTransport lets a request use one connection only. The transport
