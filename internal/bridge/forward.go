@@ -97,7 +97,7 @@ func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) 
 	}
 	out.Header.Del(spacev1.HeaderCapability)
 	telemetry.Inject(r.Context(), out.Header) // the guest's parent is this span, nothing else
-	out.Header.Del(guestspan.Trailer)
+	out.Header.Del(guestspan.Header)
 	if r.ContentLength == 0 {
 		out.Body = nil
 	}
@@ -118,6 +118,8 @@ func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) 
 	for _, h := range hopHeaders {
 		resp.Header.Del(h)
 	}
+	b.recordGuestSpan(r, resp.Header.Get(guestspan.Header))
+	resp.Header.Del(guestspan.Header) // the guest's report stops here
 	for k, v := range resp.Header {
 		w.Header()[k] = v
 	}
@@ -162,7 +164,6 @@ func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) 
 	if copyErr != nil {
 		return resp.StatusCode, copyErr
 	}
-	b.recordGuestSpan(r, resp)
 	if resp.Close {
 		return resp.StatusCode, errors.New("guest closed the connection")
 	}
@@ -170,19 +171,20 @@ func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) 
 }
 
 // recordGuestSpan records the guest's span of r from its Space-Guest-Span
-// trailer (package guestspan), ending now on this process's clock. A
-// malformed trailer records nothing.
-func (b *Bridge) recordGuestSpan(r *http.Request, resp *http.Response) {
+// header v (package guestspan), ending now on this process's clock. A
+// missing or malformed report records no guest span (the bridge's span
+// says which).
+func (b *Bridge) recordGuestSpan(r *http.Request, v string) {
 	if !telemetry.Enabled() || !trace.SpanFromContext(r.Context()).IsRecording() {
 		return
 	}
-	v := resp.Trailer.Get(guestspan.Trailer)
 	if v == "" {
+		trace.SpanFromContext(r.Context()).SetAttributes(attribute.String("space.guest_span", "none"))
 		return
 	}
 	gs, err := guestspan.Parse(v)
 	if err != nil {
-		b.cfg.Logger.Debug("bridge: malformed guest span trailer dropped")
+		trace.SpanFromContext(r.Context()).SetAttributes(attribute.String("space.guest_span", "malformed"))
 		return
 	}
 	end := time.Now()

@@ -2,9 +2,9 @@ package guest
 
 // The guest's part of a trace: a request that arrives with a sampled
 // traceparent (spaced-host's span) is answered with a Space-Guest-Span
-// trailer giving the handling time and status; spaced-host records the
-// guest's span from it (package guestspan). The agent has no exporter and
-// no network to send spans on.
+// header giving the time to the answer and its status; spaced-host records
+// the guest's span from it (package guestspan). The agent has no exporter
+// and no network to send spans on.
 
 import (
 	"net/http"
@@ -19,15 +19,8 @@ func reportSpans(next http.Handler) http.Handler {
 			next.ServeHTTP(w, r)
 			return
 		}
-		start := time.Now()
-		w.Header().Add("Trailer", guestspan.Trailer)
-		sw := &spanWriter{ResponseWriter: w}
+		sw := &spanWriter{ResponseWriter: w, start: time.Now()}
 		next.ServeHTTP(sw, r)
-		status := sw.status
-		if status == 0 {
-			status = http.StatusOK
-		}
-		w.Header().Set(guestspan.Trailer, guestspan.Format(guestspan.Span{Duration: time.Since(start), Status: status}))
 	})
 }
 
@@ -35,24 +28,31 @@ func reportSpans(next http.Handler) http.Handler {
 // http.ResponseController (full duplex) working.
 type spanWriter struct {
 	http.ResponseWriter
-	status int
+	start time.Time
+	done  bool
+}
+
+// report sets the header once, just before the response's headers go.
+func (w *spanWriter) report(code int) {
+	if w.done || code < 200 {
+		return
+	}
+	w.done = true
+	w.Header().Set(guestspan.Header, guestspan.Format(guestspan.Span{Duration: time.Since(w.start), Status: code}))
 }
 
 func (w *spanWriter) WriteHeader(code int) {
-	if w.status == 0 && code >= 200 {
-		w.status = code
-	}
+	w.report(code)
 	w.ResponseWriter.WriteHeader(code)
 }
 
 func (w *spanWriter) Write(b []byte) (int, error) {
-	if w.status == 0 {
-		w.status = http.StatusOK
-	}
+	w.report(http.StatusOK)
 	return w.ResponseWriter.Write(b)
 }
 
 func (w *spanWriter) Flush() {
+	w.report(http.StatusOK)
 	if f, ok := w.ResponseWriter.(http.Flusher); ok {
 		f.Flush()
 	}

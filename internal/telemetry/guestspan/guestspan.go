@@ -1,12 +1,15 @@
 // Package guestspan is how the guest agent reports its span of a traced
 // request without a tracing SDK or any network of its own: the agent (in a
 // sandbox with no route to a collector) answers a request that carried a
-// sampled W3C traceparent with an HTTP trailer, Space-Guest-Span, holding
-// its handling time; spaced-host, which sent the traceparent, reads and
-// removes the trailer and records the guest's span under its own span,
-// anchored at its own clock (the guest's clock is not trusted). The guest
-// chooses no trace ids, names or attributes: only a duration and a status
-// within fixed bounds. Anything else is malformed and dropped (fail closed).
+// sampled W3C traceparent with a response header, Space-Guest-Span, holding
+// the time it took to answer (to the response's headers: a whole unary
+// call, the opening of a stream, which the client may abandon before any
+// trailer could arrive) and the status; spaced-host, which sent the
+// traceparent, reads and removes the header and records the guest's span
+// under its own span, anchored at its own clock (the guest's clock is not
+// trusted). The guest chooses no trace ids, names or attributes: only a
+// duration and a status within fixed bounds. Anything else is malformed
+// and dropped (fail closed); the format is versioned ("v1").
 //
 // It links into the static guest, so it imports nothing but the standard
 // library.
@@ -19,8 +22,9 @@ import (
 	"time"
 )
 
-// Trailer is the trailer the guest sets and spaced-host consumes.
-const Trailer = "Space-Guest-Span"
+// Header is the response header the guest sets and spaced-host consumes
+// (never forwarded past spaced-host).
+const Header = "Space-Guest-Span"
 
 // Version is the trailer's format: "v1 dur_us=<n> status=<code>".
 const Version = "v1"
