@@ -74,6 +74,9 @@ func run(log *slog.Logger, etcd string, cfg controlplane.Config, metricsAddr str
 		return err
 	}
 	defer srv.Close()
+	if err := srv.Metrics().Register(st.Collector()); err != nil {
+		return err
+	}
 	ms, err := telemetry.ListenMetrics(metricsAddr, srv.Metrics(), log)
 	if err != nil {
 		return err

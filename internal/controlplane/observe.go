@@ -51,8 +51,9 @@ func newObservability() *observability {
 }
 
 // Metrics is the control plane's registry (with the Go and process
-// collectors and the store's etcd latencies when Store exposes them): what
-// its metrics listener serves (telemetry.ListenMetrics).
+// collectors; the process that opened the store adds its etcd latencies,
+// store.Collector): what its metrics listener serves
+// (telemetry.ListenMetrics).
 func (s *Server) Metrics() *prometheus.Registry { return s.obs.reg }
 
 // observe wraps the API handler: a server span and the request series.

@@ -150,7 +150,7 @@ func TestPlatformTraceAndMetrics(t *testing.T) {
 	})
 
 	t.Run("metrics", func(t *testing.T) {
-		checkSeries(t, "http://"+apiM+"/metrics", "space_api_requests_total", "space_api_request_duration_seconds", "space_api_capabilities_total", "space_api_reaper_passes_total", "go_goroutines", "process_resident_memory_bytes")
+		checkSeries(t, "http://"+apiM+"/metrics", "space_api_requests_total", "space_api_request_duration_seconds", "space_api_capabilities_total", "space_api_reaper_passes_total", "space_etcd_request_duration_seconds", "go_goroutines", "process_resident_memory_bytes")
 		checkSeries(t, "http://"+edgeM+"/metrics", "space_edge_requests_total", "go_goroutines")
 		perSandbox := []string{`space_sandbox_requests_total{sandbox="` + sbx.ID, `space_sandbox_network_bytes_total{direction="tx",sandbox="` + sbx.ID, `space_sandbox_memory_used_bytes{sandbox="` + sbx.ID}
 		checkSeries(t, "http://"+nodeM+"/metrics", append([]string{"space_node_sandboxes{state=\"running\",worker=\"w1\"} 1", "space_node_installs_total", "space_node_lifecycle_op_seconds",

@@ -31,6 +31,9 @@ func (p *Platform) startObservability() error {
 // serveMetrics binds the three metrics listeners and serves them until
 // ctx ends.
 func (p *Platform) serveMetrics(ctx context.Context) error {
+	if err := p.cp.Metrics().Register(p.st.Collector()); err != nil {
+		return fmt.Errorf("up: metrics: %w", err)
+	}
 	for _, l := range []struct {
 		name, addr string
 		g          prometheus.Gatherer
