@@ -31,6 +31,7 @@ type span struct {
 	service, scope, name string
 	trace, id, parent    string
 	attrs                map[string]string
+	links                []string // linked trace ids
 }
 
 // receiver is an in-test OTLP/gRPC trace collector that keeps every span.
@@ -54,6 +55,9 @@ func (r *receiver) Export(_ context.Context, req *coltracepb.ExportTraceServiceR
 			for _, s := range ss.Spans {
 				sp := span{service: svc, scope: ss.GetScope().GetName(), name: s.Name,
 					trace: hex.EncodeToString(s.TraceId), id: hex.EncodeToString(s.SpanId), parent: hex.EncodeToString(s.ParentSpanId), attrs: map[string]string{}}
+				for _, l := range s.Links {
+					sp.links = append(sp.links, hex.EncodeToString(l.TraceId))
+				}
 				for _, a := range s.Attributes {
 					v := a.GetValue()
 					switch {
@@ -100,7 +104,10 @@ func TestPlatformTraceAndMetrics(t *testing.T) {
 	apiM, edgeM, nodeM := freeAddr(t), freeAddr(t), freeAddr(t)
 	p := testenv.StartPlatform(t, testenv.PlatformOptions{Args: []string{"--otlp-endpoint", lis.Addr().String(),
 		"--api-metrics-addr", apiM, "--edge-metrics-addr", edgeM, "--node-metrics-addr", nodeM}})
-	c, err := sdk.New(sdk.Config{APIURL: p.APIURL, SandboxURL: p.SandboxURL, APIKey: p.APIKey})
+	// Every SDK request carries a client's own trace context: SPACE must
+	// not continue it (a link at most).
+	c, err := sdk.New(sdk.Config{APIURL: p.APIURL, SandboxURL: p.SandboxURL, APIKey: p.APIKey,
+		HTTPClient: &http.Client{Transport: clientTrace{http.DefaultTransport}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -139,6 +146,53 @@ func TestPlatformTraceAndMetrics(t *testing.T) {
 				t.Errorf("sbx-manager span names %v", s.attrs)
 			}
 		}
+		// The hops are a chain: each span's parent is the previous hop's.
+		byID := map[string]span{}
+		for _, ss := range got {
+			for _, s := range ss {
+				byID[s.id] = s
+			}
+		}
+		for child, parent := range map[string]string{telemetry.ScopeGuest: telemetry.ScopeBridge, telemetry.ScopeBridge: telemetry.ScopeSbxManager,
+			telemetry.ScopeSbxManager: telemetry.ScopeNodeAPI, telemetry.ScopeNodeAPI: telemetry.ScopeEdge} {
+			for _, s := range got[child] {
+				if byID[s.parent].scope != parent {
+					t.Errorf("%s span %q: parent %q is not a %s span", child, s.name, byID[s.parent].name, parent)
+				}
+			}
+		}
+		for _, e := range got[telemetry.ScopeEdge] {
+			if e.parent != "" && e.parent != "0000000000000000" {
+				t.Errorf("edge span %q has a parent: a client's traceparent was continued", e.name)
+			}
+			if len(e.links) != 1 || e.links[0] != clientTraceID {
+				t.Errorf("edge span %q links %v, want the client's trace", e.name, e.links)
+			}
+		}
+		issued := false
+		for _, s := range got[telemetry.ScopeControlPlane] {
+			issued = issued || s.name == "issue capability" && s.attrs[string(telemetry.AttrSandbox)] == sbx.ID
+		}
+		if !issued {
+			t.Error("no capability issuance span in the trace")
+		}
+		for _, s := range rcv.snapshot() {
+			if s.trace == clientTraceID {
+				t.Fatalf("span %s/%s continues the client's trace", s.scope, s.name)
+			}
+		}
+		// The create's install on the worker is in the control plane's trace.
+		installTraced := false
+		for _, s := range rcv.snapshot() {
+			if s.scope == telemetry.ScopeNodeAPI && s.attrs["url.path"] == "/space/node/v1/executions" {
+				for _, q := range rcv.snapshot() {
+					installTraced = installTraced || q.trace == s.trace && q.scope == telemetry.ScopeControlPlane && q.attrs["http.route"] == "POST /sandboxes"
+				}
+			}
+		}
+		if !installTraced {
+			t.Error("the install on the worker is not in the trace of POST /sandboxes")
+		}
 		for _, s := range got[telemetry.ScopeBridge] {
 			if len(got[telemetry.ScopeGuest]) == 0 {
 				t.Logf("spaced-host span: %s %v", s.name, s.attrs)
@@ -170,6 +224,17 @@ func TestPlatformTraceAndMetrics(t *testing.T) {
 			time.Sleep(200 * time.Millisecond)
 		}
 	})
+}
+
+const clientTraceID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+// clientTrace adds a client's traceparent to every request.
+type clientTrace struct{ rt http.RoundTripper }
+
+func (c clientTrace) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context())
+	r.Header.Set("Traceparent", "00-"+clientTraceID+"-00f067aa0ba902b7-01")
+	return c.rt.RoundTrip(r)
 }
 
 // traceOfProcessStart finds the edge's span of the process Start for
