@@ -62,7 +62,7 @@ func (e *Edge) modifyResponse(res *http.Response) error {
 	}
 	if res.StatusCode == http.StatusForbidden && res.Header.Get(spacev1.HeaderRouteOutcome) == spacev1.OutcomeDeny && st != nil {
 		e.metrics.denies.WithLabelValues(string(st.t.purpose)).Inc()
-		e.log.Warn("receiver denied capability", "sandbox", st.t.sandbox, "purpose", st.t.purpose, "route", st.entry.route.String())
+		e.log.WarnContext(res.Request.Context(), "receiver denied capability", "sandbox", st.t.sandbox, "purpose", st.t.purpose, "route", st.entry.route.String())
 	}
 	return nil
 }
@@ -74,7 +74,7 @@ func (e *Edge) proxyError(w http.ResponseWriter, r *http.Request, err error) {
 	case r.Context().Err() != nil:
 		// Client went away; nothing to answer.
 	default:
-		e.log.Warn("forwarding to node failed", "err", err)
+		e.log.WarnContext(r.Context(), "forwarding to node failed", "err", err)
 		// The route may name a worker that is gone or restarted on another
 		// address: the next request asks the control plane again instead
 		// of dialing it until the capability expires.

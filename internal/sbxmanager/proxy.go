@@ -147,7 +147,7 @@ func (m *Manager) unreachable(what string, r *http.Request, err error) error {
 		return fmt.Errorf("%w: %s: %w", errdefs.ErrUnavailable, what, err)
 	}
 	if r.Context().Err() == nil {
-		m.log.Warn(what+" request failed", "path", r.URL.Path, "err", err)
+		m.log.WarnContext(r.Context(), what+" request failed", "path", r.URL.Path, "err", err)
 	}
 	return fmt.Errorf("%w: %s unreachable", errdefs.ErrUnavailable, what)
 }
