@@ -29,6 +29,9 @@ func (e *Edge) rewrite(pr *httputil.ProxyRequest) {
 	pr.Out.Header.Del(spacev1.HeaderCapability)
 	pr.Out.Header.Del(spacev1.HeaderAPIKey)
 	pr.Out.Header.Del(HeaderTrafficAccessToken)
+	// The client's trace context stops here on every path out (attempts,
+	// reattaches): the edge's span is what node-api continues.
+	telemetry.Inject(pr.Out.Context(), pr.Out.Header)
 	if st, _ := pr.In.Context().Value(stateKey{}).(*reqState); st != nil && st.t.purpose == capability.PurposeServicePort {
 		// Whether the client addressed the port by Host or by header,
 		// node-api and netgtw learn it from these (client values replaced).
