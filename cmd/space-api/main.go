@@ -16,6 +16,7 @@ import (
 	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/store"
+	"github.com/spacesbx/space/internal/telemetry"
 )
 
 func main() {
@@ -27,6 +28,9 @@ func main() {
 	domain := flag.String("domain", controlplane.DefaultDomain, "domain reported to E2B clients, who build https://<port>-<id>.<domain>: the edge's sandbox domain with its HTTPS port unless 443 (e.g. localhost:3443)")
 	sandboxURL := flag.String("sandbox-url", "", "the edge's URL, where template builds reach their build sandboxes (empty: builds disabled)")
 	logOpts := logsetup.Flags(flag.CommandLine, logsetup.Options{Format: os.Getenv(logsetup.EnvFormat), Level: os.Getenv(logsetup.EnvLevel)})
+	// Observability (docs/OPERATIONS.md).
+	metricsAddr := flag.String("metrics-addr", telemetry.DefaultControlPlaneMetricsAddr, "Prometheus /metrics listener (off: none)")
+	traceCfg := telemetry.Flags(flag.CommandLine, telemetry.FromEnv(os.Getenv))
 	flag.Parse()
 	log, err := logsetup.New(os.Stderr, *logOpts)
 	if err != nil {
@@ -41,15 +45,21 @@ func main() {
 		log.Warn("crash point armed: this process kills itself there (crash-point tests only)", "point", spec)
 	}
 	cfg := controlplane.Config{Addr: *addr, DataDir: *dataDir, BootstrapAPIKey: *apiKey, EdgeKey: *edgeKey, Domain: *domain, SandboxURL: *sandboxURL}
-	if err := run(log, *etcd, cfg); err != nil {
+	traceCfg.ServiceName = "space-api"
+	if err := run(log, *etcd, cfg, *metricsAddr, *traceCfg); err != nil {
 		fmt.Fprintln(os.Stderr, "space-api:", err)
 		os.Exit(1)
 	}
 }
 
-func run(log *slog.Logger, etcd string, cfg controlplane.Config) error {
+func run(log *slog.Logger, etcd string, cfg controlplane.Config, metricsAddr string, tc telemetry.Config) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	tp, err := telemetry.Setup(ctx, tc)
+	if err != nil {
+		return err
+	}
+	defer tp.Shutdown(context.Background())
 	scfg := store.Config{DataDir: filepath.Join(cfg.DataDir, "store"), Logger: log}
 	if etcd != "" {
 		scfg.Endpoints = strings.Split(etcd, ",")
@@ -64,6 +74,15 @@ func run(log *slog.Logger, etcd string, cfg controlplane.Config) error {
 		return err
 	}
 	defer srv.Close()
+	if err := srv.Metrics().Register(st.Collector()); err != nil {
+		return err
+	}
+	ms, err := telemetry.ListenMetrics(metricsAddr, srv.Metrics(), log)
+	if err != nil {
+		return err
+	}
+	defer ms.Close()
+	go ms.Run(ctx) // ends with ctx; Close above waits for nothing it owns
 	if key, generated := srv.BootstrapAPIKey(); generated {
 		fmt.Printf("SPACE_API_KEY=%s\n", key)
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/spacesbx/space/internal/edge"
 	"github.com/spacesbx/space/internal/edgecert"
 	"github.com/spacesbx/space/internal/logsetup"
+	"github.com/spacesbx/space/internal/telemetry"
 )
 
 func main() {
@@ -26,6 +27,9 @@ func main() {
 	tlsCADir := fs.String("tls-ca-dir", "", "without -tls-cert: directory of a local CA made once (ca.pem, ca-key.pem) that signs the edge's certificates")
 	maxBody := fs.Int64("max-buffered-body", edge.DefaultMaxBufferedBody, "largest request body held for a rebuilt attempt (bytes)")
 	logOpts := logsetup.Flags(fs, logsetup.Options{Format: os.Getenv(logsetup.EnvFormat), Level: os.Getenv(logsetup.EnvLevel)})
+	// Observability (docs/OPERATIONS.md).
+	metricsAddr := fs.String("metrics-addr", telemetry.DefaultEdgeMetricsAddr, "Prometheus /metrics listener (off: none)")
+	traceCfg := telemetry.Flags(fs, telemetry.FromEnv(os.Getenv))
 	_ = fs.Parse(os.Args[1:])
 
 	log, err := logsetup.New(os.Stderr, *logOpts)
@@ -63,6 +67,20 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	traceCfg.ServiceName = "space-edge"
+	tp, err := telemetry.Setup(ctx, *traceCfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "space-edge:", err)
+		os.Exit(2)
+	}
+	defer tp.Shutdown(context.Background())
+	ms, err := telemetry.ListenMetrics(*metricsAddr, e.Metrics(), log)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "space-edge:", err)
+		os.Exit(1)
+	}
+	defer ms.Close()
+	go ms.Run(ctx)
 	if err := e.Run(ctx); err != nil {
 		fmt.Fprintln(os.Stderr, "space-edge:", err)
 		os.Exit(1)

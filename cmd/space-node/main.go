@@ -20,6 +20,7 @@ import (
 	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/store"
 	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/telemetry"
 	"github.com/spacesbx/space/internal/volume"
 	"github.com/spacesbx/space/internal/worker"
 )
@@ -55,6 +56,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	volMB := fs.Int64("volume-size-mb", volume.DefaultSize>>20, "quota of each new team volume in MiB (a sparse image: the host pays for what is written)")
 	egressFlags := node.EgressFlags(fs)
 	logOpts := logsetup.Flags(fs, logsetup.Options{Format: getenv(logsetup.EnvFormat), Level: getenv(logsetup.EnvLevel)})
+	// Observability (docs/OPERATIONS.md).
+	metricsAddr := fs.String("metrics-addr", telemetry.DefaultNodeMetricsAddr, "Prometheus /metrics listener of this worker (off: none)")
+	traceCfg := telemetry.Flags(fs, telemetry.FromEnv(getenv))
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -86,6 +90,13 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	if short := worker.PidBudget(*capacity); short != "" {
 		log.Warn("host task limits below capacity: sandboxes past them fail to start", "capacity", *capacity, "limits", short)
 	}
+	traceCfg.ServiceName = "space-node"
+	tp, err := telemetry.Setup(ctx, *traceCfg)
+	if err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 2
+	}
+	defer tp.Shutdown(context.Background())
 	st, err := store.Open(ctx, store.Config{Endpoints: strings.Split(*etcd, ","), Logger: log})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
@@ -96,7 +107,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		DataDir: *dataDir, SnapshotDir: *snapDir, BinDir: *binDir, Capacity: *capacity,
 		VMKernelDir: *vmKernel, VMRequired: true, VMAccel: *vmAccel,
 		NSNoUserNamespaces: *noUserNS, NSNoDiskQuota: *noQuota, BaseImage: *baseImage, InsecureRegistries: insecure, KeepSandboxesOnExit: *keep, Egress: eg, Logger: log, Log: *logOpts,
-		VolumeRoot: *volRoot, VolumeSizeBytes: *volMB << 20,
+		VolumeRoot: *volRoot, VolumeSizeBytes: *volMB << 20, Tracing: *traceCfg,
 	})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
@@ -108,7 +119,17 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
 		return 1
 	}
+	ms, err := telemetry.ListenMetrics(*metricsAddr, host.Metrics(), log)
+	if err != nil {
+		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 1
+	}
+	defer ms.Close()
+	go ms.Run(ctx)
 	fmt.Fprintf(stdout, "space-node %s: node-api %s\n", *id, w.URL())
+	if ms != nil {
+		fmt.Fprintf(stdout, "space-node %s: metrics %s\n", *id, ms.URL())
+	}
 	if err := w.Run(ctx); err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
 		return 1

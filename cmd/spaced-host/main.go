@@ -7,8 +7,9 @@ import (
 
 	"github.com/spacesbx/space/internal/bridge"
 	"github.com/spacesbx/space/internal/logsetup"
+	"github.com/spacesbx/space/internal/telemetry"
 )
 
 func main() {
-	os.Exit(bridge.Main(os.Args[1:], os.Stdout, os.Stderr, logsetup.FromEnv(os.Getenv)))
+	os.Exit(bridge.Main(os.Args[1:], os.Stdout, os.Stderr, logsetup.FromEnv(os.Getenv), telemetry.FromEnv(os.Getenv)))
 }

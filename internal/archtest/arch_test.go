@@ -18,9 +18,11 @@ func deps(t *testing.T, pkg string) []string {
 }
 
 // inGuest reports whether d is the guest package, one of its own
-// subpackages or the host-guest channel it speaks in a microVM.
+// subpackages, the host-guest channel it speaks in a microVM or the span
+// report it answers traced requests with (telemetry/guestspan).
 func inGuest(d string) bool {
-	return d == mod+"internal/guest" || strings.HasPrefix(d, mod+"internal/guest/") || d == mod+"internal/vmchan"
+	return d == mod+"internal/guest" || strings.HasPrefix(d, mod+"internal/guest/") || d == mod+"internal/vmchan" ||
+		d == mod+"internal/telemetry/guestspan"
 }
 
 func TestDependencyRules(t *testing.T) {
@@ -40,6 +42,8 @@ func TestDependencyRules(t *testing.T) {
 		}, "the guest imports no server-side package"},
 		{"internal/vmchan", func(d string) bool { return !strings.HasPrefix(d, mod) || d == mod+"internal/vmchan" },
 			"the host-guest channel depends on nothing internal (both sides link it)"},
+		{"internal/telemetry/guestspan", func(d string) bool { return !strings.HasPrefix(d, mod) || d == mod+"internal/telemetry/guestspan" },
+			"the guest's span report depends on nothing internal (both sides link it)"},
 		{"cmd/spaced-guest", func(d string) bool {
 			return !strings.Contains(d, "go.etcd.io") && !strings.HasPrefix(d, mod+"internal/") || inGuest(d)
 		}, "the in-sandbox binary carries only the guest"},

@@ -28,6 +28,9 @@ var layer = map[string]int{
 	"internal/atomicfile": 1, "internal/procwait": 1, "internal/procid": 1,
 	"internal/vmchan": 1, "internal/substrate/uidlease": 1, "internal/substrate/spawner": 1,
 	"internal/guest/cgexec": 1, "internal/logsetup": 1, "internal/crashpoint": 1,
+	// 1 also: tracing setup and the metrics listener (telemetry), and the
+	// guest's span report (telemetry/guestspan).
+	"internal/telemetry": 1,
 	"internal/netpolicy": 1, "internal/sbxnet": 1, "internal/netsim": 1,
 	"internal/egress/intercept": 1, "internal/egress/socks5": 1,
 	// 1 also: the code interpreter server (Python, embedded) for the

@@ -174,6 +174,8 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 		return runTemplateOnly(ctx, cfg, out, progress, t0)
 	case "codeinterp":
 		return runCodeInterpOnly(ctx, cfg, out, progress, t0)
+	case "tracing": // tracing.go
+		return runTracingOnly(ctx, cfg, out, progress, t0)
 	}
 
 	// 1. Capability verification first, while no platform competes for CPU.

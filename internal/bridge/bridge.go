@@ -54,8 +54,11 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/procid"
+	"github.com/spacesbx/space/internal/telemetry"
 	"github.com/spacesbx/space/internal/vmchan"
 )
 
@@ -202,6 +205,9 @@ type Bridge struct {
 	guest *procid.Handle
 	srv   *http.Server
 	label string
+	// spanAttrs name this execution on every span (from Expected: the
+	// bridge's own knowledge, never a request's).
+	spanAttrs []attribute.KeyValue
 
 	// The guest socket path's inode and the listener bound there, as
 	// recorded at start.
@@ -241,7 +247,9 @@ func New(cfg Config) (*Bridge, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	b := &Bridge{cfg: cfg, label: cfg.Expected.ExecutionLabel()}
+	b := &Bridge{cfg: cfg, label: cfg.Expected.ExecutionLabel(), spanAttrs: []attribute.KeyValue{
+		telemetry.AttrSandbox.String(cfg.Expected.SandboxID), telemetry.AttrGeneration.Int64(int64(cfg.Expected.Generation)),
+		telemetry.AttrWorker.String(cfg.Expected.WorkerID)}}
 	if cfg.ManagerPID > 0 {
 		// Pid and start time: a manager that dies must not be succeeded
 		// by whatever process gets its pid next.

@@ -12,7 +12,13 @@ import (
 	"net/http"
 	"time"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/telemetry"
+	"github.com/spacesbx/space/internal/telemetry/guestspan"
 )
 
 var hopHeaders = []string{"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
@@ -31,9 +37,14 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// In full duplex the handler must close an unread body itself before
 	// returning, or the server's next read panics (golang/go#68560).
 	defer r.Body.Close()
+	ctx, span := telemetry.ServerSpan(r, telemetry.ScopeBridge, "spaced-host "+r.URL.Path, telemetry.Trusted, b.spanAttrs...)
+	status := http.StatusOK
+	defer func() { telemetry.EndHTTP(span, status) }()
+	r = r.WithContext(ctx)
 	gc.mu.Lock()
 	defer gc.mu.Unlock()
 	if gc.broken != nil {
+		status = http.StatusBadGateway
 		b.fail(w, gc.broken)
 		return
 	}
@@ -45,11 +56,14 @@ func (b *Bridge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			gc.broken = err
 			b.cfg.Logger.Warn("bridge: guest connection refused", "sandbox", b.cfg.Expected.SandboxID, "err", err)
 			b.fail(w, err)
+			status = http.StatusBadGateway
 			return
 		}
 		gc.conn, gc.br = c.conn, c.br
 	}
-	if err := b.forward(w, r, gc); err != nil {
+	st, err := b.forward(w, r, gc)
+	status = st
+	if err != nil {
 		gc.broken = err
 		gc.conn.Close()
 		if b.vm != nil && errors.Is(err, errGuestBodyCut) {
@@ -73,7 +87,7 @@ func (b *Bridge) fail(w http.ResponseWriter, err error) {
 // forward sends r over the dedicated guest connection and streams the
 // response back, flushing as bytes arrive. An error means the guest
 // connection can no longer be trusted to be in sync and must be dropped.
-func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) error {
+func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) (int, error) {
 	out := r.Clone(r.Context())
 	out.RequestURI = ""
 	out.URL.Scheme, out.URL.Host = "http", "guest"
@@ -82,6 +96,8 @@ func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) 
 		out.Header.Del(h)
 	}
 	out.Header.Del(spacev1.HeaderCapability)
+	telemetry.Inject(r.Context(), out.Header) // the guest's parent is this span, nothing else
+	out.Header.Del(guestspan.Header)
 	if r.ContentLength == 0 {
 		out.Body = nil
 	}
@@ -96,12 +112,14 @@ func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) 
 		// handler returns.
 		gc.conn.Close()
 		b.fail(w, fmt.Errorf("guest connection dropped: %w", err))
-		return err
+		return http.StatusBadGateway, err
 	}
 	defer resp.Body.Close()
 	for _, h := range hopHeaders {
 		resp.Header.Del(h)
 	}
+	b.recordGuestSpan(r, resp.Header.Get(guestspan.Header))
+	resp.Header.Del(guestspan.Header) // the guest's report stops here
 	for k, v := range resp.Header {
 		w.Header()[k] = v
 	}
@@ -144,10 +162,35 @@ func (b *Bridge) forward(w http.ResponseWriter, r *http.Request, gc *guestConn) 
 		copyErr = werr
 	}
 	if copyErr != nil {
-		return copyErr
+		return resp.StatusCode, copyErr
 	}
 	if resp.Close {
-		return errors.New("guest closed the connection")
+		return resp.StatusCode, errors.New("guest closed the connection")
 	}
-	return nil
+	return resp.StatusCode, nil
+}
+
+// recordGuestSpan records the guest's span of r from its Space-Guest-Span
+// header v (package guestspan), ending now on this process's clock. A
+// missing or malformed report records no guest span (the bridge's span
+// says which).
+func (b *Bridge) recordGuestSpan(r *http.Request, v string) {
+	if !telemetry.Enabled() || !trace.SpanFromContext(r.Context()).IsRecording() {
+		return
+	}
+	if v == "" {
+		trace.SpanFromContext(r.Context()).SetAttributes(attribute.String("space.guest_span", "none"))
+		return
+	}
+	gs, err := guestspan.Parse(v)
+	if err != nil {
+		trace.SpanFromContext(r.Context()).SetAttributes(attribute.String("space.guest_span", "malformed"))
+		return
+	}
+	end := time.Now()
+	_, span := otel.Tracer(telemetry.ScopeGuest).Start(r.Context(), "guest "+r.URL.Path,
+		trace.WithSpanKind(trace.SpanKindServer), trace.WithTimestamp(end.Add(-gs.Duration)),
+		trace.WithAttributes(append(b.spanAttrs[:len(b.spanAttrs):len(b.spanAttrs)],
+			attribute.Int("http.response.status_code", gs.Status), attribute.String("space.reported_by", "spaced-host"))...))
+	span.End(trace.WithTimestamp(end))
 }

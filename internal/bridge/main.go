@@ -16,6 +16,7 @@ import (
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/procid"
+	"github.com/spacesbx/space/internal/telemetry"
 )
 
 // ReadyLine is written to stdout once the bridge has verified the guest and
@@ -23,7 +24,10 @@ import (
 const ReadyLine = "spaced-host ready"
 
 // Main runs spaced-host with command-line args. It returns the exit code.
-func Main(args []string, stdout, stderr io.Writer, logOpts logsetup.Options) int {
+//
+// tc is the tracing configuration the worker passed (telemetry.Env): with
+// an endpoint, spaced-host exports its spans (and the guest's) there.
+func Main(args []string, stdout, stderr io.Writer, logOpts logsetup.Options, tc telemetry.Config) int {
 	fs := flag.NewFlagSet("spaced-host", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	guestSock := fs.String("guest-socket", "", "host path of the agent's Unix socket")
@@ -73,6 +77,16 @@ func Main(args []string, stdout, stderr io.Writer, logOpts logsetup.Options) int
 		return 2
 	}
 	log = log.With("sandbox", want.SandboxID, "generation", want.Generation, "worker", want.WorkerID)
+	tc.ServiceName = "spaced-host"
+	tp, err := telemetry.Setup(context.Background(), tc)
+	if err != nil {
+		log.Warn("tracing off", "err", err) // a trace collector is never a reason not to serve
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		tp.Shutdown(sctx)
+		cancel()
+	}()
 	var activation []byte
 	if *activationFile != "" {
 		var err error

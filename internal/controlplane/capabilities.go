@@ -255,10 +255,17 @@ func (s *Server) handleCapability(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	resp, err := s.issueCapability(r.Context(), credentials{
+	ctx, done := traceCapability(r.Context(), id, string(req.Purpose))
+	resp, err := s.issueCapability(ctx, credentials{
 		APIKey: r.Header.Get(spacev1.HeaderAPIKey), AccessToken: r.Header.Get(spacev1.HeaderAccessToken),
 		TrafficAccessToken: r.Header.Get(HeaderTrafficAccessToken), Signature: signatureFromQuery(r.URL.Query()),
 	}, id, req)
+	done(err)
+	result := "issued"
+	if err != nil {
+		result = errdefs.Reason(err)
+	}
+	s.obs.capabilities.WithLabelValues(string(req.Purpose), result).Inc()
 	if err != nil {
 		// A paused sandbox's 409 carries reason "paused" (writeError): the
 		// edge answers E2B's 502 for it and does not wait for it.

@@ -36,6 +36,7 @@ func (s *Server) reapLoop() {
 }
 
 func (s *Server) reapOnce(sem chan struct{}) {
+	s.obs.reaps.Inc()
 	ctx, cancel := context.WithTimeout(s.ctx, 30*time.Second)
 	defer cancel()
 	entries, err := s.st.ListSandboxes(ctx)

@@ -39,6 +39,8 @@ type Server struct {
 	bundle          capability.Bundle
 
 	handler http.Handler
+	// obs: spans and series of the API (observe.go).
+	obs *observability
 
 	ctx       context.Context
 	cancel    context.CancelFunc
@@ -93,7 +95,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
 	s.signer = newRotatingSigner(sg)
-	s.node = &nodeClient{http: deps.HTTPClient, signer: s.signer, now: s.now, installTimeout: cfg.InstallTimeout, callTimeout: cfg.NodeTimeout}
+	s.node = &nodeClient{http: tracedClient(deps.HTTPClient), signer: s.signer, now: s.now, installTimeout: cfg.InstallTimeout, callTimeout: cfg.NodeTimeout}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if s.bundle, err = s.publishStartKey(ctx, adopted, kid, pub); err != nil {
@@ -117,7 +119,8 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
 	s.tb = newTemplateBuilds(cfg)
-	s.handler = s.routes()
+	s.obs = newObservability()
+	s.handler = s.observe(s.routes())
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.reapNow = make(chan struct{}, 1)
 	s.wg.Add(2)

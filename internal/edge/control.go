@@ -15,6 +15,7 @@ import (
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/identity"
+	"github.com/spacesbx/space/internal/telemetry"
 )
 
 // maxControlResponse bounds a control-plane answer.
@@ -55,6 +56,7 @@ func (e *Edge) doFetch(ctx context.Context, t target, callerToken string, repair
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set(spacev1.HeaderAPIKey, e.cfg.EdgeKey)
+	telemetry.Inject(ctx, req.Header) // the capability's issuance joins this request's trace
 	if !repair && callerToken != "" {
 		if t.purpose == capability.PurposeServicePort {
 			req.Header.Set(HeaderTrafficAccessToken, callerToken)
@@ -168,6 +170,7 @@ func (e *Edge) signedSandbox(ctx context.Context, sig fileSignature) (string, er
 		return "", fmt.Errorf("edge: building signed-URL request: %w", err)
 	}
 	req.Header.Set(spacev1.HeaderAPIKey, e.cfg.EdgeKey)
+	telemetry.Inject(ctx, req.Header) // the capability's issuance joins this request's trace
 	res, err := e.cfg.ControlPlaneClient.Do(req)
 	if err != nil {
 		if ctx.Err() != nil {

@@ -44,11 +44,13 @@ import (
 	"time"
 
 	"github.com/hashicorp/golang-lru/v2/simplelru"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/telemetry"
 )
 
 // Edge is a space-edge instance. It is safe for concurrent use.
@@ -120,6 +122,10 @@ func New(cfg Config) (*Edge, error) {
 	e.handler = http.HandlerFunc(e.serveHTTP)
 	return e, nil
 }
+
+// Metrics is the edge's registry (with the Go and process collectors): what
+// its metrics listener serves (telemetry.ListenMetrics).
+func (e *Edge) Metrics() *prometheus.Registry { return e.metrics.reg }
 
 // Handler returns the edge's HTTP handler: sandbox traffic, and the edge's
 // own /metrics and /healthz for requests that address no sandbox.
@@ -286,6 +292,12 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	sw := &statusWriter{ResponseWriter: w}
 	defer func() { e.metrics.requests.WithLabelValues(string(t.purpose), statusLabel(sw.code())).Inc() }()
+	// A new trace root per request: a client's traceparent is a link at
+	// most, never the parent (package telemetry).
+	ctx, span := telemetry.ServerSpan(r, telemetry.ScopeEdge, "edge "+string(t.purpose), telemetry.Untrusted,
+		telemetry.AttrSandbox.String(t.sandbox), telemetry.AttrPurpose.String(string(t.purpose)))
+	defer func() { telemetry.EndHTTP(span, sw.code()) }()
+	r = r.WithContext(ctx)
 
 	callerToken := r.Header.Get(spacev1.HeaderAccessToken)
 	if t.purpose == capability.PurposeServicePort {

@@ -18,6 +18,7 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/telemetry"
 )
 
 // rewrite prepares the outbound request; the forwarder sets the node URL
@@ -28,6 +29,9 @@ func (e *Edge) rewrite(pr *httputil.ProxyRequest) {
 	pr.Out.Header.Del(spacev1.HeaderCapability)
 	pr.Out.Header.Del(spacev1.HeaderAPIKey)
 	pr.Out.Header.Del(HeaderTrafficAccessToken)
+	// The client's trace context stops here on every path out (attempts,
+	// reattaches): the edge's span is what node-api continues.
+	telemetry.Inject(pr.Out.Context(), pr.Out.Header)
 	if st, _ := pr.In.Context().Value(stateKey{}).(*reqState); st != nil && st.t.purpose == capability.PurposeServicePort {
 		// Whether the client addressed the port by Host or by header,
 		// node-api and netgtw learn it from these (client values replaced).
@@ -61,7 +65,7 @@ func (e *Edge) modifyResponse(res *http.Response) error {
 	}
 	if res.StatusCode == http.StatusForbidden && res.Header.Get(spacev1.HeaderRouteOutcome) == spacev1.OutcomeDeny && st != nil {
 		e.metrics.denies.WithLabelValues(string(st.t.purpose)).Inc()
-		e.log.Warn("receiver denied capability", "sandbox", st.t.sandbox, "purpose", st.t.purpose, "route", st.entry.route.String())
+		e.log.WarnContext(res.Request.Context(), "receiver denied capability", "sandbox", st.t.sandbox, "purpose", st.t.purpose, "route", st.entry.route.String())
 	}
 	return nil
 }
@@ -73,7 +77,7 @@ func (e *Edge) proxyError(w http.ResponseWriter, r *http.Request, err error) {
 	case r.Context().Err() != nil:
 		// Client went away; nothing to answer.
 	default:
-		e.log.Warn("forwarding to node failed", "err", err)
+		e.log.WarnContext(r.Context(), "forwarding to node failed", "err", err)
 		// The route may name a worker that is gone or restarted on another
 		// address: the next request asks the control plane again instead
 		// of dialing it until the capability expires.
@@ -141,6 +145,7 @@ func (f *forwarder) send(out *http.Request, st *reqState, ent *entry) (*http.Res
 	req.URL = &u
 	req.Host = ""
 	req.Header.Set(spacev1.HeaderCapability, ent.token)
+	telemetry.Inject(req.Context(), req.Header) // never the client's trace context
 	switch {
 	case st.held && len(st.body) > 0:
 		req.Body = io.NopCloser(bytes.NewReader(st.body))

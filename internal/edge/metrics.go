@@ -8,6 +8,8 @@ import (
 	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/spacesbx/space/internal/telemetry"
 )
 
 type metrics struct {
@@ -25,7 +27,7 @@ type metrics struct {
 
 func newMetrics() *metrics {
 	m := &metrics{
-		reg: prometheus.NewRegistry(),
+		reg: telemetry.NewRegistry(),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "space_edge_requests_total", Help: "Sandbox requests by purpose and response status.",
 		}, []string{"purpose", "code"}),

@@ -93,12 +93,12 @@ func New(cfg Config) (*Server, error) {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeJSONError(w, http.StatusNotFound, "no route for "+r.Method+" "+r.URL.Path)
 	})
-	s.handler = mux
+	s.handler = reportSpans(mux)
 	var protocols http.Protocols
 	protocols.SetHTTP1(true)
 	protocols.SetUnencryptedHTTP2(true)
 	s.http = &http.Server{
-		Handler:           mux,
+		Handler:           s.handler,
 		ReadHeaderTimeout: 30 * time.Second,
 		MaxHeaderBytes:    1 << 20,
 		Protocols:         &protocols,

@@ -7,10 +7,13 @@
 package logsetup
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"io"
 	"log/slog"
+
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/spacesbx/space/internal/errdefs"
 )
@@ -102,7 +105,36 @@ func New(w io.Writer, o Options) (*slog.Logger, error) {
 	lv, _ := o.level()
 	ho := &slog.HandlerOptions{Level: lv}
 	if o.Format == FormatJSON {
-		return slog.New(slog.NewJSONHandler(w, ho)), nil
+		return slog.New(traceHandler{slog.NewJSONHandler(w, ho)}), nil
 	}
-	return slog.New(slog.NewTextHandler(w, ho)), nil
+	return slog.New(traceHandler{slog.NewTextHandler(w, ho)}), nil
+}
+
+// Field names every component uses for the same things (one vocabulary
+// in both formats).
+const (
+	KeySandbox    = "sandbox"
+	KeyGeneration = "generation"
+	KeyWorker     = "worker"
+	KeyTraceID    = "trace_id"
+	KeySpanID     = "span_id"
+)
+
+// traceHandler adds trace_id and span_id to a record logged with a context
+// whose span is valid (a traced request), so a log line finds its trace.
+type traceHandler struct{ slog.Handler }
+
+func (h traceHandler) Handle(ctx context.Context, r slog.Record) error {
+	if sc := trace.SpanContextFromContext(ctx); sc.IsValid() {
+		r.AddAttrs(slog.String(KeyTraceID, sc.TraceID().String()), slog.String(KeySpanID, sc.SpanID().String()))
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+func (h traceHandler) WithAttrs(as []slog.Attr) slog.Handler {
+	return traceHandler{h.Handler.WithAttrs(as)}
+}
+
+func (h traceHandler) WithGroup(name string) slog.Handler {
+	return traceHandler{h.Handler.WithGroup(name)}
 }

@@ -18,6 +18,7 @@ import (
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
@@ -29,6 +30,7 @@ import (
 	"github.com/spacesbx/space/internal/substrate"
 	"github.com/spacesbx/space/internal/substrate/microvm"
 	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/telemetry"
 	"github.com/spacesbx/space/internal/volume"
 	"github.com/spacesbx/space/internal/worker"
 )
@@ -106,6 +108,10 @@ type Config struct {
 	// Log is the format and level Logger was made with; the worker's
 	// helper processes (spaced-host, netgtw) log the same way.
 	Log logsetup.Options
+
+	// Observability (internal/telemetry): Tracing is passed on to each
+	// spaced-host (telemetry.Env) so it exports to the same collector.
+	Tracing telemetry.Config
 }
 
 // Config.BaseImage's values.
@@ -172,6 +178,13 @@ func (c Config) Validate() error {
 type Host struct {
 	cfg   Config
 	snaps *snapshot.Local
+	// reg has the process collectors, regs each worker's own registry
+	// (its series labelled worker; a worker built again under the same id
+	// replaces its predecessor's): the node's metrics listener serves all
+	// of them (Metrics).
+	reg    *prometheus.Registry
+	regsMu sync.Mutex
+	regs   map[string]*prometheus.Registry
 
 	// ns holds each worker's ns substrate (NS), by worker id.
 	nsMu sync.Mutex
@@ -205,7 +218,7 @@ func Open(cfg Config) (_ *Host, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	h := &Host{cfg: cfg, ns: map[string]*ns.Substrate{}}
+	h := &Host{cfg: cfg, ns: map[string]*ns.Substrate{}, reg: telemetry.NewRegistry(), regs: map[string]*prometheus.Registry{}}
 	h.images = baseImages(cfg)
 	if cfg.VMKernelDir != "" {
 		prewarm := ""
@@ -437,10 +450,11 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 		Manager: sbxmanager.Config{
 			SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),
 			EnvdVersion: guest.EnvdVersion, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
-			ChildLog: cfg.Log, Volumes: h.volumeSource(),
+			ChildLog: cfg.Log, Volumes: h.volumeSource(), ChildEnv: telemetry.Env(cfg.Tracing),
 		},
 	}, worker.Deps{
 		Substrates: subs,
+		Registerer: h.workerRegistry(wc.ID),
 		Registrar:  d.Registrar, Bundles: d.Store, Sandboxes: d.Sandboxes, Snapshots: h.snaps, Lost: d.Store,
 		Egress: egressOpen, Images: h.pulls, VolumeGC: h.volumeGC(d.Store),
 	})
@@ -448,6 +462,30 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 		return nil, fmt.Errorf("node: worker %s: %w", wc.ID, err)
 	}
 	return w, nil
+}
+
+// Metrics gathers the series of the host's workers (labelled worker) and
+// the Go and process collectors: what the node's metrics listener serves.
+func (h *Host) Metrics() prometheus.Gatherer { return hostGatherer{h} }
+
+func (h *Host) workerRegistry(id string) *prometheus.Registry {
+	r := prometheus.NewRegistry()
+	h.regsMu.Lock()
+	h.regs[id] = r
+	h.regsMu.Unlock()
+	return r
+}
+
+type hostGatherer struct{ h *Host }
+
+func (g hostGatherer) Gather() ([]*dto.MetricFamily, error) {
+	g.h.regsMu.Lock()
+	gs := prometheus.Gatherers{g.h.reg}
+	for _, r := range g.h.regs {
+		gs = append(gs, r)
+	}
+	g.h.regsMu.Unlock()
+	return gs.Gather()
 }
 
 // NSInitPath is the ns sandboxes' init binary in binDir (make build puts

@@ -37,6 +37,9 @@ type Config struct {
 	WorkerID string
 	// Gatherer serves /metrics (nil: prometheus.DefaultGatherer).
 	Gatherer prometheus.Gatherer
+	// Registerer receives node-api's own series (control-call durations,
+	// installs); nil: not registered.
+	Registerer prometheus.Registerer
 	// Logger receives the server's logs (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -68,6 +71,7 @@ type Server struct {
 	ver *capability.Verifier
 	ln  net.Listener
 	srv *http.Server
+	obs *obs
 }
 
 // New listens on cfg.Addr; Run serves.
@@ -83,7 +87,7 @@ func New(cfg Config, mgr *sbxmanager.Manager, ver *capability.Verifier) (*Server
 	if err != nil {
 		return nil, fmt.Errorf("nodeapi: listen: %w", err)
 	}
-	s := &Server{cfg: cfg, mgr: mgr, ver: ver, ln: ln}
+	s := &Server{cfg: cfg, mgr: mgr, ver: ver, ln: ln, obs: newObs(cfg.Registerer)}
 	s.srv = &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 30 * time.Second}
 	return s, nil
 }
@@ -108,7 +112,7 @@ func (s *Server) Handler() http.Handler {
 	})
 	mux.Handle("GET /space/node/v1/metrics", promhttp.HandlerFor(s.cfg.Gatherer, promhttp.HandlerOpts{}))
 	mux.Handle("/", s.mgr)
-	return mux
+	return s.traced(mux)
 }
 
 // Run serves until ctx ends, then shuts down within a bounded time.
@@ -186,7 +190,9 @@ func control[T any](s *Server, route func(*T) identity.Route, do func(context.Co
 			WriteError(w, err)
 			return
 		}
+		start := time.Now()
 		resp, err := do(r.Context(), &req)
+		s.obs.controlDone(r, start, err)
 		if err != nil {
 			WriteError(w, err)
 			return

@@ -387,6 +387,7 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 	}
 	proto := gateway.RequestProtocol(r)
 	ad := m.AdmitServicePort(r.Header.Get(spacev1.HeaderCapability), port, proto)
+	traceDecision(r.Context(), ad)
 	if !m.judge(w, ad, capability.PurposeServicePort, fmt.Sprintf("port %d/%s %s", port, proto, r.URL.Path)) {
 		return
 	}

@@ -53,6 +53,7 @@ func (m *Manager) launchBridge(dir string) (*bridgeProc, error) {
 	cmd := exec.Command(m.cfg.SpacedHostPath, "--args-from-stdin")
 	cmd.Stderr = logf
 	cmd.Env = append([]string{"GOMAXPROCS=1", "GOGC=50"}, logsetup.Env(m.cfg.ChildLog)...)
+	cmd.Env = append(cmd.Env, m.cfg.ChildEnv...)
 	// No parent-death signal: a bridge outlives its worker, like its
 	// sandbox, and the next worker takes it over (adopt.go). One that is
 	// never handed a sandbox exits when its stdin closes.
@@ -158,9 +159,11 @@ func (m *Manager) newActivation(inst substrate.Instance, hh *procid.Handle, host
 	tr, rt := newBridgeTransport(sock, func(c net.Conn) error {
 		if err := hh.VerifyPeer(c); err != nil {
 			m.metrics.bridgeRejects.Inc()
+			m.metrics.bridgeChecks.WithLabelValues("rejected").Inc()
 			m.log.Warn("bridge endpoint verification failed", "sandbox", r.SandboxID, "err", err)
 			return err
 		}
+		m.metrics.bridgeChecks.WithLabelValues("ok").Inc()
 		return nil
 	})
 	a.tr = tr

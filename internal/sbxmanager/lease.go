@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"sync/atomic"
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/envelope"
@@ -43,6 +44,7 @@ type leaseWriter struct {
 	route      identity.Route
 	reqConnect string // Content-Type of a Connect streaming request, else ""
 
+	tx        *atomic.Int64 // the activation's response bytes
 	status    int
 	swallowed bool // the answer was written after the lease ended: replaced
 	connect   bool // the response is a Connect stream
@@ -52,7 +54,7 @@ type leaseWriter struct {
 }
 
 func newLeaseWriter(w http.ResponseWriter, r *http.Request, act *activation) *leaseWriter {
-	lw := &leaseWriter{w: w, lease: act.ctx, route: act.route}
+	lw := &leaseWriter{w: w, lease: act.ctx, route: act.route, tx: &act.use.txBytes}
 	if ct := r.Header.Get("Content-Type"); strings.HasPrefix(ct, "application/connect+") {
 		lw.reqConnect = ct
 	}
@@ -88,6 +90,7 @@ func (lw *leaseWriter) Write(p []byte) (int, error) {
 		return len(p), nil
 	}
 	n, err := lw.w.Write(p)
+	lw.tx.Add(int64(n))
 	if lw.connect {
 		lw.env.Feed(p[:n], nil)
 	}

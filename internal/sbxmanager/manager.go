@@ -47,6 +47,9 @@ type Config struct {
 	// activation directory): the worker's own choice, so every component
 	// writes one format. Default text, info.
 	ChildLog logsetup.Options
+	// ChildEnv is more environment for spaced-host (the worker's tracing
+	// configuration, telemetry.Env), so its spans reach the same collector.
+	ChildEnv []string
 	// NetgtwPath is the netgtw binary (service ports). Default: netgtw
 	// next to SpacedHostPath; without it sandboxes have no service ports.
 	NetgtwPath string
@@ -234,6 +237,8 @@ type activation struct {
 	// starts counts process.Process/Start streams in flight; Pause gives
 	// them PauseStreamGrace to finish.
 	starts atomic.Int64
+	// use counts the activation's data-plane traffic (observe.go).
+	use usage
 }
 
 // New opens the runtime records and loads them before returning: a
@@ -283,6 +288,9 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 		metrics: newMetrics(cfg.Registerer), log: cfg.Logger.With("worker", cfg.WorkerID),
 		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{},
 		writeError: deps.WriteError, onLost: deps.OnLost, lock: lock, egress: deps.Egress, images: deps.Images,
+	}
+	if cfg.Registerer != nil {
+		cfg.Registerer.MustRegister(sandboxCollector{m})
 	}
 	// The running bridges accept this process once the manager file
 	// names it; without that every adoption would fail and end live

@@ -20,6 +20,7 @@ import (
 type metrics struct {
 	decisions     *prometheus.CounterVec
 	bridgeRejects prometheus.Counter
+	bridgeChecks  *prometheus.CounterVec
 	activations   prometheus.Gauge
 }
 
@@ -31,12 +32,15 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		bridgeRejects: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "space_node_bridge_verification_failures_total", Help: "Bridge connections refused by peer verification.",
 		}),
+		bridgeChecks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_node_bridge_checks_total", Help: "Peer checks of new connections to spaced-host, by result (ok, rejected).",
+		}, []string{"result"}),
 		activations: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "space_node_activations", Help: "Running activations.",
 		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.decisions, m.bridgeRejects, m.activations)
+		reg.MustRegister(m.decisions, m.bridgeRejects, m.bridgeChecks, m.activations)
 	}
 	return m
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/telemetry"
 )
 
 // ServeHTTP serves the guest API paths (/files, /process.Process/...,
@@ -33,6 +34,9 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		m.writeError(w, fmt.Errorf("%w: no such guest API path %q", errdefs.ErrNotFound, r.URL.Path))
 		return
 	}
+	ctx, span := telemetry.StartSpan(r.Context(), telemetry.ScopeSbxManager, "sbx-manager admit", telemetry.AttrPurpose.String(string(purpose)), telemetry.AttrWorker.String(m.cfg.WorkerID))
+	defer span.End()
+	r = r.WithContext(ctx)
 	var sandbox string
 	var act *activation
 	if m.cfg.UnsafeSkipIdentityChecks {
@@ -42,6 +46,7 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		m.mu.RUnlock()
 	} else {
 		ad := m.Admit(r.Header.Get(spacev1.HeaderCapability), purpose)
+		traceDecision(ctx, ad)
 		if !m.judge(w, ad, purpose, r.URL.Path) {
 			return
 		}
@@ -92,6 +97,10 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		m.writeError(w, pausedError(sandbox)) // never into a frozen guest
 		return
 	}
+	act.use.requests.Add(1)
+	if r.Body != nil && r.Body != http.NoBody {
+		r.Body = countingBody{r.Body, &act.use.rxBytes}
+	}
 	// A lease that ends mid-response ends it with "execution replaced".
 	lw := newLeaseWriter(w, r, act)
 	defer lw.finish()
@@ -138,7 +147,7 @@ func (m *Manager) unreachable(what string, r *http.Request, err error) error {
 		return fmt.Errorf("%w: %s: %w", errdefs.ErrUnavailable, what, err)
 	}
 	if r.Context().Err() == nil {
-		m.log.Warn(what+" request failed", "path", r.URL.Path, "err", err)
+		m.log.WarnContext(r.Context(), what+" request failed", "path", r.URL.Path, "err", err)
 	}
 	return fmt.Errorf("%w: %s unreachable", errdefs.ErrUnavailable, what)
 }
@@ -179,7 +188,7 @@ func newBridgeTransport(sock string, verify func(net.Conn) error) (*http.Transpo
 		MaxIdleConnsPerHost: 64,
 		IdleConnTimeout:     90 * time.Second,
 	}
-	return tr, noRetryTransport{tr}
+	return tr, telemetry.Transport(noRetryTransport{tr}) // spaced-host's parent is the admission span
 }
 
 // noRetryTransport lets a request use one connection only. The transport

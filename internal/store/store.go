@@ -22,8 +22,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
+	"google.golang.org/grpc"
 
 	"github.com/spacesbx/space/internal/atomicfile"
 	"github.com/spacesbx/space/internal/errdefs"
@@ -134,6 +136,7 @@ type Store struct {
 	closeTO   time.Duration
 	closeOnce sync.Once
 	closeErr  error
+	latency   *prometheus.HistogramVec // etcd request latency (metrics.go)
 }
 
 // Open connects to etcd, starting the embedded one unless cfg.Endpoints is
@@ -143,7 +146,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	s := &Store{log: cfg.Logger.With("component", "store"), closeTO: cfg.CloseTimeout}
+	s := &Store{log: cfg.Logger.With("component", "store"), closeTO: cfg.CloseTimeout, latency: newOpLatency()}
 	endpoints := cfg.Endpoints
 	if len(endpoints) == 0 {
 		e, client, err := startEmbedded(ctx, cfg, &s.closing)
@@ -158,6 +161,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		Endpoints:   endpoints,
 		DialTimeout: cfg.DialTimeout,
 		Logger:      zl,
+		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(latencyInterceptor(s.latency))},
 	})
 	if err != nil {
 		s.stopEmbedded()

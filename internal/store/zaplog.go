@@ -46,7 +46,7 @@ func (c *slogCore) Write(e zapcore.Entry, fields []zapcore.Field) error {
 	for _, f := range append(append([]zapcore.Field(nil), c.fields...), fields...) {
 		f.AddTo(enc)
 	}
-	if c.closing.Load() && isShutdownNoise(e.Message, enc.Fields) {
+	if c.closing.Load() && isShutdownNoise(e.Message, enc.Fields) || isBenign(e, enc.Fields) {
 		return nil
 	}
 	attrs := make([]slog.Attr, 0, len(enc.Fields))
@@ -62,6 +62,29 @@ func (c *slogCore) Write(e zapcore.Entry, fields []zapcore.Field) error {
 }
 
 func (c *slogCore) Sync() error { return nil }
+
+// benignWarnings are warnings embedded etcd prints on every start that say
+// nothing about a single-member etcd on loopback: one port for its HTTP and
+// gRPC (it is not exposed), and the simple (unsigned) auth token (SPACE
+// runs etcd without auth). Only these exact warnings are dropped; errors
+// never are.
+var benignWarnings = map[string]bool{
+	"Running http and grpc server on single port. This is not recommended for production.": true,
+	"simple token is not cryptographically signed":                                         true,
+}
+
+// isBenign reports a warning that is not a problem: a known start-up
+// warning, or the client's note that a call was canceled by its caller.
+func isBenign(e zapcore.Entry, fields map[string]any) bool {
+	if e.Level != zapcore.WarnLevel {
+		return false
+	}
+	if benignWarnings[e.Message] {
+		return true
+	}
+	err, _ := fields["error"].(string)
+	return e.Message == "retrying of unary invoker failed" && strings.Contains(err, "code = Canceled")
+}
 
 // isShutdownNoise reports an entry about etcd's own listeners closing.
 func isShutdownNoise(msg string, fields map[string]any) bool {

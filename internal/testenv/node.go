@@ -67,7 +67,7 @@ func LaunchNode(p *Platform, o NodeOptions) (_ *Node, err error) {
 		return nil, err
 	}
 	defer logf.Close() // the node holds its own descriptor
-	args := append([]string{"--id", o.ID, "--data-dir", n.DataDir, "--etcd-endpoints", p.EtcdEndpoints,
+	args := append([]string{"--metrics-addr", "127.0.0.1:0", "--id", o.ID, "--data-dir", n.DataDir, "--etcd-endpoints", p.EtcdEndpoints,
 		"--snapshot-dir", p.SnapshotDir, "--log-level", o.LogLevel, fmt.Sprintf("--keep-sandboxes=%t", o.KeepSandboxes)}, o.Args...)
 	n.Cmd = exec.Command(filepath.Join(p.BinDir, "space-node"), args...)
 	n.Cmd.Env, n.Cmd.Stderr = o.Env, logf

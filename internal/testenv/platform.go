@@ -183,6 +183,7 @@ func LaunchPlatform(o PlatformOptions) (_ *Platform, err error) {
 		workers, readyLine = 0, "  space-node " // printed after the key
 	}
 	args := append([]string{"up", "--api-addr", p.APIAddr, "--edge-addr", p.EdgeAddr, "--edge-tls-addr", p.EdgeTLSAddr, "--data-dir", p.DataDir,
+		"--api-metrics-addr", "127.0.0.1:0", "--edge-metrics-addr", "127.0.0.1:0", "--node-metrics-addr", "127.0.0.1:0", // parallel platforms: no fixed ports
 		"--api-key", o.APIKey, "--workers", strconv.Itoa(workers), "--log-level", o.LogLevel,
 		"--keep-sandboxes=" + strconv.FormatBool(o.KeepSandboxes)}, o.Args...)
 	cmd := exec.CommandContext(ctx, filepath.Join(bin, "space"), args...)

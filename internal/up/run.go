@@ -10,6 +10,7 @@ import (
 	"github.com/spacesbx/space/internal/controlplane"
 	"github.com/spacesbx/space/internal/logsetup"
 	"github.com/spacesbx/space/internal/node"
+	"github.com/spacesbx/space/internal/telemetry"
 	"github.com/spacesbx/space/internal/volume"
 )
 
@@ -47,6 +48,11 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	egressFlags := node.EgressFlags(fs)
 	teamDeny := fs.String("egress-deny-teams", "", "comma-separated team ids whose sandboxes never get a way out (their network options that would open one are refused)")
 	logOpts := logsetup.Flags(fs, logsetup.Options{Format: getenv(logsetup.EnvFormat), Level: getenv(logsetup.EnvLevel)})
+	// Observability (docs/OPERATIONS.md).
+	fs.StringVar(&cfg.APIMetricsAddr, "api-metrics-addr", telemetry.DefaultControlPlaneMetricsAddr, "control plane's Prometheus /metrics listener (off: none)")
+	fs.StringVar(&cfg.EdgeMetricsAddr, "edge-metrics-addr", telemetry.DefaultEdgeMetricsAddr, "edge's Prometheus /metrics listener (off: none)")
+	fs.StringVar(&cfg.NodeMetricsAddr, "node-metrics-addr", telemetry.DefaultNodeMetricsAddr, "workers' Prometheus /metrics listener (off: none)")
+	traceCfg := telemetry.Flags(fs, telemetry.FromEnv(getenv))
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -79,6 +85,7 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		return 2
 	}
 	cfg.Logger, cfg.Log = log, *logOpts
+	cfg.Tracing = *traceCfg
 	p, err := Start(ctx, cfg)
 	if err != nil {
 		fmt.Fprintf(stderr, "space up: %v\n", err)
@@ -94,6 +101,7 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
   edge:          %s
   API key:       %s%s
 `, len(p.Workers), p.APIURL, p.SandboxURL, p.APIKey, keyNote)
+	printMetrics(stdout, p)
 	printDirectURLs(stdout, p, cfg.Domain)
 	fmt.Fprintf(stdout, `
 Paste into your shell to use the e2b SDK or the space CLI:
@@ -118,6 +126,15 @@ export E2B_VOLUME_API_URL=%s
 		fmt.Fprintln(stderr, "space up: shutting down and stopping the sandboxes")
 	}
 	return 0
+}
+
+// printMetrics lists the metrics listeners (docs/OPERATIONS.md).
+func printMetrics(w io.Writer, p *Platform) {
+	for _, m := range []struct{ name, url string }{{"api", p.APIMetricsURL}, {"edge", p.EdgeMetricsURL}, {"node", p.NodeMetricsURL}} {
+		if m.url != "" {
+			fmt.Fprintf(w, "  metrics %-5s  %s\n", m.name+":", m.url)
+		}
+	}
 }
 
 // printDirectURLs says where the direct sandbox URLs are served and, for

@@ -27,6 +27,7 @@ import (
 	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/store"
 	"github.com/spacesbx/space/internal/substrate/ns"
+	"github.com/spacesbx/space/internal/telemetry"
 	"github.com/spacesbx/space/internal/worker"
 )
 
@@ -127,6 +128,13 @@ type Config struct {
 	// Log is the format and level Logger was made with; the workers'
 	// helper processes log the same way.
 	Log logsetup.Options
+
+	// Observability (internal/telemetry, docs/OPERATIONS.md): each
+	// component's metrics listener (empty: none; `space up` defaults to
+	// telemetry.Default*MetricsAddr) and the tracing configuration
+	// (Start installs it; spaced-host gets it too).
+	APIMetricsAddr, EdgeMetricsAddr, NodeMetricsAddr string
+	Tracing                                          telemetry.Config
 }
 
 // Defaults of Config's fields.
@@ -242,6 +250,11 @@ type Platform struct {
 	// APIKeyGenerated is true when no key was configured.
 	APIKeyGenerated bool
 
+	// MetricsURLs are the /metrics URLs of the control plane, the edge and
+	// the node ("" when that listener is off).
+	APIMetricsURL, EdgeMetricsURL, NodeMetricsURL string
+	tracer                                        *telemetry.Provider
+
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	mu     sync.Mutex
@@ -291,10 +304,13 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		Capacity: cfg.Capacity, DefaultLimits: cfg.DefaultLimits, UnsafeSkipIdentityChecks: cfg.UnsafeSkipIdentityChecks,
 		KeepSandboxesOnExit: cfg.KeepSandboxesOnExit, Egress: cfg.Egress,
 		VolumeRoot: cfg.VolumeRoot, VolumeSizeBytes: cfg.VolumeSizeBytes,
-		Logger: log, Log: cfg.Log,
+		Logger: log, Log: cfg.Log, Tracing: cfg.Tracing,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("up: %w", err)
+	}
+	if err := p.startObservability(); err != nil {
+		return nil, err
 	}
 	p.st, err = store.Open(ctx, store.Config{DataDir: filepath.Join(cfg.DataDir, "store"), Endpoints: cfg.EtcdEndpoints, Logger: log})
 	if err != nil {
@@ -385,6 +401,9 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	}
 	edgeServed = true
 	p.goRun("edge", func() error { return p.edge.Serve(rctx, edgeLn) })
+	if err := p.serveMetrics(rctx); err != nil {
+		return nil, err
+	}
 	if tlsLn != nil {
 		p.goRun("edge https", func() error { return p.edge.ServeTLS(rctx, tlsLn) })
 	}
@@ -467,6 +486,11 @@ func (p *Platform) Close() error {
 	}
 	if p.st != nil {
 		p.st.Close()
+	}
+	if p.tracer != nil {
+		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		p.tracer.Shutdown(sctx)
+		cancel()
 	}
 	return nil
 }

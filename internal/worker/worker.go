@@ -226,7 +226,7 @@ func New(cfg Config, deps Deps) (*Worker, error) {
 		return nil, err
 	}
 	mgrSink.Store(mgr)
-	api, err := nodeapi.New(nodeapi.Config{Addr: cfg.Addr, WorkerID: cfg.ID, Gatherer: reg, Logger: cfg.Logger}, mgr, ver)
+	api, err := nodeapi.New(nodeapi.Config{Addr: cfg.Addr, WorkerID: cfg.ID, Gatherer: reg, Registerer: mc.Registerer, Logger: cfg.Logger}, mgr, ver)
 	if err != nil {
 		mgr.Close()
 		if eg != nil {

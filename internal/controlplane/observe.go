@@ -1,0 +1,139 @@
+package controlplane
+
+// The control plane's observability: a server span per API request
+// (clients' trace context is a link only; the edge's, which authenticates
+// with the edge key, is the parent, so a capability's issuance lands in
+// the trace of the request it is for), spans of capability issuance, and
+// the series its metrics listener serves (Metrics): API requests by route,
+// code and duration, capability issuance by result, reaper passes.
+
+import (
+	"context"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+
+	"github.com/spacesbx/space/api/spacev1"
+	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/telemetry"
+)
+
+type observability struct {
+	reg          *prometheus.Registry
+	requests     *prometheus.CounterVec
+	durations    *prometheus.HistogramVec
+	capabilities *prometheus.CounterVec
+	reaps        prometheus.Counter
+}
+
+func newObservability() *observability {
+	o := &observability{
+		reg: telemetry.NewRegistry(),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_api_requests_total", Help: "API requests by route pattern and status code.",
+		}, []string{"route", "code"}),
+		durations: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "space_api_request_duration_seconds", Help: "API request durations by route pattern.",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
+		}, []string{"route"}),
+		capabilities: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_api_capabilities_total", Help: "Capability requests by purpose and result (issued or the refusal's reason).",
+		}, []string{"purpose", "result"}),
+		reaps: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_api_reaper_passes_total", Help: "Passes of the timeout reaper.",
+		}),
+	}
+	o.reg.MustRegister(o.requests, o.durations, o.capabilities, o.reaps)
+	return o
+}
+
+// Metrics is the control plane's registry (with the Go and process
+// collectors; the process that opened the store adds its etcd latencies,
+// store.Collector): what its metrics listener serves
+// (telemetry.ListenMetrics).
+func (s *Server) Metrics() *prometheus.Registry { return s.obs.reg }
+
+// observe wraps the API handler: a server span and the request series.
+// The route label is the matched pattern (bounded), never the raw path.
+func (s *Server) observe(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		start := time.Now()
+		trust := telemetry.Untrusted
+		if s.cfg.EdgeKey != "" && equalSecret(r.Header.Get(spacev1.HeaderAPIKey), s.cfg.EdgeKey) {
+			trust = telemetry.Trusted
+		}
+		ctx, span := telemetry.ServerSpan(r, telemetry.ScopeControlPlane, "space-api "+r.Method, trust)
+		sw := &codeWriter{ResponseWriter: w}
+		r = r.WithContext(ctx)
+		h.ServeHTTP(sw, r)
+		route := r.Pattern
+		if route == "" {
+			route = "unmatched"
+		}
+		code := sw.code()
+		s.obs.requests.WithLabelValues(route, strconv.Itoa(code)).Inc()
+		s.obs.durations.WithLabelValues(route).Observe(time.Since(start).Seconds())
+		if span.IsRecording() {
+			span.SetName("space-api " + route)
+			span.SetAttributes(attribute.String("http.route", route))
+		}
+		telemetry.EndHTTP(span, code)
+	})
+}
+
+// traceCapability starts the span of one capability issuance.
+func traceCapability(ctx context.Context, sandbox string, purpose string) (context.Context, func(error)) {
+	ctx, span := telemetry.StartSpan(ctx, telemetry.ScopeControlPlane, "issue capability",
+		telemetry.AttrSandbox.String(sandbox), telemetry.AttrPurpose.String(purpose))
+	return ctx, func(err error) {
+		if err != nil && span.IsRecording() {
+			span.SetAttributes(attribute.String("space.refusal", errdefs.Reason(err)))
+		}
+		span.End()
+	}
+}
+
+type codeWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (w *codeWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *codeWriter) Write(b []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *codeWriter) Flush() {
+	if f, ok := w.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+func (w *codeWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+func (w *codeWriter) code() int {
+	if w.status == 0 {
+		return http.StatusOK
+	}
+	return w.status
+}
+
+// tracedClient is c with a transport that carries the request's trace
+// context to node-api (install, lifecycle calls).
+func tracedClient(c *http.Client) *http.Client {
+	cc := *c
+	cc.Transport = telemetry.Transport(c.Transport)
+	return &cc
+}
