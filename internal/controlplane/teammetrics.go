@@ -29,13 +29,13 @@ const (
 	DefaultTeamMetricsRetention = 24 * time.Hour
 )
 
-// teamSample is one sample of one team (16 bytes: a day at 5 s is 270 KiB).
+// teamSample is one sample of one team (24 bytes: a day at 5 s is 405 KiB).
 type teamSample struct {
 	unix       int64
 	concurrent int32
 	started    int32
 	// rate is started per second over the interval before the sample.
-	rate float32
+	rate float64
 }
 
 type teamRing struct {
@@ -113,7 +113,9 @@ func (s *Server) sampleTeams() {
 		}
 		return
 	}
-	s.teamMetrics.sample(s.now(), entries)
+	// Wall time, not s.now: the samples are a time series of their own
+	// (and the server's clock may be a test's frozen one).
+	s.teamMetrics.sample(time.Now(), entries)
 }
 
 // sample adds one sample per team from the store's records at now.
@@ -155,7 +157,7 @@ func (tm *teamMetrics) sample(now time.Time, entries []store.SandboxEntry) {
 		if c == nil {
 			c = &teamSample{unix: now.Unix()}
 		}
-		c.rate = float32(float64(c.started) / elapsed)
+		c.rate = float64(c.started) / elapsed
 		if c.concurrent > 0 || c.started > 0 {
 			r.busy = now
 		}
@@ -215,7 +217,7 @@ func (s *Server) handleTeamMetrics(w http.ResponseWriter, r *http.Request, c cal
 	for _, sm := range samples {
 		at := time.Unix(sm.unix, 0).UTC()
 		out = append(out, e2bapi.TeamMetric{Timestamp: at, TimestampUnix: sm.unix,
-			ConcurrentSandboxes: int(sm.concurrent), SandboxStartRate: float64(sm.rate)})
+			ConcurrentSandboxes: int(sm.concurrent), SandboxStartRate: sm.rate})
 	}
 	writeJSON(w, http.StatusOK, out)
 }
@@ -240,7 +242,7 @@ func (s *Server) handleTeamMetricsMax(w http.ResponseWriter, r *http.Request, c 
 	case e2bapi.MetricConcurrentSandboxes:
 		value = func(s teamSample) float64 { return float64(s.concurrent) }
 	case e2bapi.MetricSandboxStartRate:
-		value = func(s teamSample) float64 { return float64(s.rate) }
+		value = func(s teamSample) float64 { return s.rate }
 	default:
 		s.writeError(w, r, fmt.Errorf("%w: metric must be %s or %s", errdefs.ErrInvalid, e2bapi.MetricConcurrentSandboxes, e2bapi.MetricSandboxStartRate))
 		return
