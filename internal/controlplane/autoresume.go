@@ -36,13 +36,43 @@ const autoResumeWait = 60 * time.Second
 type autoResumes struct {
 	mu sync.Mutex
 	m  map[string]*resumeFlight
-	// started counts resumes started (tests).
+	// started counts resumes started (AutoResumesStarted).
 	started int
+}
+
+// AutoResumesStarted is how many automatic resumes this control plane
+// has started (platform tests: concurrent requests start one).
+func (s *Server) AutoResumesStarted() int {
+	s.resumes.mu.Lock()
+	defer s.resumes.mu.Unlock()
+	return s.resumes.started
 }
 
 type resumeFlight struct {
 	done chan struct{}
 	err  error
+}
+
+// runnable returns the record a capability is issued from: a record in
+// a lifecycle operation is waited for (bounded, capabilityWait; the
+// settled wrapper's check at the request's start can miss an operation
+// that begins just after it, such as the resume another request
+// triggered), and a paused one with AutoResume is resumed (autoResume).
+func (s *Server) runnable(ctx context.Context, rec store.SandboxRecord) (store.SandboxRecord, error) {
+	if rec.State.Transitional() {
+		cur, err := s.waitSettled(ctx, rec.ID, capabilityWait)
+		if err != nil {
+			if errors.Is(err, errdefs.ErrNotFound) {
+				return rec, fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, rec.ID)
+			}
+			return rec, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err)
+		}
+		rec = cur
+	}
+	if rec.State == store.StatePaused && rec.AutoResume {
+		return s.autoResume(ctx, rec)
+	}
+	return rec, nil
 }
 
 // autoResume resumes rec (paused, AutoResume set), or joins the resume in

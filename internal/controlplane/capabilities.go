@@ -197,11 +197,10 @@ func (s *Server) issueCapability(ctx context.Context, cred credentials, id strin
 	if err := validatePurpose(req); err != nil {
 		return resp, err
 	}
-	if rec.State == store.StatePaused && rec.AutoResume {
-		// Traffic resumes it (autoresume.go): the caller is authorized.
-		if rec, err = s.autoResume(ctx, rec); err != nil {
-			return resp, err
-		}
+	// The caller is authorized: a paused autoResume sandbox is resumed
+	// by it (autoresume.go).
+	if rec, err = s.runnable(ctx, rec); err != nil {
+		return resp, err
 	}
 	now := s.now().UTC()
 	switch {
