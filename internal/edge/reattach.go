@@ -392,5 +392,5 @@ func retryableStatus(code int) bool {
 // same conclusion (instead of "execution replaced", which it would
 // present as a sandbox timeout).
 func killedEnd(sandbox string) []byte {
-	return envelope.EndStreamFrame("unknown", "terminated: sandbox "+sandbox+" was killed or reached its end of life")
+	return envelope.EndStreamFrame("unknown", "terminated: sandbox "+sandbox+" is gone")
 }
