@@ -198,3 +198,29 @@ func TestAutoResume(t *testing.T) {
 		t.Fatalf("plain sandbox state: %s", s)
 	}
 }
+
+// TestMicroVMMetrics: a microVM sandbox's samples come from the same
+// sampler (QEMU's CPU times, the guest RAM it touched).
+func TestMicroVMMetrics(t *testing.T) {
+	lp := vmPlatform(t)
+	sbx := newVM(t, lp)
+	c := lp.client(t)
+	ctx := ctxFor(t, 2*time.Minute)
+	start := time.Now()
+	var ms []sdk.SandboxMetric
+	for deadline := time.Now().Add(60 * time.Second); len(ms) < 2; time.Sleep(2 * time.Second) {
+		var err error
+		if ms, err = c.GetMetrics(ctx, sbx.ID, start, time.Time{}); err != nil {
+			t.Fatal(err)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d samples of a VM after a minute", len(ms))
+		}
+	}
+	for i, m := range ms {
+		if m.CPUCount < 1 || m.MemTotal <= 0 || m.MemUsed <= 0 || m.MemUsed > m.MemTotal || (i > 0 && !m.Timestamp.After(ms[i-1].Timestamp)) {
+			t.Fatalf("VM sample %d: %+v", i, m)
+		}
+		t.Logf("VM sample %d: cpu %.1f%% mem %d/%d MiB", i, m.CPUUsedPct, m.MemUsed>>20, m.MemTotal>>20)
+	}
+}
