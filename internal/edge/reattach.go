@@ -327,7 +327,11 @@ func (s *processStream) finish(result string) {
 	s.err = io.EOF
 	s.switched = true
 	s.e.metrics.reattaches.WithLabelValues(result).Inc()
-	s.e.log.Warn("process stream not reattached; ending it with execution replaced", "sandbox", s.st.t.sandbox,
+	end := "execution replaced"
+	if s.gone {
+		end = "terminated (sandbox gone)"
+	}
+	s.e.log.Warn("process stream not reattached; ending it", "end", end, "sandbox", s.st.t.sandbox,
 		"pid", s.pid, "result", result, "generation", s.fromRoute.Generation, "execution", s.fromRoute.ExecutionID,
 		"attempts", s.attempts, "reason", s.lastFailure)
 }
