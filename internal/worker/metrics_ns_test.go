@@ -42,6 +42,8 @@ func (e *nsEnv) sampledWorker(id string, interval time.Duration) *runningWorker 
 	var once sync.Once
 	rw := &runningWorker{Worker: w, events: events, stop: func() { once.Do(func() { cancel(); <-done }) }}
 	t.Cleanup(rw.stop)
+	// Run delivers the key bundle: until then every capability is refused.
+	waitFor(t, "the worker's key bundle", func() bool { return w.Verifier().Revision() >= 1 })
 	return rw
 }
 
