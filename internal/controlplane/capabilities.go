@@ -197,6 +197,11 @@ func (s *Server) issueCapability(ctx context.Context, cred credentials, id strin
 	if err := validatePurpose(req); err != nil {
 		return resp, err
 	}
+	// The caller is authorized: a paused autoResume sandbox is resumed
+	// by it (autoresume.go).
+	if rec, err = s.runnable(ctx, rec); err != nil {
+		return resp, err
+	}
 	now := s.now().UTC()
 	switch {
 	case rec.State.Terminal():

@@ -138,6 +138,13 @@ type Config struct {
 	// operator's default policy itself (--egress allow|deny) is the
 	// workers'.
 	EgressLimits map[string]EgressLimit
+
+	// Team metrics (teammetrics.go, helper "api" of issue 17):
+	// TeamMetricsInterval is how often each team's sandboxes are counted
+	// (default 5 s); TeamMetricsRetention how long the counts are kept
+	// (default 24 h).
+	TeamMetricsInterval  time.Duration
+	TeamMetricsRetention time.Duration
 }
 
 // EgressLimit bounds a team's egress.
@@ -190,6 +197,8 @@ func (c Config) withDefaults() Config {
 	c.ReapInterval = cmp.Or(c.ReapInterval, DefaultReapInterval)
 	c.TombstoneTTL = cmp.Or(c.TombstoneTTL, DefaultTombstoneTTL)
 	c.KeyPropagation = cmp.Or(c.KeyPropagation, DefaultKeyPropagation)
+	c.TeamMetricsInterval = cmp.Or(c.TeamMetricsInterval, DefaultTeamMetricsInterval)
+	c.TeamMetricsRetention = cmp.Or(c.TeamMetricsRetention, DefaultTeamMetricsRetention)
 	return c
 }
 

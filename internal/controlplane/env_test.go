@@ -49,6 +49,9 @@ type fakeNode struct {
 	// life, when set, serves the lifecycle paths and logs every call in
 	// order (lifecycle_test.go).
 	life *lifeNode
+	// samples answer NodePathMetricsRange (metricsrange_test.go; nil:
+	// one sample taken now).
+	samples []spacev1.MetricsResponse
 }
 
 func newFakeNode(t *testing.T, id string, st *store.Store) *fakeNode {
@@ -146,6 +149,8 @@ func (n *fakeNode) serve(w http.ResponseWriter, r *http.Request) {
 		}
 		_ = json.NewEncoder(w).Encode(spacev1.MetricsResponse{Timestamp: time.Now(), CPUCount: 2, CPUUsedPct: 7.5,
 			MemUsed: 10 << 20, MemTotal: 512 << 20, DiskUsed: 2 << 20})
+	case spacev1.NodePathMetricsRange:
+		n.serveMetricsRange(w, r, body)
 	default:
 		w.WriteHeader(http.StatusNotFound)
 	}

@@ -84,7 +84,7 @@ func (s *Server) detail(rec store.SandboxRecord) e2bapi.SandboxDetail {
 		CPUCount: rec.CPUCount, MemoryMB: rec.MemoryMB, DiskSizeMB: rec.DiskSizeMB, Domain: s.domain(),
 		StartedAt: rec.StartedAt, EndAt: rec.EndAt, EnvdVersion: rec.EnvdVersion,
 		EnvdAccessToken: rec.AccessToken, Metadata: rec.Metadata, State: e2bState(rec),
-		Lifecycle:    &e2bapi.SandboxLifecycle{OnTimeout: onTimeout},
+		Lifecycle:    &e2bapi.SandboxLifecycle{OnTimeout: onTimeout, AutoResume: rec.AutoResume},
 		VolumeMounts: volumeMountsOf(rec),
 	}
 	d.AllowInternetAccess, d.Network = networkDetail(rec)

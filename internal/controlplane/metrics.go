@@ -1,45 +1,38 @@
 package controlplane
 
 import (
-	"fmt"
 	"net/http"
-	"strconv"
 
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
-	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
-// handleMetrics serves GET /sandboxes/{id}/metrics (E2B's
+// handleMetrics serves GET /sandboxes/{id}/metrics?start=&end= (E2B's
 // Sandbox.getMetrics), authorized like GET /sandboxes/{id}: the owner
 // team's API key; unknown, killed and foreign sandboxes are 404.
 //
-// SPACE keeps no metrics history: the answer is one sample taken now by
-// the sandbox's worker (node call NodePathMetrics), or an empty list when
-// that sample falls outside the optional start/end window (Unix seconds,
-// inclusive). A running sandbox whose worker cannot answer is an error; a
-// paused sandbox reports its frozen usage (CPU ~0) when its worker still
-// holds it and an empty list otherwise; a sandbox in the middle of a
-// lifecycle operation answers an empty list. diskTotal is the worker's
-// figure when it has one, otherwise the template's nominal DiskSizeMB (the
-// ns substrate has no disk quota), and never less than diskUsed.
+// The samples come from the sandbox's worker, which samples every
+// execution every 5 s and keeps an hour of them (sbxmanager sampler.go;
+// node call NodePathMetricsRange): the answer is those taken in
+// [start, end] (Unix seconds, inclusive; open when absent), oldest first.
+// History belongs to the execution: after a resume on another worker or a
+// move it starts again. A running sandbox whose worker cannot answer is an
+// error; a paused sandbox reports its samples (frozen: CPU ~0) when its
+// worker still holds it and an empty list otherwise; a sandbox in the
+// middle of a lifecycle operation answers an empty list. diskTotal is the
+// worker's figure when it has one, otherwise the template's nominal
+// DiskSizeMB, and never less than diskUsed.
 func (s *Server) handleMetrics(w http.ResponseWriter, r *http.Request, c caller) {
 	id, err := parseSandboxID(r.PathValue("id"))
 	if err != nil {
 		s.writeError(w, r, err)
 		return
 	}
-	var window [2]int64 // start, end; 0: open
-	for i, k := range []string{"start", "end"} {
-		if v := r.URL.Query().Get(k); v != "" {
-			n, err := strconv.ParseInt(v, 10, 64)
-			if err != nil || n < 0 {
-				s.writeError(w, r, fmt.Errorf("%w: %s must be Unix seconds", errdefs.ErrInvalid, k))
-				return
-			}
-			window[i] = n
-		}
+	win, err := parseWindow(r.URL.Query())
+	if err != nil {
+		s.writeError(w, r, err)
+		return
 	}
 	rec, err := s.getSandbox(r.Context(), c, id)
 	if err != nil {
@@ -48,7 +41,7 @@ func (s *Server) handleMetrics(w http.ResponseWriter, r *http.Request, c caller)
 	}
 	out := []e2bapi.SandboxMetric{}
 	if rec.State == store.StateRunning || rec.State == store.StatePaused {
-		m, err := s.node.metrics(r.Context(), s.nodeURL(r.Context(), rec), rec.Route)
+		samples, err := s.node.metricsRange(r.Context(), s.nodeURL(r.Context(), rec), rec.Route, win, 0)
 		switch {
 		case err != nil && rec.State == store.StateRunning:
 			s.writeError(w, r, err)
@@ -56,9 +49,10 @@ func (s *Server) handleMetrics(w http.ResponseWriter, r *http.Request, c caller)
 		case err != nil:
 			s.log.Debug("metrics of a paused sandbox unavailable", "sandbox", id, "err", err)
 		default:
-			ts := m.Timestamp.Unix()
-			if (window[0] == 0 || ts >= window[0]) && (window[1] == 0 || ts <= window[1]) {
-				out = append(out, s.metric(rec, m))
+			for _, m := range samples {
+				if win.contains(m.Timestamp) {
+					out = append(out, s.metric(rec, m))
+				}
 			}
 		}
 	}

@@ -100,15 +100,6 @@ func (n *nodeClient) snapshot(ctx context.Context, nodeURL string, route identit
 	return resp, err
 }
 
-// metrics asks the worker for one usage sample of route.
-func (n *nodeClient) metrics(ctx context.Context, nodeURL string, route identity.Route) (spacev1.MetricsResponse, error) {
-	ctx, cancel := context.WithTimeout(ctx, n.callTimeout)
-	defer cancel()
-	var resp spacev1.MetricsResponse
-	err := n.call(ctx, nodeURL, spacev1.NodePathMetrics, route, spacev1.LifecycleRequest{Route: route}, &resp)
-	return resp, err
-}
-
 // controlToken issues a control capability for route (so its worker claim
 // names the target worker).
 func (n *nodeClient) controlToken(route identity.Route) (string, error) {

@@ -28,6 +28,9 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("POST /sandboxes/{id}/timeout", s.withKey(s.handleTimeout))
 	mux.HandleFunc("PUT /sandboxes/{id}/network", s.withKey(s.handleUpdateNetwork))
 
+	// E2B: metrics over time, team metrics, refreshes (metricsrange.go).
+	s.apiMetricsRoutes(mux)
+
 	// E2B: lifecycle (pause.go, resume.go, snapshot.go, fork.go).
 	mux.HandleFunc("POST /sandboxes/{id}/pause", s.withKey(s.handlePause))
 	mux.HandleFunc("POST /sandboxes/{id}/resume", s.withKey(s.handleResume))

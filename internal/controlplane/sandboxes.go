@@ -39,6 +39,8 @@ type createParams struct {
 	EnvVars   map[string]string
 	Secure    bool
 	AutoPause bool
+	// AutoResume is lifecycle.autoResume (autoresume.go).
+	AutoResume bool
 	// RestoreSnapshot restores a snapshot's files at install (a create
 	// from a snapshot).
 	RestoreSnapshot string
@@ -93,7 +95,11 @@ func (s *Server) validateCreate(c caller, req e2bapi.NewSandbox, v2 bool) (creat
 		}
 	}
 	if req.AutoResume != nil && req.AutoResume.Enabled {
-		return p, fmt.Errorf("%w: autoResume is not supported", errdefs.ErrInvalid)
+		// E2B: a filesystem-only auto-pause cannot be resumed by traffic.
+		if req.AutoPauseMemory != nil && !*req.AutoPauseMemory {
+			return p, fmt.Errorf("%w: autoResume cannot be combined with autoPauseMemory false", errdefs.ErrInvalid)
+		}
+		p.AutoResume = true
 	}
 	p.Secure = v2 || (req.Secure != nil && *req.Secure)
 	if err := s.parseCreateNetwork(c, req, &p); err != nil {
@@ -144,6 +150,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		Metadata: p.Metadata, EnvVars: p.EnvVars, State: store.StateCreating,
 		CPUCount: p.Spec.CPUCount, MemoryMB: p.Spec.MemoryMB, DiskSizeMB: p.Spec.DiskSizeMB,
 		AutoPause: p.AutoPause, CreatedAt: now, EndAt: now.Add(p.Timeout), Creator: s.instance,
+		AutoResume: p.AutoResume, ResumeTimeout: p.Timeout,
 	}
 	if p.Secure {
 		rec.AccessToken = randHex(32)

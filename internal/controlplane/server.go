@@ -59,6 +59,10 @@ type Server struct {
 	tb *templateBuilds
 	// warm holds the warm snapshots of platform templates (platformtemplate.go).
 	warm warmTemplates
+
+	// Metrics over time and autoResume (teammetrics.go, autoresume.go).
+	teamMetrics *teamMetrics
+	resumes     autoResumes
 }
 
 // instanceTTL is how long a dead control plane's registration outlives it:
@@ -123,6 +127,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	s.handler = s.observe(s.routes())
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.reapNow = make(chan struct{}, 1)
+	s.startTeamMetrics()
 	s.wg.Add(2)
 	go s.reapLoop()
 	go func() {

@@ -108,6 +108,9 @@ func (f *forwarder) RoundTrip(out *http.Request) (*http.Response, error) {
 	if err != nil {
 		return nil, err
 	}
+	if res, err = f.resumeOnPaused(out, st, res); err != nil { // autoresume.go
+		return nil, err
+	}
 	if res.StatusCode != http.StatusMisdirectedRequest || res.Header.Get(spacev1.HeaderRouteOutcome) != spacev1.OutcomeRefreshRoute {
 		return e.watchProcess(out, st, st.entry, res), nil
 	}

@@ -40,6 +40,11 @@ type processStream struct {
 	started time.Time
 	timeout time.Duration // Connect-Timeout-Ms of the client's call; 0 = none
 
+	// gone is set when the control plane answered that the sandbox is
+	// gone (killed or timed out) while reattaching: finish then ends the
+	// stream as E2B's dropped connection does (reattach.go killedEnd).
+	gone bool
+
 	ent    *entry        // route of cur
 	cur    io.ReadCloser // upstream body
 	curEnc string        // its Connect-Content-Encoding

@@ -206,6 +206,7 @@ func (s *processStream) runReattach() {
 				continue
 			}
 			s.lastFailure = "resolving route: " + err.Error()
+			s.gone = isNotFound(err)
 			if !moving(err) {
 				s.finish(reattachFailed)
 				return
@@ -314,14 +315,23 @@ func (s *processStream) wait() {
 }
 
 // finish gives up on this replacement: the client gets the original
-// "execution replaced" end-of-stream message.
+// "execution replaced" end-of-stream message, or killedEnd when the
+// sandbox is gone.
 func (s *processStream) finish(result string) {
 	s.closeCur()
-	s.pending = append(s.pending, s.replacedEnd...)
+	if s.gone {
+		s.pending = append(s.pending, killedEnd(s.st.t.sandbox)...)
+	} else {
+		s.pending = append(s.pending, s.replacedEnd...)
+	}
 	s.err = io.EOF
 	s.switched = true
 	s.e.metrics.reattaches.WithLabelValues(result).Inc()
-	s.e.log.Warn("process stream not reattached; ending it with execution replaced", "sandbox", s.st.t.sandbox,
+	end := "execution replaced"
+	if s.gone {
+		end = "terminated (sandbox gone)"
+	}
+	s.e.log.Warn("process stream not reattached; ending it", "end", end, "sandbox", s.st.t.sandbox,
 		"pid", s.pid, "result", result, "generation", s.fromRoute.Generation, "execution", s.fromRoute.ExecutionID,
 		"attempts", s.attempts, "reason", s.lastFailure)
 }
@@ -374,4 +384,17 @@ func retryableStatus(code int) bool {
 		return true
 	}
 	return false
+}
+
+// killedEnd ends a process stream whose sandbox was killed (or timed out)
+// while it ran. E2B's proxy drops the connection then, which the e2b SDK
+// sees as a Connect "unknown" error whose message names the dropped
+// connection ("terminated" in Node); it then probes /health (502: the
+// sandbox is gone) and raises TimeoutError "... The sandbox was killed or
+// reached its end of life while the request was in flight". This
+// end-of-stream message gives the SDK the same error, so it reaches the
+// same conclusion (instead of "execution replaced", which it would
+// present as a sandbox timeout).
+func killedEnd(sandbox string) []byte {
+	return envelope.EndStreamFrame("unknown", "terminated: sandbox "+sandbox+" is gone")
 }

@@ -105,6 +105,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("POST "+spacev1.NodePathRetire, s.lifecycle(s.mgr.Retire))
 	mux.HandleFunc("POST "+spacev1.NodePathSnapshot, s.snapshot())
 	mux.HandleFunc("POST "+spacev1.NodePathMetrics, s.metrics())
+	mux.HandleFunc("POST "+spacev1.NodePathMetricsRange, s.metricsRange())
 	mux.HandleFunc("POST "+spacev1.NodePathNetwork, s.network())
 	mux.HandleFunc("GET "+spacev1.NodePathHealth, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
@@ -238,6 +239,18 @@ func (s *Server) network() http.HandlerFunc {
 	return control(s, func(q *spacev1.NetworkRequest) identity.Route { return q.Route },
 		func(ctx context.Context, q *spacev1.NetworkRequest) (any, error) {
 			return nil, s.mgr.SetNetwork(ctx, q.Route, q.Network)
+		})
+}
+
+// metricsRange answers the samples the worker kept of the execution.
+func (s *Server) metricsRange() http.HandlerFunc {
+	return control(s, func(q *spacev1.MetricsRangeRequest) identity.Route { return q.Route },
+		func(ctx context.Context, q *spacev1.MetricsRangeRequest) (any, error) {
+			samples, err := s.mgr.MetricsRange(ctx, q.Route, q.Start, q.End)
+			if q.Last > 0 && len(samples) > q.Last {
+				samples = samples[len(samples)-q.Last:]
+			}
+			return spacev1.MetricsRangeResponse{Samples: samples}, err
 		})
 }
 

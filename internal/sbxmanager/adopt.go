@@ -370,6 +370,7 @@ func (m *Manager) Detach() error {
 		return nil
 	}
 	m.closed = true
+	close(m.sampleStop) // sampler.go
 	acts := make([]*activation, 0, len(m.active))
 	for _, a := range m.active {
 		acts = append(acts, a)

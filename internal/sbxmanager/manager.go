@@ -87,6 +87,14 @@ type Config struct {
 	Volumes VolumeSource
 	// Registerer receives the manager's metrics (nil: not registered).
 	Registerer prometheus.Registerer
+
+	// Metrics over time (sampler.go). SampleInterval is how often every
+	// execution's usage is sampled (default DefaultSampleInterval, 5 s;
+	// negative: never, MetricsRange then samples on demand);
+	// SampleRetention how long an execution's samples are kept (default
+	// DefaultSampleRetention, 1 h).
+	SampleInterval  time.Duration
+	SampleRetention time.Duration
 	// Logger receives the manager's logs (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -109,6 +117,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	if c.SampleInterval == 0 {
+		c.SampleInterval = DefaultSampleInterval
+	}
+	if c.SampleRetention <= 0 {
+		c.SampleRetention = DefaultSampleRetention
 	}
 	return c
 }
@@ -193,6 +207,12 @@ type Manager struct {
 	// installing serializes lifecycle operations per sandbox.
 	installing map[string]*sync.Mutex
 	closed     bool
+
+	// samples are the executions' usage samples (sampler.go), by
+	// sandbox id; sampleStop ends the sampler.
+	sampleMu   sync.Mutex
+	samples    map[string]*sampleRing
+	sampleStop chan struct{}
 
 	// testHookAdmitted, when set (tests only), runs after a guest request
 	// has been admitted and before it is forwarded.
@@ -301,6 +321,11 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 	}
 	m.adoptAll()
 	m.removeUnrecorded()
+	m.samples, m.sampleStop = map[string]*sampleRing{}, make(chan struct{})
+	if cfg.SampleInterval > 0 {
+		m.watchers.Add(1)
+		go m.runSampler(m.sampleStop)
+	}
 	return m, nil
 }
 
@@ -434,6 +459,7 @@ func (m *Manager) Close() error {
 		return nil
 	}
 	m.closed = true
+	close(m.sampleStop)
 	acts := maps.Clone(m.active)
 	clear(m.active)
 	m.mu.Unlock()

@@ -134,6 +134,12 @@ type SandboxRecord struct {
 	// VolumeMounts are the team volumes every execution mounts (E2B
 	// volumeMounts, resolved to volume ids at create).
 	VolumeMounts []spacev1.VolumeMount `json:"volume_mounts,omitempty"`
+
+	// AutoResume: traffic to the paused sandbox resumes it (E2B's
+	// lifecycle.autoResume); ResumeTimeout is then its time to live from
+	// the resume (the create's timeout).
+	AutoResume    bool          `json:"auto_resume,omitempty"`
+	ResumeTimeout time.Duration `json:"resume_timeout,omitempty"`
 }
 
 // LogValue renders the record without secrets.

@@ -165,10 +165,11 @@ test('Sandbox.pause then connect resumes: files and processes kept', async () =>
 
 test('Sandbox.getMetrics: cpu, memory, disk', async () => {
   await sbx.files.write('/home/user/metrics-fill', randomBytes(1 << 20))
+  // Samples are taken every 5 s: wait for one taken after the write.
   const ms = await until(async () => {
     const m = await sbx.getMetrics()
-    return m.length > 0 && m
-  }, 10_000, 'metrics')
+    return m.length > 0 && m[m.length - 1].diskUsed >= 1 << 20 && m
+  }, 15_000, 'a sample after the write')
   const m = ms[ms.length - 1]
   assert.ok(m.timestamp instanceof Date && Math.abs(m.timestamp - Date.now()) < 60_000)
   assert.ok(m.cpuCount >= 1, 'cpuCount')
