@@ -81,6 +81,9 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("POST /space/v1/sandboxes/{id}/migrate", s.withKey(s.handleMigrate))
 	mux.HandleFunc("POST /space/v1/keys/rotate", s.withKey(s.handleRotate))
 
+	// Teams, API keys, access tokens and the OpenAPI document (teams.go).
+	s.teamRoutes(mux)
+
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, fmt.Errorf("%w: no route for %s %s", errdefs.ErrNotFound, r.Method, r.URL.Path))
 	})

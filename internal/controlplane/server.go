@@ -108,8 +108,12 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	h := store.HashAPIKey(s.apiKey)
 	if err := s.st.PutAPIKey(ctx, h, store.APIKeyRecord{
 		TeamID: cfg.BootstrapTeamID, KeyID: keyIDOfHash(h), Role: store.RoleAdmin, Name: "bootstrap", CreatedAt: s.now().UTC(),
+		Mask: maskOf(s.apiKey, apiKeyPrefix),
 	}); err != nil {
 		return nil, fmt.Errorf("controlplane: store bootstrap api key: %w", err)
+	}
+	if err := s.bootstrapTeam(ctx); err != nil {
+		return nil, fmt.Errorf("controlplane: bootstrap team: %w", err)
 	}
 
 	s.instance = "cp-" + randHex(8)
