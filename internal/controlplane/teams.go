@@ -237,4 +237,3 @@ func maskOf(secret, prefix string) store.Mask {
 func maskBody(m store.Mask) e2bapi.IdentifierMaskingDetails {
 	return e2bapi.IdentifierMaskingDetails(m)
 }
-
