@@ -308,4 +308,3 @@ func TestOpenAPIDriftCheckerCatches(t *testing.T) {
 		t.Fatalf("an operation without a route: %q", errs)
 	}
 }
-
