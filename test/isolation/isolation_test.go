@@ -2,9 +2,11 @@ package isolation
 
 import (
 	"bytes"
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -18,8 +20,10 @@ import (
 
 	"github.com/getkin/kin-openapi/openapi3"
 
+	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/openapi"
 	"github.com/spacesbx/space/internal/testenv"
+	"github.com/spacesbx/space/sdk"
 )
 
 func randHex(n int) string {
@@ -317,6 +321,61 @@ func TestTeamIsolation(t *testing.T) {
 	}
 	c.must("DELETE", "/sandboxes/"+sb.SandboxID, adminA, nil, 204, nil)
 	c.must("DELETE", "/sandboxes/"+sbB.SandboxID, key(adminB.Key), nil, 204, nil)
+	sdkTeams(t, p.APIURL, userB.AccessToken.Token, teamB.TeamID)
+}
+
+// sdkTeams drives the Go SDK's team calls as team B's user.
+func sdkTeams(t *testing.T, apiURL, token, team string) {
+	ctx := context.Background()
+	cl, err := sdk.New(sdk.Config{APIURL: apiURL, AccessToken: token, TeamID: team})
+	if err != nil {
+		t.Fatal(err)
+	}
+	teams, err := cl.ListTeams(ctx)
+	if err != nil || len(teams) != 1 || teams[0].TeamID != team {
+		t.Fatalf("sdk teams: %+v %v", teams, err)
+	}
+	k, err := cl.CreateAPIKey(ctx, "sdk", "user")
+	if err != nil || k.Key == "" || k.Role != "user" {
+		t.Fatalf("sdk create key: %+v %v", k, err)
+	}
+	if err := cl.RenameAPIKey(ctx, k.ID, "sdk-2"); err != nil {
+		t.Fatal(err)
+	}
+	keys, err := cl.ListAPIKeys(ctx)
+	if err != nil || !slices.ContainsFunc(keys, func(x e2bapi.TeamAPIKey) bool { return x.ID == k.ID && x.Name == "sdk-2" }) {
+		t.Fatalf("sdk keys: %+v %v", keys, err)
+	}
+	if err := cl.DeleteAPIKey(ctx, k.ID); err != nil {
+		t.Fatal(err)
+	}
+	withKey, _ := sdk.New(sdk.Config{APIURL: apiURL, APIKey: k.Key})
+	if _, err := withKey.ListTeams(ctx); !errors.Is(err, sdk.ErrUnauthorized) {
+		t.Fatalf("deleted key: %v", err)
+	}
+	at, err := cl.CreateAccessToken(ctx, "sdk")
+	if err != nil || at.Token == "" {
+		t.Fatalf("sdk token: %+v %v", at, err)
+	}
+	if toks, err := cl.ListAccessTokens(ctx); err != nil || len(toks) != 2 {
+		t.Fatalf("sdk tokens: %+v %v", toks, err)
+	}
+	if err := cl.DeleteAccessToken(ctx, at.ID); err != nil {
+		t.Fatal(err)
+	}
+	m, err := cl.InviteMember(ctx, team, "sdk-"+randHex(4)+"@example.com", "")
+	if err != nil || m.Role != "user" || m.AccessToken == nil {
+		t.Fatalf("sdk invite: %+v %v", m, err)
+	}
+	if ms, err := cl.ListMembers(ctx, team); err != nil || len(ms) != 2 {
+		t.Fatalf("sdk members: %+v %v", ms, err)
+	}
+	if err := cl.RemoveMember(ctx, team, m.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.CreateTeam(ctx, "sdk-team"); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // op is one operation of the document, ready to be walked.
