@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/spacesbx/space/api/spacev1"
@@ -143,10 +144,41 @@ func (s *Server) authFailed(w http.ResponseWriter, r *http.Request, err error) {
 		case r.Header.Get("Authorization") != "":
 			kind = "bearer"
 		}
-		s.log.Warn("authentication failed", "method", r.Method, "path", r.URL.Path, "remote", r.RemoteAddr,
-			"credential", kind, "err", errdefs.PublicMessage(err))
+		if ok, suppressed := s.authLog.allow(s.now()); ok {
+			s.log.Warn("authentication failed", "method", r.Method, "path", r.URL.Path, "remote", r.RemoteAddr,
+				"credential", kind, "err", errdefs.PublicMessage(err), "suppressed_before", suppressed)
+		}
 	}
 	s.writeError(w, r, err)
+}
+
+// logLimiter lets through at most logBurst lines a second, counting the
+// rest, so that a flood of bad credentials cannot flood the log.
+type logLimiter struct {
+	mu         sync.Mutex
+	window     time.Time
+	n          int
+	suppressed int
+}
+
+const logBurst = 20
+
+// allow reports whether to log now, and how many lines were suppressed
+// since the last one logged.
+func (l *logLimiter) allow(now time.Time) (bool, int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if now.Sub(l.window) >= time.Second || now.Before(l.window) {
+		l.window, l.n = now, 0
+	}
+	l.n++
+	if l.n > logBurst {
+		l.suppressed++
+		return false, 0
+	}
+	s := l.suppressed
+	l.suppressed = 0
+	return true, s
 }
 
 // withKey authenticates a team's route: a team's API key, or an access

@@ -57,6 +57,8 @@ type Server struct {
 	tb *templateBuilds
 	// warm holds the warm snapshots of platform templates (platformtemplate.go).
 	warm warmTemplates
+	// authLog bounds the failed-authentication log lines (auth.go).
+	authLog logLimiter
 }
 
 // instanceTTL is how long a dead control plane's registration outlives it:

@@ -254,3 +254,21 @@ func httptestRequest(header, value, team string) *http.Request {
 	}
 	return r
 }
+
+func TestAuthLogLimiter(t *testing.T) {
+	var l logLimiter
+	now := time.Unix(1000, 0)
+	for i := range logBurst {
+		if ok, _ := l.allow(now); !ok {
+			t.Fatalf("line %d suppressed", i)
+		}
+	}
+	for range 5 {
+		if ok, _ := l.allow(now.Add(500 * time.Millisecond)); ok {
+			t.Fatal("over the burst, logged")
+		}
+	}
+	if ok, n := l.allow(now.Add(time.Second)); !ok || n != 5 {
+		t.Fatalf("next second: %v, suppressed %d", ok, n)
+	}
+}
