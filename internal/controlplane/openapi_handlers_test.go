@@ -110,8 +110,12 @@ func (d *docChecker) do(c call) resp {
 func TestOpenAPIHandlersMatchDocument(t *testing.T) {
 	st := openStore(t)
 	e := newEnv(t, st, nil)
-	node := newFakeNode(t, "w1", st)
+	lg := &callLog{}
+	node, node2 := newFakeNode(t, "w1", st), newFakeNode(t, "w2", st)
+	attachLife(node, lg)
+	attachLife(node2, lg)
 	e.register(node, 10)
+	e.register(node2, 10)
 	d := newDocChecker(t, e)
 	key := map[string]string{"X-API-Key": e.key}
 	ok := func(method, path string, body any, want int) resp {
@@ -193,6 +197,24 @@ func TestOpenAPIHandlersMatchDocument(t *testing.T) {
 	tok("DELETE", "/access-tokens/"+at.ID, nil, 204)
 	tok("GET", "/sandboxes", nil, 200)
 	ok("DELETE", "/teams/default/users/"+inv.ID, nil, 204)
+
+	// The lifecycle, on the fake workers.
+	var snap struct {
+		SnapshotID string `json:"snapshotID"`
+	}
+	ok("POST", "/sandboxes/"+sb.SandboxID+"/snapshots", map[string]any{"name": "snap1"}, 201).decode(t, &snap)
+	ok("GET", "/snapshots?sandboxID="+sb.SandboxID, nil, 200)
+	ok("POST", "/sandboxes/"+sb.SandboxID+"/fork", map[string]any{"count": 1}, 201)
+	ok("POST", "/sandboxes/"+sb.SandboxID+"/pause", map[string]any{}, 204)
+	ok("POST", "/sandboxes/"+sb.SandboxID+"/connect", map[string]any{"timeout": 60}, 201)
+	ok("POST", "/sandboxes/"+sb.SandboxID+"/connect", map[string]any{"timeout": 60}, 200)
+	ok("POST", "/sandboxes/"+sb.SandboxID+"/pause", nil, 204)
+	ok("POST", "/v2/sandboxes/"+sb.SandboxID+"/connect", map[string]any{"timeout": 60}, 201)
+	ok("POST", "/sandboxes/"+sb.SandboxID+"/pause", nil, 204)
+	ok("POST", "/sandboxes/"+sb.SandboxID+"/resume", map[string]any{"timeout": 60}, 201)
+	ok("POST", "/space/v1/sandboxes/"+sb.SandboxID+"/migrate", map[string]any{}, 200)
+	ok("POST", "/space/v1/sandboxes/"+sb.SandboxID+"/capabilities", map[string]any{"purpose": "envd"}, 0)
+	ok("DELETE", "/templates/"+snap.SnapshotID, nil, 204)
 
 	ok("POST", "/space/v1/keys/rotate", nil, 200)
 	ok("DELETE", "/sandboxes/"+sb.SandboxID, nil, 204)

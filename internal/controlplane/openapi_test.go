@@ -93,6 +93,7 @@ var excludedPatterns = map[string]string{
 	// /dashboard/ (h17-dash): static pages, not an API.
 	"GET /dashboard/": "static pages, not part of the REST API",
 	"/dashboard/":     "static pages, not part of the REST API",
+	"GET /dashboard":  "the redirect to /dashboard/",
 }
 
 // registeredPatterns reads the route patterns the control plane registers,
