@@ -3,6 +3,10 @@ package controlplane
 import (
 	"encoding/json"
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"path/filepath"
 	"reflect"
 	"sort"
 	"strings"
@@ -256,5 +260,48 @@ func TestE2BTypeCheckerCatches(t *testing.T) {
 	}
 	if errs := schemaErrors(doc, "Team", e2bapi.Team{}); len(errs) != 0 {
 		t.Errorf("the real Team: %q", errs)
+	}
+}
+
+// Every struct type of api/e2bapi is checked: a type added there (by any
+// change) fails this until it is mapped to its schema in e2bSchemas.
+func TestEveryE2BTypeMapped(t *testing.T) {
+	mapped := map[string]bool{}
+	for _, v := range e2bSchemas {
+		ty := reflect.TypeOf(v)
+		if ty.PkgPath() == "github.com/spacesbx/space/api/e2bapi" {
+			mapped[ty.Name()] = true
+		}
+	}
+	fset := token.NewFileSet()
+	files, _ := filepath.Glob("../../api/e2bapi/*.go")
+	n := 0
+	for _, fn := range files {
+		if strings.HasSuffix(fn, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, fn, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range f.Decls {
+			g, ok := d.(*ast.GenDecl)
+			if !ok || g.Tok != token.TYPE {
+				continue
+			}
+			for _, sp := range g.Specs {
+				ts := sp.(*ast.TypeSpec)
+				if _, ok := ts.Type.(*ast.StructType); !ok || !ts.Name.IsExported() {
+					continue
+				}
+				n++
+				if !mapped[ts.Name.Name] {
+					t.Errorf("e2bapi.%s (%s) is not checked against a schema: add it to e2bSchemas", ts.Name.Name, filepath.Base(fn))
+				}
+			}
+		}
+	}
+	if n < 30 {
+		t.Fatalf("found only %d e2bapi types", n)
 	}
 }
