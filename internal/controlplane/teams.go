@@ -189,6 +189,12 @@ func (s *Server) handleInviteMember(w http.ResponseWriter, r *http.Request, c ca
 		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
 		return
 	}
+	if req.Role != store.RoleAdmin {
+		if err := s.keepAnAdmin(ctx, c.TeamID, u.ID); err != nil {
+			s.writeError(w, r, err)
+			return
+		}
+	}
 	if err := s.st.PutMember(ctx, store.MemberRecord{TeamID: c.TeamID, UserID: u.ID, Role: req.Role, CreatedAt: now}); err != nil {
 		s.writeError(w, r, err)
 		return
@@ -207,11 +213,49 @@ func (s *Server) handleRemoveMember(w http.ResponseWriter, r *http.Request, c ca
 		s.writeError(w, r, err)
 		return
 	}
-	if err := s.st.DeleteMember(context.WithoutCancel(r.Context()), c.TeamID, r.PathValue("userID")); err != nil {
+	ctx := context.WithoutCancel(r.Context())
+	if err := s.keepAnAdmin(ctx, c.TeamID, r.PathValue("userID")); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if err := s.st.DeleteMember(ctx, c.TeamID, r.PathValue("userID")); err != nil {
 		s.writeError(w, r, err)
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
+}
+
+// keepAnAdmin refuses to remove (or demote) user when the team would be
+// left without an admin: no other admin member and no admin API key, so
+// that nobody could manage it any more.
+func (s *Server) keepAnAdmin(ctx context.Context, team, user string) error {
+	ms, err := s.st.Members(ctx, team)
+	if err != nil {
+		return fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err)
+	}
+	target := false
+	for _, m := range ms {
+		if m.Role != store.RoleAdmin {
+			continue
+		}
+		if m.UserID != user {
+			return nil
+		}
+		target = true
+	}
+	if !target {
+		return nil // not an admin: nothing lost
+	}
+	keys, err := s.st.ListAPIKeys(ctx, team)
+	if err != nil {
+		return fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err)
+	}
+	for _, k := range keys {
+		if k.Role == store.RoleAdmin {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: the team's last admin: make another member admin (or create an admin key) first", errdefs.ErrConflict)
 }
 
 // newUUID returns a random (version 4) UUID, E2B's id form for teams,

@@ -122,6 +122,10 @@ func TestTeamsKeysTokens(t *testing.T) {
 		t.Fatalf("ann's teams: %+v", teams)
 	}
 	annOwn := map[string]string{"Authorization": ann["Authorization"], HeaderTeamID: team.TeamID}
+	// Ann is her team's only admin, and it has no admin key: she can
+	// neither leave nor step down while nobody else could manage it.
+	expectError(t, e.do("DELETE", "/teams/"+team.TeamID+"/users/"+inv.ID, annOwn, nil), 409)
+	expectError(t, e.do("POST", "/teams/"+team.TeamID+"/users", annOwn, map[string]any{"email": "Ann@example.com", "role": "user"}), 409)
 	var ak e2bapi.CreatedTeamAPIKey
 	if r := e.do("POST", "/api-keys", annOwn, map[string]any{"name": "mine"}); r.Code != 201 {
 		t.Fatalf("admin of own team: %d %s", r.Code, r.Body)
