@@ -98,14 +98,16 @@ type TeamMember struct {
 	Role  string `json:"role"`
 }
 
-// NewTeamMember invites a user by email (SPACE: POST /teams/{teamID}/users).
+// NewTeamMember adds a member (SPACE: POST /teams/{teamID}/users): a new
+// user, labelled by Email, or an existing one by UserID (exactly one).
 type NewTeamMember struct {
-	Email string `json:"email"`
-	Role  string `json:"role,omitempty"`
+	Email  string `json:"email,omitempty"`
+	UserID string `json:"userID,omitempty"`
+	Role   string `json:"role,omitempty"`
 }
 
-// InvitedTeamMember answers an invitation: a user new to the platform gets
-// a first access token, shown this once (hand it to them).
+// InvitedTeamMember answers an invitation: a new user comes with a first
+// access token, shown this once (hand it to them).
 type InvitedTeamMember struct {
 	TeamMember
 	AccessToken *CreatedAccessToken `json:"accessToken,omitempty"`

@@ -141,9 +141,12 @@ func (s *Server) handleListMembers(w http.ResponseWriter, r *http.Request, c cal
 	writeJSON(w, http.StatusOK, out)
 }
 
-// handleInviteMember adds a user, by email, to the caller's team. A user
-// new to the platform is created with a first access token, returned this
-// once for the admin to hand over.
+// handleInviteMember adds a member to the caller's team: a new user,
+// labelled by email, created with a first access token returned this once
+// for the admin to hand over; or an existing user, by id (or a member's
+// role changed). An email never finds an existing account: whoever holds a
+// user's first token holds the user, so an admin of one team inviting
+// "ann@..." must not reach an Ann another team's admin created.
 func (s *Server) handleInviteMember(w http.ResponseWriter, r *http.Request, c caller) {
 	if err := sameTeam(c, r.PathValue("teamID")); err != nil {
 		s.writeError(w, r, err)
@@ -165,15 +168,19 @@ func (s *Server) handleInviteMember(w http.ResponseWriter, r *http.Request, c ca
 		s.writeError(w, r, fmt.Errorf("%w: role must be %q or %q", errdefs.ErrInvalid, store.RoleAdmin, store.RoleUser))
 		return
 	}
-	if len(req.Email) > 254 || !strings.Contains(req.Email, "@") || strings.ContainsAny(req.Email, "/ \x00") {
-		s.writeError(w, r, fmt.Errorf("%w: email must be an address", errdefs.ErrInvalid))
+	if (req.Email == "") == (req.UserID == "") {
+		s.writeError(w, r, fmt.Errorf("%w: give email (a new user) or userID (an existing one)", errdefs.ErrInvalid))
 		return
 	}
 	ctx := context.WithoutCancel(r.Context())
 	now := s.now().UTC()
 	out := e2bapi.InvitedTeamMember{}
-	u, err := s.st.UserByEmail(ctx, req.Email)
-	if errors.Is(err, errdefs.ErrNotFound) {
+	var u store.UserRecord
+	if req.Email != "" {
+		if len(req.Email) > 254 || !strings.Contains(req.Email, "@") || strings.ContainsAny(req.Email, "/ \x00") {
+			s.writeError(w, r, fmt.Errorf("%w: email must be an address", errdefs.ErrInvalid))
+			return
+		}
 		u = store.UserRecord{ID: newUUID(), Email: req.Email, CreatedAt: now}
 		if err := s.st.CreateUser(ctx, u); err != nil {
 			s.writeError(w, r, err)
@@ -185,9 +192,23 @@ func (s *Server) handleInviteMember(w http.ResponseWriter, r *http.Request, c ca
 			return
 		}
 		out.AccessToken = &tok
-	} else if err != nil {
+	} else {
+		var err error
+		if u, err = s.st.GetUser(ctx, req.UserID); err != nil {
+			s.writeError(w, r, fmt.Errorf("%w: user %s", errdefs.ErrNotFound, truncate(req.UserID, 64)))
+			return
+		}
+	}
+	m := store.MemberRecord{TeamID: c.TeamID, UserID: u.ID, Role: req.Role, CreatedAt: now}
+	ms, err := s.st.Members(ctx, c.TeamID)
+	if err != nil {
 		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
 		return
+	}
+	for _, old := range ms {
+		if old.UserID == u.ID {
+			m.CreatedAt = old.CreatedAt // a role change keeps the user's default team
+		}
 	}
 	if req.Role != store.RoleAdmin {
 		if err := s.keepAnAdmin(ctx, c.TeamID, u.ID); err != nil {
@@ -195,7 +216,7 @@ func (s *Server) handleInviteMember(w http.ResponseWriter, r *http.Request, c ca
 			return
 		}
 	}
-	if err := s.st.PutMember(ctx, store.MemberRecord{TeamID: c.TeamID, UserID: u.ID, Role: req.Role, CreatedAt: now}); err != nil {
+	if err := s.st.PutMember(ctx, m); err != nil {
 		s.writeError(w, r, err)
 		return
 	}

@@ -107,6 +107,9 @@ func TestTeamsKeysTokens(t *testing.T) {
 		t.Fatalf("invite: %d %s", r.Code, r.Body)
 	}
 	expectError(t, e.do("POST", "/teams/default/users", admin, map[string]any{"email": "not-an-address"}), 400)
+	expectError(t, e.do("POST", "/teams/default/users", admin, map[string]any{"email": "x@example.com", "userID": inv.ID}), 400)
+	expectError(t, e.do("POST", "/teams/default/users", admin, map[string]any{}), 400)
+	expectError(t, e.do("POST", "/teams/default/users", admin, map[string]any{"userID": "nosuch"}), 404)
 	expectError(t, e.do("POST", "/teams/other/users", admin, map[string]any{"email": "b@example.com"}), 404)
 	ann := map[string]string{"Authorization": "Bearer " + inv.AccessToken.Token}
 	expectError(t, e.do("POST", "/api-keys", ann, map[string]any{"name": "x"}), 403) // a member of default
@@ -125,7 +128,7 @@ func TestTeamsKeysTokens(t *testing.T) {
 	// Ann is her team's only admin, and it has no admin key: she can
 	// neither leave nor step down while nobody else could manage it.
 	expectError(t, e.do("DELETE", "/teams/"+team.TeamID+"/users/"+inv.ID, annOwn, nil), 409)
-	expectError(t, e.do("POST", "/teams/"+team.TeamID+"/users", annOwn, map[string]any{"email": "Ann@example.com", "role": "user"}), 409)
+	expectError(t, e.do("POST", "/teams/"+team.TeamID+"/users", annOwn, map[string]any{"userID": inv.ID, "role": "user"}), 409)
 	var ak e2bapi.CreatedTeamAPIKey
 	if r := e.do("POST", "/api-keys", annOwn, map[string]any{"name": "mine"}); r.Code != 201 {
 		t.Fatalf("admin of own team: %d %s", r.Code, r.Body)
@@ -275,4 +278,35 @@ func TestAuthLogLimiter(t *testing.T) {
 	if ok, n := l.allow(now.Add(time.Second)); !ok || n != 5 {
 		t.Fatalf("next second: %v, suppressed %d", ok, n)
 	}
+}
+
+// An email is no identity: an admin who invites an address gets a new user
+// with its own token, never the account another team's admin created
+// under that address (and holds the first token of).
+func TestInviteByEmailNeverReachesAnotherAccount(t *testing.T) {
+	e := newEnv(t, openStore(t), nil)
+	admin := map[string]string{"X-API-Key": e.key}
+	// Mallory, a user, makes a team and "invites" Alice into it: she now
+	// holds that Alice's token.
+	var mal e2bapi.InvitedTeamMember
+	e.do("POST", "/teams/default/users", admin, map[string]any{"email": "mallory@example.com"}).decode(t, &mal)
+	malTok := map[string]string{"Authorization": "Bearer " + mal.AccessToken.Token}
+	var mteam e2bapi.Team
+	e.clock.Advance(time.Second)
+	e.do("POST", "/teams", malTok, map[string]any{"name": "m"}).decode(t, &mteam)
+	var squat e2bapi.InvitedTeamMember
+	r := e.do("POST", "/teams/"+mteam.TeamID+"/users", map[string]string{"Authorization": malTok["Authorization"], HeaderTeamID: mteam.TeamID},
+		map[string]any{"email": "alice@example.com"})
+	r.decode(t, &squat)
+	if r.Code != 201 || squat.AccessToken == nil {
+		t.Fatalf("squat: %d %s", r.Code, r.Body)
+	}
+	// The bootstrap team's admin invites the real Alice: a new user.
+	var alice e2bapi.InvitedTeamMember
+	e.do("POST", "/teams/default/users", admin, map[string]any{"email": "alice@example.com", "role": "admin"}).decode(t, &alice)
+	if alice.ID == squat.ID || alice.AccessToken == nil {
+		t.Fatalf("the invitation reached the squatted account: %+v", alice)
+	}
+	// The squatted token does not reach the bootstrap team.
+	expectError(t, e.do("GET", "/sandboxes", map[string]string{"Authorization": "Bearer " + squat.AccessToken.Token, HeaderTeamID: DefaultTeamID}, nil), 403)
 }

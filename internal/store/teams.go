@@ -20,7 +20,6 @@ import (
 const (
 	teamsPrefix       = prefix + "teams/"
 	usersPrefix       = prefix + "users/"
-	userEmailsPrefix  = prefix + "useremails/"
 	membersPrefix     = prefix + "members/"     // members/<team>/<user> -> MemberRecord
 	membershipsPrefix = prefix + "memberships/" // memberships/<user>/<team> -> MemberRecord
 )
@@ -83,23 +82,14 @@ func (s *Store) GetTeam(ctx context.Context, id string) (TeamRecord, error) {
 	return rec, err
 }
 
-// CreateUser writes a new user; the email is unique (errdefs.ErrConflict).
+// CreateUser writes a new user (errdefs.ErrConflict if the id is taken).
+// The email is a label, not an identity: two users may share one, so that
+// an invitation never hands anyone an account someone else was invited to.
 func (s *Store) CreateUser(ctx context.Context, rec UserRecord) error {
 	if !validIDPart(rec.ID) || !validIDPart(rec.Email) {
 		return fmt.Errorf("store: create user: %w: bad id or email", errdefs.ErrInvalid)
 	}
-	b, _ := json.Marshal(rec)
-	uk, ek := usersPrefix+rec.ID, userEmailsPrefix+strings.ToLower(rec.Email)
-	resp, err := s.cli.Txn(ctx).
-		If(clientv3.Compare(clientv3.CreateRevision(uk), "=", 0), clientv3.Compare(clientv3.CreateRevision(ek), "=", 0)).
-		Then(clientv3.OpPut(uk, string(b)), clientv3.OpPut(ek, rec.ID)).Commit()
-	if err != nil {
-		return wrapErr("create user", err)
-	}
-	if !resp.Succeeded {
-		return fmt.Errorf("store: create user: %w: user exists", errdefs.ErrConflict)
-	}
-	return nil
+	return s.create(ctx, "create user", usersPrefix+rec.ID, rec)
 }
 
 // GetUser returns user id (errdefs.ErrNotFound).
@@ -110,21 +100,6 @@ func (s *Store) GetUser(ctx context.Context, id string) (UserRecord, error) {
 	}
 	_, err := s.getJSON(ctx, "user", usersPrefix+id, &rec)
 	return rec, err
-}
-
-// UserByEmail returns the user with that email (errdefs.ErrNotFound).
-func (s *Store) UserByEmail(ctx context.Context, email string) (UserRecord, error) {
-	if !validIDPart(email) {
-		return UserRecord{}, fmt.Errorf("store: user: %w", errdefs.ErrNotFound)
-	}
-	resp, err := s.cli.Get(ctx, userEmailsPrefix+strings.ToLower(email))
-	if err != nil {
-		return UserRecord{}, wrapErr("user by email", err)
-	}
-	if len(resp.Kvs) == 0 {
-		return UserRecord{}, fmt.Errorf("store: user: %w", errdefs.ErrNotFound)
-	}
-	return s.GetUser(ctx, string(resp.Kvs[0].Value))
 }
 
 // PutMember adds user to team with role, or changes their role.

@@ -35,17 +35,20 @@ func TestTeamsUsersMembers(t *testing.T) {
 	if err := s.CreateUser(ctx, UserRecord{ID: "u1", Email: "Ann@Example.com", CreatedAt: now}); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.CreateUser(ctx, UserRecord{ID: "u2", Email: "ann@example.com"}); !errors.Is(err, errdefs.ErrConflict) {
-		t.Fatalf("same email, other case: %v", err)
+	if err := s.CreateUser(ctx, UserRecord{ID: "u1", Email: "bob@example.com"}); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("same id: %v", err)
+	}
+	if err := s.CreateUser(ctx, UserRecord{ID: "u2", Email: "Ann@Example.com"}); err != nil {
+		t.Fatalf("same email, another user: %v", err)
 	}
 	if err := s.CreateUser(ctx, UserRecord{ID: "", Email: "x@y"}); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("no id: %v", err)
 	}
-	if u, err := s.UserByEmail(ctx, "ANN@example.com"); err != nil || u.ID != "u1" {
-		t.Fatalf("by email: %+v %v", u, err)
+	if u, err := s.GetUser(ctx, "u1"); err != nil || u.Email != "Ann@Example.com" {
+		t.Fatalf("get user: %+v %v", u, err)
 	}
-	if _, err := s.UserByEmail(ctx, "bob@example.com"); !errors.Is(err, errdefs.ErrNotFound) {
-		t.Fatalf("unknown email: %v", err)
+	if _, err := s.GetUser(ctx, "nosuch"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("unknown user: %v", err)
 	}
 
 	if err := s.PutMember(ctx, MemberRecord{TeamID: "t1", UserID: "u1", Role: RoleEdge}); !errors.Is(err, errdefs.ErrInvalid) {
