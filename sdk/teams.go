@@ -52,11 +52,18 @@ func (c *Client) ListMembers(ctx context.Context, team string) ([]e2bapi.TeamMem
 	return out, c.rest(ctx, http.MethodGet, "/teams/"+url.PathEscape(team)+"/users", nil, &out, nil)
 }
 
-// InviteMember adds the user with email to team with role ("" is "user").
-// A user new to the platform comes with a first access token.
+// InviteMember creates a new user labelled email, member of team with role
+// ("" is "user"); the answer carries the user's first access token.
 func (c *Client) InviteMember(ctx context.Context, team, email, role string) (e2bapi.InvitedTeamMember, error) {
 	var out e2bapi.InvitedTeamMember
 	return out, c.rest(ctx, http.MethodPost, "/teams/"+url.PathEscape(team)+"/users", e2bapi.NewTeamMember{Email: email, Role: role}, &out, nil)
+}
+
+// AddMember adds the existing user userID to team with role, or changes
+// the member's role.
+func (c *Client) AddMember(ctx context.Context, team, userID, role string) (e2bapi.InvitedTeamMember, error) {
+	var out e2bapi.InvitedTeamMember
+	return out, c.rest(ctx, http.MethodPost, "/teams/"+url.PathEscape(team)+"/users", e2bapi.NewTeamMember{UserID: userID, Role: role}, &out, nil)
 }
 
 // RemoveMember removes the user from team.

@@ -367,7 +367,10 @@ func sdkTeams(t *testing.T, apiURL, token, team string) {
 	if err != nil || m.Role != "user" || m.AccessToken == nil {
 		t.Fatalf("sdk invite: %+v %v", m, err)
 	}
-	if ms, err := cl.ListMembers(ctx, team); err != nil || len(ms) != 2 {
+	if _, err := cl.AddMember(ctx, team, m.ID, "admin"); err != nil {
+		t.Fatalf("sdk role change: %v", err)
+	}
+	if ms, err := cl.ListMembers(ctx, team); err != nil || len(ms) != 2 || !slices.ContainsFunc(ms, func(x e2bapi.TeamMember) bool { return x.ID == m.ID && x.Role == "admin" }) {
 		t.Fatalf("sdk members: %+v %v", ms, err)
 	}
 	if err := cl.RemoveMember(ctx, team, m.ID); err != nil {
