@@ -34,6 +34,11 @@ type Config struct {
 	SandboxURL string
 	// APIKey authenticates control-plane calls (X-API-Key).
 	APIKey string
+	// AccessToken (sk_e2b_...) authenticates control-plane calls as a user
+	// when APIKey is empty (Authorization: Bearer); TeamID picks one of the
+	// user's teams (X-Team-ID; default: the user's default team). See
+	// teams.go.
+	AccessToken, TeamID string
 	// HTTPClient sends every request. It must not set an overall Timeout
 	// if streams (Run, PTY) are used; use contexts instead. Default: a
 	// client with http.DefaultTransport.
@@ -303,6 +308,11 @@ func (c *Client) rest(ctx context.Context, method, path string, in, out any, hdr
 	req.Header.Set("Accept", "application/json")
 	if c.cfg.APIKey != "" {
 		req.Header.Set("X-API-Key", c.cfg.APIKey)
+	} else if c.cfg.AccessToken != "" {
+		req.Header.Set("Authorization", "Bearer "+c.cfg.AccessToken)
+	}
+	if c.cfg.TeamID != "" {
+		req.Header.Set("X-Team-ID", c.cfg.TeamID)
 	}
 	res, err := c.http.Do(req)
 	if err != nil {

@@ -23,7 +23,7 @@ var layer = map[string]int{
 	// side links.
 	"internal/errdefs": 0, "internal/envelope": 0,
 	// 1: wire contracts and leaves that know nothing of SPACE's components.
-	"api/e2bapi": 1, "api/envd/filesystem": 1, "api/envd/process": 1,
+	"api/e2bapi": 1, "api/openapi": 1, "api/envd/filesystem": 1, "api/envd/process": 1,
 	"internal/identity":   1,
 	"internal/atomicfile": 1, "internal/procwait": 1, "internal/procid": 1,
 	"internal/vmchan": 1, "internal/substrate/uidlease": 1, "internal/substrate/spawner": 1,

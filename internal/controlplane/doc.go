@@ -5,7 +5,8 @@
 // Where things are:
 //
 //   - routes.go: the one route table (every endpoint is registered there);
-//     auth.go authenticates API keys, decode.go parses request bodies, and
+//     auth.go authenticates API keys and access tokens (roles, X-Team-ID),
+//     decode.go parses request bodies, and
 //     errors.go holds the one function that turns an error's errdefs class
 //     into an HTTP status and message.
 //   - handlers.go, sandboxes.go, list.go, metrics.go, network.go: E2B's
@@ -16,6 +17,9 @@
 //     resume elsewhere), snapshot.go, fork.go.
 //   - nodeclient.go: every call the control plane makes to a worker's
 //     node-api; placement.go chooses and finds workers.
+//   - teams.go, apikeys.go, accesstokens.go: teams, members, API keys and
+//     access tokens (docs/API.md); openapi.go serves api/openapi's document,
+//     which openapi*_test.go hold the routes, handlers and types to.
 //   - capabilities.go: capability requests; keys.go and rotate.go: the
 //     signing key and its rotation; inspect.go: the /space/v1 reads.
 //   - reaper.go: the loop that acts on timeouts and stuck records.

@@ -9,7 +9,6 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
-	"github.com/spacesbx/space/internal/store"
 )
 
 // handleHealth answers 200 while the store answers (GET /health).
@@ -30,8 +29,8 @@ func (s *Server) handleWorkers(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	if c.Role != store.RoleAdmin && !c.edge() {
-		s.writeError(w, r, fmt.Errorf("%w: listing workers needs an admin key", errdefs.ErrDenied))
+	if !c.operator() && !c.edge() {
+		s.writeError(w, r, fmt.Errorf("%w: listing workers needs an admin key of the bootstrap team", errdefs.ErrDenied))
 		return
 	}
 	ws, err := s.workersWithLoad(r.Context(), "")

@@ -66,8 +66,8 @@ func (r *rotatingSigner) Issue(c capability.Claims) (string, capability.Claims, 
 func (r *rotatingSigner) KeyID() string { return r.cur.Load().KeyID() }
 
 func (s *Server) handleRotate(w http.ResponseWriter, r *http.Request, c caller) {
-	if c.Role != store.RoleAdmin {
-		s.writeError(w, r, fmt.Errorf("%w: rotating the signing key needs an admin key", errdefs.ErrDenied))
+	if !c.operator() {
+		s.writeError(w, r, fmt.Errorf("%w: rotating the signing key needs an admin key of the bootstrap team", errdefs.ErrDenied))
 		return
 	}
 	out, err := s.RotateKey(context.WithoutCancel(r.Context()))

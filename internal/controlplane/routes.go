@@ -86,6 +86,8 @@ func (s *Server) routes() http.Handler {
 
 	// The web dashboard (dashboard.go).
 	s.dashboardRoutes(mux)
+	// Teams, API keys, access tokens and the OpenAPI document (teams.go).
+	s.teamRoutes(mux)
 
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, fmt.Errorf("%w: no route for %s %s", errdefs.ErrNotFound, r.Method, r.URL.Path))

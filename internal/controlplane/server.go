@@ -63,6 +63,9 @@ type Server struct {
 	// Metrics over time and autoResume (teammetrics.go, autoresume.go).
 	teamMetrics *teamMetrics
 	resumes     autoResumes
+
+	// authLog bounds the failed-authentication log lines (auth.go).
+	authLog logLimiter
 }
 
 // instanceTTL is how long a dead control plane's registration outlives it:
@@ -114,8 +117,12 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	h := store.HashAPIKey(s.apiKey)
 	if err := s.st.PutAPIKey(ctx, h, store.APIKeyRecord{
 		TeamID: cfg.BootstrapTeamID, KeyID: keyIDOfHash(h), Role: store.RoleAdmin, Name: "bootstrap", CreatedAt: s.now().UTC(),
+		Mask: maskOf(s.apiKey, apiKeyPrefix),
 	}); err != nil {
 		return nil, fmt.Errorf("controlplane: store bootstrap api key: %w", err)
+	}
+	if err := s.bootstrapTeam(ctx); err != nil {
+		return nil, fmt.Errorf("controlplane: bootstrap team: %w", err)
 	}
 
 	s.instance = "cp-" + randHex(8)

@@ -100,7 +100,8 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
   control plane: %s
   edge:          %s
   API key:       %s%s
-`, len(p.Workers), p.APIURL, p.SandboxURL, p.APIKey, keyNote)
+  team:          %s (the key is its admin; users and access tokens: docs/API.md)
+`, len(p.Workers), p.APIURL, p.SandboxURL, p.APIKey, keyNote, controlplane.DefaultTeamID)
 	printMetrics(stdout, p)
 	printDirectURLs(stdout, p, cfg.Domain)
 	fmt.Fprintf(stdout, `
