@@ -44,9 +44,10 @@ func (s *Server) handleWorkers(w http.ResponseWriter, r *http.Request) {
 // handleExecutions lists a sandbox's executions (owner's key or the edge),
 // tombstoned sandboxes included until they are purged.
 func (s *Server) handleExecutions(w http.ResponseWriter, r *http.Request) {
-	c, err := s.authenticate(r.Context(), r.Header.Get(spacev1.HeaderAPIKey))
+	// An API key, the edge's key, or an access token (the dashboard's).
+	c, err := s.authenticateRequest(r)
 	if err != nil {
-		s.writeError(w, r, err)
+		s.authFailed(w, r, err)
 		return
 	}
 	id, err := parseSandboxID(r.PathValue("id"))

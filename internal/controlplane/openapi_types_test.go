@@ -33,6 +33,8 @@ var e2bSchemas = map[string]any{
 	"SandboxNetworkRule": e2bapi.NetworkRule{}, "SandboxNetworkTransform": e2bapi.NetworkTransform{},
 	"EgressProxyInfo": e2bapi.EgressProxyInfo{}, "ListedSandbox": e2bapi.ListedSandbox{},
 	"SandboxTimeoutRequest": e2bapi.TimeoutRequest{}, "ForkError": e2bapi.Error{}, "Error": spacev1.Error{}, "SandboxMetric": e2bapi.SandboxMetric{},
+	"SandboxesWithMetrics": e2bapi.SandboxesWithMetrics{}, "TeamMetric": e2bapi.TeamMetric{}, "MaxTeamMetric": e2bapi.MaxTeamMetric{},
+	"SandboxRefreshRequest": e2bapi.SandboxRefreshRequest{},
 
 	"TemplateBuildRequestV3": e2bapi.TemplateBuildRequestV3{}, "TemplateRequestResponseV3": e2bapi.TemplateRequestResponseV3{},
 	"TemplateBuildFileUpload": e2bapi.TemplateBuildFileUpload{}, "TemplateBuildStartV2": e2bapi.TemplateBuildStartV2{},
