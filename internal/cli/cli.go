@@ -273,15 +273,20 @@ func newRoot(g *globals) *cobra.Command {
 func args(n int, names string) cobra.PositionalArgs {
 	return func(cmd *cobra.Command, a []string) error {
 		if len(a) != n {
-			return &usageError{msg: fmt.Sprintf("%s: expected %s, got %d argument(s)", cmd.CommandPath(), names, len(a)), cmd: cmd.CommandPath()}
+			return &usageError{msg: fmt.Sprintf("%s: expected %s, got %d argument(s)", cmdName(cmd), names, len(a)), cmd: cmd.CommandPath()}
 		}
 		return nil
 	}
 }
 
+// cmdName is cmd's path without the program name ("sandbox get").
+func cmdName(cmd *cobra.Command) string {
+	return strings.TrimPrefix(cmd.CommandPath(), cmd.Root().Name()+" ")
+}
+
 // jsonFlag adds --json to cmd.
 func jsonFlag(cmd *cobra.Command, v *bool) {
-	cmd.Flags().BoolVar(v, "json", false, "print JSON (stable field names) instead of a table")
+	cmd.Flags().BoolVar(v, "json", false, "print JSON (stable field names)")
 }
 
 // kvFlag collects repeated k=v flags.

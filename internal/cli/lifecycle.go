@@ -21,7 +21,7 @@ func timeoutFlag(cmd *cobra.Command, v *int, what string) {
 
 func checkTimeout(cmd *cobra.Command, secs int) (time.Duration, error) {
 	if secs < 0 {
-		return 0, &usageError{msg: cmd.CommandPath() + ": --timeout must not be negative", cmd: cmd.CommandPath()}
+		return 0, &usageError{msg: cmdName(cmd) + ": --timeout must not be negative", cmd: cmd.CommandPath()}
 	}
 	return time.Duration(secs) * time.Second, nil
 }

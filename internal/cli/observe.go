@@ -75,21 +75,27 @@ fields).`,
 			if since > 0 {
 				q.Cursor = time.Now().Add(-since)
 			}
-			seen := map[string]bool{}
+			// The cursor is inclusive: lines at the cursor's millisecond
+			// come again on the next poll; seen (pruned to the cursor)
+			// prints them once.
+			seen := map[string]time.Time{}
 			print := func(entries []sdk.LogEntry) error {
 				for _, l := range entries {
-					// The cursor is inclusive: lines at the cursor's
-					// millisecond come again on the next poll.
 					key := l.Timestamp.Format(time.RFC3339Nano) + "\x00" + l.Message
-					if seen[key] {
+					if _, dup := seen[key]; dup {
 						continue
 					}
-					seen[key] = true
+					seen[key] = l.Timestamp
 					if l.Timestamp.After(q.Cursor) {
 						q.Cursor = l.Timestamp
 					}
 					if err := printLog(g.e.stdout, l, asJSON); err != nil {
 						return err
+					}
+				}
+				for k, ts := range seen {
+					if ts.Before(q.Cursor.Truncate(time.Millisecond)) {
+						delete(seen, k)
 					}
 				}
 				return nil

@@ -196,7 +196,7 @@ func killCmd(g *globals) *cobra.Command {
 		Short:   "Kill sandboxes",
 		Args: func(cmd *cobra.Command, a []string) error {
 			if len(a) == 0 {
-				return &usageError{msg: cmd.CommandPath() + ": expected at least one ID", cmd: cmd.CommandPath()}
+				return &usageError{msg: cmdName(cmd) + ": expected at least one ID", cmd: cmd.CommandPath()}
 			}
 			return nil
 		},

@@ -361,7 +361,7 @@ func testErrors(s *space) {
 		{[]string{"sandbox", "pause", "nosuchid"}, 1, "space: sandbox nosuchid not found (list sandboxes with: space sandbox list)\n"},
 		{[]string{"exec", "nosuchid", "--", "true"}, 1, "space: sandbox nosuchid not found (list sandboxes with: space sandbox list)\n"},
 		{[]string{"--api-key", "e2b_00000000000000000000000000000000", "sandbox", "list"}, 1, "space: the API key was refused (check --api-key or SPACE_API_KEY)\n"},
-		{[]string{"sandbox", "get"}, 2, "space: space sandbox get: expected ID, got 0 argument(s)\nRun 'space sandbox get --help' for usage.\n"},
+		{[]string{"sandbox", "get"}, 2, "space: sandbox get: expected ID, got 0 argument(s)\nRun 'space sandbox get --help' for usage.\n"},
 		{[]string{"sandbox", "frobnicate"}, 2, "space: unknown command \"frobnicate\" for \"space sandbox\"\nRun 'space sandbox --help' for usage.\n"},
 		{[]string{"exec", "x", "--bogus", "--", "true"}, 2, "space: unknown flag: --bogus\nRun 'space exec --help' for usage.\n"},
 	} {
