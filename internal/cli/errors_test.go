@@ -206,3 +206,31 @@ func TestJSONFlagEverywhere(t *testing.T) {
 		t.Errorf("no command %s", p)
 	}
 }
+
+// stripClasses only ever drops a prefix, and a second pass changes nothing.
+func FuzzStripClasses(f *testing.F) {
+	for _, s := range []string{"not found: not found: x", "conflict: ", "x", "", "internal: internal: "} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		got := stripClasses(s)
+		if !strings.HasSuffix(s, got) || stripClasses(got) != got {
+			t.Fatalf("stripClasses(%q) = %q", s, got)
+		}
+	})
+}
+
+// kvFlag accepts exactly key=value with a non-empty key.
+func FuzzKVFlag(f *testing.F) {
+	for _, s := range []string{"a=b", "a=", "=b", "novalue", "a=b=c"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		m := kvFlag{}
+		err := m.Set(s)
+		k, v, ok := strings.Cut(s, "=")
+		if (err == nil) != (ok && k != "") || (err == nil && m[k] != v) {
+			t.Fatalf("Set(%q): %v, %v", s, err, m)
+		}
+	})
+}

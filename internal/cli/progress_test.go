@@ -2,6 +2,9 @@ package cli
 
 import (
 	"bytes"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -46,5 +49,42 @@ func TestProgress(t *testing.T) {
 	p.Done()
 	if quick.String() != "" || hidden.String() != "" {
 		t.Fatalf("quick %q hidden %q", quick.String(), hidden.String())
+	}
+}
+
+// A create slower than the progress delay draws a spinner on a terminal's
+// stderr, and nothing with --json or without a terminal.
+func TestProgressOnSlowCreate(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(progressDelay + 300*time.Millisecond)
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, `{"sandboxID":"slow1","templateID":"base","clientID":"c","envdVersion":"0.5.7"}`)
+	}))
+	defer srv.Close()
+	for _, c := range []struct {
+		tty, asJSON, spinner bool
+	}{{true, false, true}, {true, true, false}, {false, false, false}} {
+		var stdout bytes.Buffer
+		var stderr syncBuffer
+		args := []string{"sandbox", "create"}
+		if c.asJSON {
+			args = append(args, "--json")
+		}
+		code := run(t.Context(), args, &env{stdin: strings.NewReader(""), stdout: &stdout, stderr: &stderr, stderrTTY: c.tty,
+			getenv: func(k string) string { return map[string]string{"SPACE_API_URL": srv.URL, "SPACE_API_KEY": "k"}[k] }})
+		if code != 0 || !strings.Contains(stdout.String(), "slow1") {
+			t.Fatalf("%+v: exit %d, stdout %q, stderr %q", c, code, stdout.String(), stderr.String())
+		}
+		got := stderr.String()
+		if c.spinner != strings.Contains(got, "creating a sandbox from base") {
+			t.Errorf("%+v: stderr %q", c, got)
+		}
+		if c.spinner && !strings.HasSuffix(got, "\r\x1b[K") {
+			t.Errorf("spinner line not erased: %q", got)
+		}
+		if !c.spinner && got != "" {
+			t.Errorf("%+v: stderr %q, want nothing", c, got)
+		}
 	}
 }
