@@ -197,13 +197,18 @@ func (s *space) create() string {
 	return c.SandboxID
 }
 
-// sleeps counts the sleep processes in sandbox id.
+// sleeps counts the live (not zombie) sleep processes in sandbox id.
 func (s *space) sleeps(id string) int {
 	s.t.Helper()
-	out := s.ok("exec", id, "--", "sh", "-c", "cat /proc/[0-9]*/comm 2>/dev/null")
+	out := s.ok("exec", id, "--", "sh", "-c", "cat /proc/[0-9]*/stat 2>/dev/null")
 	n := 0
 	for _, l := range strings.Split(out, "\n") {
-		if strings.TrimSpace(l) == "sleep" {
+		// pid (comm) state ...
+		i, j := strings.IndexByte(l, '('), strings.LastIndexByte(l, ')')
+		if i < 0 || j < i || j+2 >= len(l) {
+			continue
+		}
+		if l[i+1:j] == "sleep" && l[j+2] != 'Z' {
 			n++
 		}
 	}

@@ -186,9 +186,7 @@ func testInterrupt(s *space) {
 	if out := s.ok("exec", id, "--", "sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"); strings.Contains(out, "trap") {
 		t.Errorf("the TERM-ignoring command survived: %s", out)
 	}
-	if n := s.sleeps(id); n != 0 {
-		t.Errorf("after SIGKILL, %d sleep processes still run in the sandbox", n)
-	}
+	s.waitSleeps(id, 0, 5*time.Second)
 }
 
 func testTerminal(s *space) {
