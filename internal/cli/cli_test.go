@@ -138,8 +138,35 @@ func TestSandboxCommands(t *testing.T) {
 	if st, _ := ts.fake.Get(id); st.Timeout != 600 {
 		t.Fatalf("timeout not set: %d", st.Timeout)
 	}
-	if r := ts.run("sandbox", "kill", id); r.code != 0 {
-		t.Fatalf("kill: %+v", r)
+	// Filters (the e2b CLI's --state and --metadata).
+	if r := ts.run("sandbox", "list", "--json", "--metadata", "owner=me", "--state", "running,paused"); r.code != 0 ||
+		json.Unmarshal([]byte(r.stdout), &list) != nil || len(list) != 1 || list[0].SandboxID != id {
+		t.Fatalf("list --metadata: %+v", r)
+	}
+	if r := ts.run("sandbox", "list", "--json", "--state", "paused"); r.code != 0 || strings.TrimSpace(r.stdout) != "[]" {
+		t.Fatalf("list --state paused: %+v", r)
+	}
+	// TEMPLATE as an argument, as the e2b CLI takes it.
+	if r := ts.run("sandbox", "create", "--template", "base", "other"); r.code != ExitUsage {
+		t.Fatalf("create TEMPLATE --template: %+v", r)
+	}
+	other := ts.create("base")
+	for _, args := range [][]string{{"sandbox", "kill"}, {"sandbox", "kill", "--all", other}, {"sandbox", "kill", other, "--state", "running"}} {
+		if r := ts.run(args...); r.code != ExitUsage {
+			t.Errorf("%q: %+v", args, r)
+		}
+	}
+	if r := ts.run("sandbox", "kill", "--all", "--metadata", "owner=me"); r.code != 0 {
+		t.Fatalf("kill --all --metadata: %+v", r)
+	}
+	if _, ok := ts.fake.Get(other); !ok {
+		t.Fatal("kill --all --metadata killed an unselected sandbox")
+	}
+	if r := ts.run("sandbox", "kill", "--all"); r.code != 0 {
+		t.Fatalf("kill --all: %+v", r)
+	}
+	if r := ts.run("sandbox", "list", "--json"); strings.TrimSpace(r.stdout) != "[]" {
+		t.Fatalf("after kill --all: %+v", r)
 	}
 	r = ts.run("sandbox", "get", id)
 	if r.code != ExitError || r.stderr != "space: sandbox "+id+" not found (list sandboxes with: space sandbox list)\n" {

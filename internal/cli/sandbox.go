@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -47,12 +48,24 @@ func createCmd(g *globals) *cobra.Command {
 		md, envs = kvFlag{}, kvFlag{}
 	)
 	cmd := &cobra.Command{
-		Use:   "create",
+		Use:   "create [TEMPLATE]",
 		Short: "Create a sandbox and print its id",
 		Example: `  space sandbox create
+  space sandbox create code-interpreter-v1
   space sandbox create --template base --timeout 600 --metadata owner=me --env FOO=bar`,
-		Args: args(0, "no arguments"),
-		RunE: func(cmd *cobra.Command, _ []string) error {
+		Args: func(cmd *cobra.Command, a []string) error {
+			if len(a) > 1 {
+				return &usageError{msg: "sandbox create: expected at most one TEMPLATE", cmd: cmd.CommandPath()}
+			}
+			if len(a) == 1 && cmd.Flags().Changed("template") && a[0] != template {
+				return &usageError{msg: "sandbox create: TEMPLATE and --template disagree", cmd: cmd.CommandPath()}
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, a []string) error {
+			if len(a) == 1 {
+				template = a[0]
+			}
 			if timeout < 0 {
 				return &usageError{msg: "sandbox create: --timeout must not be negative", cmd: cmd.CommandPath()}
 			}
@@ -99,7 +112,10 @@ func templateError(template string, err error) error {
 }
 
 func listCmd(g *globals) *cobra.Command {
-	var asJSON bool
+	var (
+		asJSON bool
+		f      listFilter
+	)
 	cmd := &cobra.Command{
 		Use:     "list",
 		Aliases: []string{"ls"},
@@ -114,10 +130,8 @@ func listCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
+			list = f.apply(list)
 			if asJSON {
-				if list == nil {
-					list = []sdk.SandboxInfo{}
-				}
 				return printJSON(g.e.stdout, list)
 			}
 			tw := tabwriter.NewWriter(g.e.stdout, 0, 4, 2, ' ', 0)
@@ -129,8 +143,39 @@ func listCmd(g *globals) *cobra.Command {
 			return tw.Flush()
 		},
 	}
+	f.register(cmd)
 	jsonFlag(cmd, &asJSON)
 	return cmd
+}
+
+// listFilter selects sandboxes by state and metadata (e2b CLI's --state
+// and --metadata).
+type listFilter struct {
+	states   []string
+	metadata kvFlag
+}
+
+func (f *listFilter) register(cmd *cobra.Command) {
+	f.metadata = kvFlag{}
+	cmd.Flags().StringSliceVar(&f.states, "state", nil, "only sandboxes in these states (running, paused; comma-separated)")
+	cmd.Flags().Var(f.metadata, "metadata", "only sandboxes with this metadata key=value (repeatable)")
+}
+
+func (f *listFilter) apply(list []sdk.SandboxInfo) []sdk.SandboxInfo {
+	out := []sdk.SandboxInfo{}
+	for _, s := range list {
+		if len(f.states) > 0 && !slices.Contains(f.states, s.State) {
+			continue
+		}
+		match := true
+		for k, v := range f.metadata {
+			match = match && s.Metadata[k] == v
+		}
+		if match {
+			out = append(out, s)
+		}
+	}
+	return out
 }
 
 func getCmd(g *globals) *cobra.Command {
@@ -190,13 +235,22 @@ func aliasOf(a string) string {
 }
 
 func killCmd(g *globals) *cobra.Command {
-	return &cobra.Command{
-		Use:     "kill ID...",
+	var (
+		all bool
+		f   listFilter
+	)
+	cmd := &cobra.Command{
+		Use:     "kill ID... | --all [--state S] [--metadata k=v]",
 		Aliases: []string{"rm"},
 		Short:   "Kill sandboxes",
 		Args: func(cmd *cobra.Command, a []string) error {
-			if len(a) == 0 {
-				return &usageError{msg: cmdName(cmd) + ": expected at least one ID", cmd: cmd.CommandPath()}
+			switch {
+			case all && len(a) > 0:
+				return &usageError{msg: cmdName(cmd) + ": IDs and --all exclude each other", cmd: cmd.CommandPath()}
+			case !all && len(a) == 0:
+				return &usageError{msg: cmdName(cmd) + ": expected at least one ID (or --all)", cmd: cmd.CommandPath()}
+			case !all && (len(f.states) > 0 || len(f.metadata) > 0):
+				return &usageError{msg: cmdName(cmd) + ": --state and --metadata select with --all only", cmd: cmd.CommandPath()}
 			}
 			return nil
 		},
@@ -205,14 +259,30 @@ func killCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
+			if all {
+				list, err := c.ListSandboxes(cmd.Context())
+				if err != nil {
+					return err
+				}
+				for _, s := range f.apply(list) {
+					a = append(a, s.SandboxID)
+				}
+			}
 			for _, id := range a {
-				if err := c.KillSandbox(cmd.Context(), id); err != nil {
+				err := c.KillSandbox(cmd.Context(), id)
+				if all && isNotFound(err) {
+					continue // ended since the list
+				}
+				if err != nil {
 					return onSandbox(id, err)
 				}
 			}
 			return nil
 		},
 	}
+	cmd.Flags().BoolVarP(&all, "all", "a", false, "kill every sandbox (that --state and --metadata select)")
+	f.register(cmd)
+	return cmd
 }
 
 func timeoutCmd(g *globals) *cobra.Command {
