@@ -14,6 +14,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
@@ -266,7 +267,40 @@ func newRoot(g *globals) *cobra.Command {
 	}
 	root.SetHelpCommandGroupID("platform")
 	root.SetCompletionCommandGroupID("platform")
+	completeIDs(root, g)
 	return root
+}
+
+// completeIDs makes the shell complete the sandbox ID of every command
+// whose first argument is one, from the caller's sandbox list.
+func completeIDs(c *cobra.Command, g *globals) {
+	if f := strings.Fields(c.Use); len(f) > 1 && strings.HasPrefix(f[1], "ID") {
+		multi := strings.HasPrefix(f[1], "ID...")
+		c.ValidArgsFunction = func(cmd *cobra.Command, a []string, _ string) ([]cobra.Completion, cobra.ShellCompDirective) {
+			if len(a) > 0 && !multi {
+				return nil, cobra.ShellCompDirectiveDefault
+			}
+			g.resolve() // completion runs no PersistentPreRun
+			cl, err := g.client()
+			if err != nil {
+				return nil, cobra.ShellCompDirectiveNoFileComp
+			}
+			ctx, cancel := context.WithTimeout(cmd.Context(), 3*time.Second)
+			defer cancel()
+			list, err := cl.ListSandboxes(ctx)
+			if err != nil {
+				return nil, cobra.ShellCompDirectiveNoFileComp
+			}
+			out := make([]cobra.Completion, 0, len(list))
+			for _, s := range list {
+				out = append(out, cobra.CompletionWithDesc(s.SandboxID, s.TemplateID+" "+s.State))
+			}
+			return out, cobra.ShellCompDirectiveNoFileComp
+		}
+	}
+	for _, s := range c.Commands() {
+		completeIDs(s, g)
+	}
 }
 
 // args checks a command's positional arguments, naming them on error.

@@ -165,6 +165,13 @@ func TestVersionAndCompletion(t *testing.T) {
 	if r.code != 0 || json.Unmarshal([]byte(r.stdout), &v) != nil || v.Version != "v1.2.3-test" || v.Go == "" {
 		t.Fatalf("version --json: %+v", r)
 	}
+	id := ts.create()
+	if r := ts.run("__complete", "exec", ""); r.code != 0 || !strings.Contains(r.stdout, id+"\tbase running") {
+		t.Fatalf("completion of an id: %+v", r)
+	}
+	if r := ts.run("__complete", "exec", id, ""); r.code != 0 || strings.Contains(r.stdout, id) {
+		t.Fatalf("completion after the id: %+v", r)
+	}
 	for _, sh := range []string{"bash", "zsh", "fish"} {
 		r := ts.run("completion", sh)
 		if r.code != 0 || !strings.Contains(r.stdout, "space") {

@@ -14,7 +14,7 @@ import (
 func testHelp(s *space) {
 	t := s.t
 	for args, want := range map[string][]string{
-		"sandbox create --help":   {"space sandbox create [flags]", "--template", "--timeout", "--metadata", "--json"},
+		"sandbox create --help":   {"space sandbox create [TEMPLATE] [flags]", "--template", "--timeout", "--metadata", "--json"},
 		"sandbox connect --help":  {"--no-attach"},
 		"sandbox logs --help":     {"--follow", "--level"},
 		"sandbox metrics --help":  {"--follow"},
@@ -74,6 +74,10 @@ func testJSON(s *space) {
 	}
 	if !found {
 		t.Errorf("list --json lacks running %s: %+v", id, list)
+	}
+	// The shell completes sandbox ids.
+	if out := s.ok("__complete", "sandbox", "pause", ""); !strings.Contains(out, id+"\t") {
+		t.Errorf("completion of a sandbox id lacks %s:\n%s", id, out)
 	}
 	var info sandboxInfo
 	s.json(&info, "sandbox", "get", id)
