@@ -148,10 +148,12 @@ func testInterrupt(s *space) {
 	// Ctrl-C on the terminal space exec runs on.
 	p := s.startPTY("exec", id, "--", "sleep", "60")
 	s.waitSleeps(id, 1, 20*time.Second)
+	t0 := time.Now()
 	p.write(t, "\x03")
 	if code := p.wait(t, 15*time.Second); code != 130 {
 		t.Errorf("Ctrl-C: exit %d, want 130; terminal:\n%s", code, p.output())
 	}
+	t.Logf("Ctrl-C to space exec's exit, the remote sleep stopped: %v", time.Since(t0).Round(time.Millisecond))
 	if n := s.sleeps(id); n != 0 {
 		t.Errorf("after Ctrl-C, %d sleep processes still run in the sandbox", n)
 	}
@@ -181,10 +183,12 @@ func testInterrupt(s *space) {
 	// A command that ignores SIGTERM is killed after the grace period.
 	p = s.startPTY("exec", id, "--", "sh", "-c", "trap '' TERM; sleep 60")
 	s.waitSleeps(id, 1, 20*time.Second)
+	t0 = time.Now()
 	p.write(t, "\x03")
 	if code := p.wait(t, 20*time.Second); code != 130 {
 		t.Errorf("Ctrl-C of a TERM-ignoring command: exit %d", code)
 	}
+	t.Logf("Ctrl-C to exit for a command ignoring SIGTERM (SIGKILL after the grace): %v", time.Since(t0).Round(time.Millisecond))
 	// SIGKILL went to the command's process group: neither sh nor its
 	// sleep survived.
 	if out := s.ok("exec", id, "--", "sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"); strings.Contains(out, "trap") {
