@@ -8,8 +8,8 @@ import (
 	"fmt"
 	"io"
 	"sort"
+	"strconv"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -193,14 +193,13 @@ or with --follow one JSON object per sample and line.`,
 			}
 			var last int64
 			header := !asJSON
+			// Fixed widths, not a tabwriter: --follow prints rows as they
+			// come and they must line up with the header.
+			const row = "%-20s  %3s  %6s  %-21s  %s\n"
 			print := func(ms []e2bapi.SandboxMetric) error {
-				var tw *tabwriter.Writer
-				if !asJSON {
-					tw = tabwriter.NewWriter(g.e.stdout, 0, 4, 2, ' ', 0)
-					if header {
-						fmt.Fprintln(tw, "TIME\tCPU\tCPU%\tMEMORY\tDISK")
-						header = false
-					}
+				if header {
+					fmt.Fprintf(g.e.stdout, row, "TIME", "CPU", "CPU%", "MEMORY", "DISK")
+					header = false
 				}
 				for _, m := range ms {
 					// Several samples may share a second; the last one
@@ -217,11 +216,9 @@ or with --follow one JSON object per sample and line.`,
 						fmt.Fprintf(g.e.stdout, "%s\n", b)
 						continue
 					}
-					fmt.Fprintf(tw, "%s\t%d\t%.1f\t%s / %s\t%s / %s\n", m.Timestamp.UTC().Format(time.RFC3339), m.CPUCount,
-						m.CPUUsedPct, bytesIEC(m.MemUsed), bytesIEC(m.MemTotal), bytesIEC(m.DiskUsed), bytesIEC(m.DiskTotal))
-				}
-				if tw != nil {
-					return tw.Flush()
+					fmt.Fprintf(g.e.stdout, row, m.Timestamp.UTC().Format(time.RFC3339), strconv.Itoa(m.CPUCount),
+						strconv.FormatFloat(m.CPUUsedPct, 'f', 1, 64), bytesIEC(m.MemUsed)+" / "+bytesIEC(m.MemTotal),
+						bytesIEC(m.DiskUsed)+" / "+bytesIEC(m.DiskTotal))
 				}
 				return nil
 			}

@@ -86,3 +86,58 @@ func TestLogsFollow(t *testing.T) {
 		t.Fatalf("table:\n%s", stdout.String())
 	}
 }
+
+// TestMetricsFollow drives `sandbox metrics --follow` against a server
+// that keeps samples over time (start inclusive, Unix seconds): every
+// sample is printed once, in order, and the rows line up with the header.
+func TestMetricsFollow(t *testing.T) {
+	t0 := time.Date(2026, 1, 2, 3, 4, 0, 0, time.UTC)
+	var (
+		mu     sync.Mutex
+		n      int
+		starts []string
+	)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		n++
+		k := n
+		starts = append(starts, r.URL.Query().Get("start"))
+		mu.Unlock()
+		start, _ := strconv.ParseInt(r.URL.Query().Get("start"), 10, 64)
+		out := []map[string]any{}
+		for i := 0; i <= k; i++ { // one more sample per request
+			ts := t0.Add(time.Duration(i) * 5 * time.Second)
+			if ts.Unix() < start {
+				continue
+			}
+			out = append(out, map[string]any{"timestamp": ts, "timestampUnix": ts.Unix(), "cpuCount": 2,
+				"cpuUsedPct": 12.5 * float64(i), "memUsed": 5 << 20, "memTotal": 512 << 20, "diskUsed": 1 << 30, "diskTotal": 4 << 30})
+		}
+		_ = json.NewEncoder(w).Encode(out)
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), pollEvery+pollEvery/2)
+	defer cancel()
+	var stdout, stderr bytes.Buffer
+	code := run(ctx, []string{"sandbox", "metrics", "s1", "-f"}, &env{stdin: strings.NewReader(""), stdout: &stdout, stderr: &stderr,
+		getenv: func(k string) string { return map[string]string{"SPACE_API_URL": srv.URL, "SPACE_API_KEY": "k"}[k] }})
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	lines := strings.Split(strings.TrimRight(stdout.String(), "\n"), "\n")
+	if len(lines) != 4 || !strings.HasPrefix(lines[0], "TIME") {
+		t.Fatalf("want a header and 3 samples:\n%s", stdout.String())
+	}
+	col := strings.Index(lines[0], "MEMORY")
+	for i, l := range lines[1:] {
+		want := t0.Add(time.Duration(i) * 5 * time.Second).Format(time.RFC3339)
+		if !strings.HasPrefix(l, want) || strings.Index(l, "5.0 MiB") != col {
+			t.Errorf("row %d %q: want time %s and MEMORY at column %d", i, l, want, col)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if starts[0] != "" || starts[1] != strconv.FormatInt(t0.Add(5*time.Second).Unix(), 10) {
+		t.Errorf("start parameters %q", starts)
+	}
+}
