@@ -9,6 +9,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
+	"net/url"
 	"os"
 	"runtime"
 	"runtime/debug"
@@ -164,6 +166,9 @@ func (e exitCode) Error() string { return "exit " + strconv.Itoa(int(e)) }
 type globals struct {
 	e                          *env
 	apiURL, sandboxURL, apiKey string
+	// accessToken (a user's sk_e2b_ token) and teamID authenticate
+	// instead of an API key: Authorization: Bearer, X-Team-ID.
+	accessToken, teamID string
 	// ran is set once a command's own code runs: errors before it are
 	// cobra's parse errors (usage).
 	ran bool
@@ -194,17 +199,55 @@ func (g *globals) resolve() {
 	if g.sandboxURL == "" {
 		g.sandboxURL = DefaultSandboxURL
 	}
-	if g.apiKey == "" {
+	// A flag beats the environment; at the same level the API key wins.
+	if g.apiKey == "" && g.accessToken == "" {
 		g.apiKey = firstEnv(g.e.getenv, "SPACE_API_KEY", "E2B_API_KEY")
+	}
+	if g.apiKey == "" && g.accessToken == "" {
+		g.accessToken = firstEnv(g.e.getenv, "SPACE_ACCESS_TOKEN", "E2B_ACCESS_TOKEN")
+	}
+	if g.teamID == "" {
+		g.teamID = firstEnv(g.e.getenv, "SPACE_TEAM_ID", "E2B_TEAM_ID")
 	}
 }
 
 func (g *globals) client() (*sdk.Client, error) {
-	c, err := sdk.New(sdk.Config{APIURL: g.apiURL, SandboxURL: g.sandboxURL, APIKey: g.apiKey})
+	cfg := sdk.Config{APIURL: g.apiURL, SandboxURL: g.sandboxURL, APIKey: g.apiKey}
+	if g.apiKey == "" && g.accessToken != "" {
+		u, err := url.Parse(g.apiURL)
+		if err != nil {
+			return nil, usagef("--api-url %q is not a URL", g.apiURL)
+		}
+		cfg.HTTPClient = &http.Client{Transport: &tokenTransport{base: http.DefaultTransport, host: u.Host, token: g.accessToken, team: g.teamID}}
+	}
+	c, err := sdk.New(cfg)
 	if err != nil {
 		return nil, usagef("%s", strings.TrimPrefix(err.Error(), "sdk: "))
 	}
 	return c, nil
+}
+
+// tokenTransport authenticates control-plane requests with a user's
+// access token. Only requests to the control plane's host carry it, and
+// never in place of an Authorization header already set: the edge's
+// requests go to sandboxes, and their Authorization header names the
+// sandbox user.
+type tokenTransport struct {
+	base        http.RoundTripper
+	host        string
+	token, team string
+}
+
+func (t *tokenTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	if r.URL.Host != t.host || r.Header.Get("Authorization") != "" {
+		return t.base.RoundTrip(r)
+	}
+	r = r.Clone(r.Context())
+	r.Header.Set("Authorization", "Bearer "+t.token)
+	if t.team != "" {
+		r.Header.Set("X-Team-ID", t.team)
+	}
+	return t.base.RoundTrip(r)
 }
 
 // open returns a data-plane handle, reading the access token from the
@@ -227,6 +270,8 @@ Connection settings come from flags, else the environment:
   --api-url      SPACE_API_URL, E2B_API_URL          (default ` + DefaultAPIURL + `)
   --sandbox-url  SPACE_SANDBOX_URL, E2B_SANDBOX_URL  (default ` + DefaultSandboxURL + `)
   --api-key      SPACE_API_KEY, E2B_API_KEY
+  or a user's --access-token (SPACE_ACCESS_TOKEN, E2B_ACCESS_TOKEN) with
+  --team (SPACE_TEAM_ID, E2B_TEAM_ID)
 
 Exit codes: 0 success, 1 error, 2 usage, 130 interrupted; exec exits with the
 remote command's code (255 when it did not exit normally).`
@@ -253,6 +298,8 @@ func newRoot(g *globals) *cobra.Command {
 	pf.StringVar(&g.apiURL, "api-url", "", "control plane URL (env SPACE_API_URL, E2B_API_URL)")
 	pf.StringVar(&g.sandboxURL, "sandbox-url", "", "edge URL (env SPACE_SANDBOX_URL, E2B_SANDBOX_URL)")
 	pf.StringVar(&g.apiKey, "api-key", "", "API key (env SPACE_API_KEY, E2B_API_KEY)")
+	pf.StringVar(&g.accessToken, "access-token", "", "a user's access token, instead of an API key (env SPACE_ACCESS_TOKEN, E2B_ACCESS_TOKEN)")
+	pf.StringVar(&g.teamID, "team", "", "with --access-token: the team to act for (default the user's; env SPACE_TEAM_ID, E2B_TEAM_ID)")
 	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
 		return &usageError{msg: err.Error(), cmd: c.CommandPath()}
 	})

@@ -105,6 +105,8 @@ func describe(err error, g *globals) string {
 		return fmt.Sprintf("sandbox %s is paused (resume it with: space sandbox resume %s)", id, id)
 	case id != "" && errors.Is(err, sdk.ErrNotFound):
 		return fmt.Sprintf("sandbox %s not found (list sandboxes with: space sandbox list)", id)
+	case errors.Is(err, sdk.ErrUnauthorized) && g != nil && g.apiKey == "" && g.accessToken != "":
+		return "the access token was refused (check --access-token or SPACE_ACCESS_TOKEN)"
 	case errors.Is(err, sdk.ErrUnauthorized):
 		return "the API key was refused (check --api-key or SPACE_API_KEY)"
 	case errors.Is(err, sdk.ErrForbidden):

@@ -241,3 +241,47 @@ func FuzzKVFlag(f *testing.F) {
 		}
 	})
 }
+
+// An access token authenticates control-plane calls (Bearer, X-Team-ID);
+// a flag beats the environment, and at the same level the API key wins.
+func TestAccessToken(t *testing.T) {
+	type seen struct{ key, auth, team string }
+	var got []seen
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got = append(got, seen{r.Header.Get("X-API-Key"), r.Header.Get("Authorization"), r.Header.Get("X-Team-ID")})
+		if r.Header.Get("Authorization") == "Bearer sk_e2b_bad" {
+			w.WriteHeader(401)
+			_, _ = w.Write([]byte(`{"code":401,"message":"unauthorized: invalid access token"}`))
+			return
+		}
+		_, _ = w.Write([]byte(`[]`))
+	}))
+	defer srv.Close()
+	for _, c := range []struct {
+		env  map[string]string
+		args []string
+		want seen
+		code int
+	}{
+		{map[string]string{}, []string{"--access-token", "sk_e2b_1", "--team", "t1"}, seen{"", "Bearer sk_e2b_1", "t1"}, 0},
+		{map[string]string{"E2B_API_KEY": "e2b_k"}, []string{"--access-token", "sk_e2b_1"}, seen{"", "Bearer sk_e2b_1", ""}, 0},
+		{map[string]string{"E2B_API_KEY": "e2b_k", "E2B_ACCESS_TOKEN": "sk_e2b_2"}, nil, seen{"e2b_k", "", ""}, 0},
+		{map[string]string{"SPACE_ACCESS_TOKEN": "sk_e2b_2", "SPACE_TEAM_ID": "t2"}, nil, seen{"", "Bearer sk_e2b_2", "t2"}, 0},
+		{map[string]string{"E2B_ACCESS_TOKEN": "sk_e2b_2"}, []string{"--api-key", "e2b_k"}, seen{"e2b_k", "", ""}, 0},
+		{map[string]string{}, []string{"--access-token", "sk_e2b_bad"}, seen{"", "Bearer sk_e2b_bad", ""}, 1},
+	} {
+		got = nil
+		env := map[string]string{"SPACE_API_URL": srv.URL}
+		for k, v := range c.env {
+			env[k] = v
+		}
+		ts := &tester{t: t, env: env}
+		r := ts.run(append([]string{"sandbox", "list", "--json"}, c.args...)...)
+		if r.code != c.code || len(got) != 1 || got[0] != c.want {
+			t.Errorf("%v %q: %+v, sent %+v; want %+v", c.env, c.args, r, got, c.want)
+		}
+		if c.code == 1 && r.stderr != "space: the access token was refused (check --access-token or SPACE_ACCESS_TOKEN)\n" {
+			t.Errorf("refused token: %q", r.stderr)
+		}
+	}
+}
