@@ -17,6 +17,11 @@ STATICCHECK_VERSION ?= v0.8.2
 
 CMDS := space space-api space-edge space-node spaced-host netgtw space-nsinit
 
+# space --version (GOFLAGS has -buildvcs=false, so the build records no
+# revision by itself): the commit, stamped into internal/cli.Version.
+SPACE_VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo devel)
+SPACE_LDFLAGS := -X github.com/spacesbx/space/internal/cli.Version=$(SPACE_VERSION)
+
 .PHONY: all build run test test-unit bench density check fuzz e2e-deps deps vm-deps sandbox-deps base-image clean churn crash
 
 all: build
@@ -24,7 +29,7 @@ all: build
 ## build: all binaries into ./bin (spaced-guest is static: it runs inside sandboxes)
 build: vm-deps sandbox-deps base-image code-interpreter-image
 	@mkdir -p $(BIN)
-	$(GO) build -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
+	$(GO) build -ldflags '$(SPACE_LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/spaced-guest ./cmd/spaced-guest
 
 ## run: build and start a single-machine SPACE (etcd, control plane, workers, edge)

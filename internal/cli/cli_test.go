@@ -49,6 +49,9 @@ func (ts *tester) runIn(stdin io.Reader, term terminal, args ...string) result {
 	}
 	code := run(ctx, args, &env{stdin: stdin, stdout: &out, stderr: &errb,
 		getenv: func(k string) string { return ts.env[k] }, term: term})
+	if strings.Count(errb.String(), "space: ") > 1 && code != 0 && !strings.Contains(errb.String(), "interrupted") {
+		ts.t.Errorf("%q: error said more than once: %q", args, errb.String())
+	}
 	return result{code, out.String(), errb.String()}
 }
 
@@ -66,9 +69,7 @@ func (ts *tester) create(args ...string) string {
 func TestUsageErrors(t *testing.T) {
 	ts := newTester(t)
 	for _, args := range [][]string{
-		{},
 		{"bogus"},
-		{"sandbox"},
 		{"sandbox", "nope"},
 		{"sandbox", "get"},
 		{"sandbox", "get", "a", "b"},
@@ -80,7 +81,6 @@ func TestUsageErrors(t *testing.T) {
 		{"exec", "sbx1"},
 		{"exec", "sbx1", "--"},
 		{"exec", "sbx1", "extra", "--", "echo"},
-		{"fs"},
 		{"fs", "mv", "a", "b"},
 		{"fs", "put", "sbx1", "only-one"},
 		{"term"},
@@ -94,6 +94,12 @@ func TestUsageErrors(t *testing.T) {
 	r := ts.run("help")
 	if r.code != 0 || !strings.Contains(r.stdout, "Usage:") {
 		t.Fatalf("help: %+v", r)
+	}
+	// A command without its subcommand prints its help.
+	for _, args := range [][]string{{}, {"sandbox"}, {"fs"}} {
+		if r := ts.run(args...); r.code != 0 || !strings.Contains(r.stdout, "Usage:") {
+			t.Errorf("%q: %+v", args, r)
+		}
 	}
 	if r := ts.run("sandbox", "list", "-h"); r.code != 0 {
 		t.Fatalf("-h: %+v", r)
@@ -118,7 +124,7 @@ func TestSandboxCommands(t *testing.T) {
 	if r.code != 0 || json.Unmarshal([]byte(r.stdout), &list) != nil || len(list) != 3 {
 		t.Fatalf("list json: %+v", r)
 	}
-	r = ts.run("sandbox", "get", id)
+	r = ts.run("sandbox", "get", "--json", id)
 	var info sdk.SandboxInfo
 	if r.code != 0 || json.Unmarshal([]byte(r.stdout), &info) != nil || info.SandboxID != id {
 		t.Fatalf("get: %+v", r)
@@ -132,21 +138,48 @@ func TestSandboxCommands(t *testing.T) {
 	if st, _ := ts.fake.Get(id); st.Timeout != 600 {
 		t.Fatalf("timeout not set: %d", st.Timeout)
 	}
-	if r := ts.run("sandbox", "kill", id); r.code != 0 {
-		t.Fatalf("kill: %+v", r)
+	// Filters (the e2b CLI's --state and --metadata).
+	if r := ts.run("sandbox", "list", "--json", "--metadata", "owner=me", "--state", "running,paused"); r.code != 0 ||
+		json.Unmarshal([]byte(r.stdout), &list) != nil || len(list) != 1 || list[0].SandboxID != id {
+		t.Fatalf("list --metadata: %+v", r)
+	}
+	if r := ts.run("sandbox", "list", "--json", "--state", "paused"); r.code != 0 || strings.TrimSpace(r.stdout) != "[]" {
+		t.Fatalf("list --state paused: %+v", r)
+	}
+	// TEMPLATE as an argument, as the e2b CLI takes it.
+	if r := ts.run("sandbox", "create", "--template", "base", "other"); r.code != ExitUsage {
+		t.Fatalf("create TEMPLATE --template: %+v", r)
+	}
+	other := ts.create("base")
+	for _, args := range [][]string{{"sandbox", "kill"}, {"sandbox", "kill", "--all", other}, {"sandbox", "kill", other, "--state", "running"}} {
+		if r := ts.run(args...); r.code != ExitUsage {
+			t.Errorf("%q: %+v", args, r)
+		}
+	}
+	if r := ts.run("sandbox", "kill", "--all", "--metadata", "owner=me"); r.code != 0 {
+		t.Fatalf("kill --all --metadata: %+v", r)
+	}
+	if _, ok := ts.fake.Get(other); !ok {
+		t.Fatal("kill --all --metadata killed an unselected sandbox")
+	}
+	if r := ts.run("sandbox", "kill", "--all"); r.code != 0 {
+		t.Fatalf("kill --all: %+v", r)
+	}
+	if r := ts.run("sandbox", "list", "--json"); strings.TrimSpace(r.stdout) != "[]" {
+		t.Fatalf("after kill --all: %+v", r)
 	}
 	r = ts.run("sandbox", "get", id)
-	if r.code != ExitError || !strings.Contains(r.stderr, "not found") {
+	if r.code != ExitError || r.stderr != "space: sandbox "+id+" not found (list sandboxes with: space sandbox list)\n" {
 		t.Fatalf("get killed: %+v", r)
 	}
 	// Flags before the command and a wrong key: typed error, exit 1.
 	r = ts.run("--api-key", "wrong", "sandbox", "list")
-	if r.code != ExitError || !strings.Contains(r.stderr, "unauthorized") || !strings.Contains(r.stderr, "SPACE_API_KEY") {
+	if r.code != ExitError || !strings.Contains(r.stderr, "API key was refused") || !strings.Contains(r.stderr, "SPACE_API_KEY") {
 		t.Fatalf("bad key: %+v", r)
 	}
 	// Unreachable control plane.
 	r = ts.run("--api-url", "http://127.0.0.1:1", "sandbox", "list")
-	if r.code != ExitError || !strings.Contains(r.stderr, "unavailable") {
+	if r.code != ExitError || !strings.Contains(r.stderr, "cannot reach http://127.0.0.1:1") || !strings.Contains(r.stderr, "space up") {
 		t.Fatalf("unreachable: %+v", r)
 	}
 	r = ts.run("--api-url", "not a url", "sandbox", "list")
@@ -187,7 +220,7 @@ func TestExec(t *testing.T) {
 		t.Fatalf("signal: %+v", r)
 	}
 	r = ts.run("exec", "nosuch", "--", "echo")
-	if r.code != ExitError || !strings.Contains(r.stderr, "not found") {
+	if r.code != ExitError || r.stderr != "space: sandbox nosuch not found (list sandboxes with: space sandbox list)\n" {
 		t.Fatalf("unknown sandbox: %+v", r)
 	}
 }
@@ -219,7 +252,7 @@ func TestFS(t *testing.T) {
 		t.Fatalf("downloaded %q", b)
 	}
 	r = ts.run("fs", "get", id, "/missing", filepath.Join(dir, "missing"))
-	if r.code != ExitError || !strings.Contains(r.stderr, "not found") {
+	if r.code != ExitError || !strings.Contains(r.stderr, "/missing: no such file or directory in sandbox "+id) {
 		t.Fatalf("get missing: %+v", r)
 	}
 	if _, err := os.Stat(filepath.Join(dir, "missing")); !os.IsNotExist(err) {

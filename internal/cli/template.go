@@ -16,36 +16,83 @@ import (
 	"strings"
 	"time"
 
+	"github.com/spf13/cobra"
+
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/internal/dockerfile"
 	"github.com/spacesbx/space/sdk"
 )
 
-func cmdTemplateBuild(ctx context.Context, g *globals, args []string, e *env) error {
-	fs := newFlagSet("template build")
-	g.register(fs)
-	name := fs.String("name", "", "template name (alias[:tag]); required")
-	file := fs.String("file", "", "Dockerfile (default <context>/Dockerfile)")
-	ready := fs.String("ready-cmd", "", "command that succeeds once the start command serves (default: none)")
-	noCache := fs.Bool("no-cache", false, "run every step, cached or not")
-	buildArgs := kvFlag{}
-	fs.Var(buildArgs, "build-arg", "ARG value key=value (repeatable)")
-	var tags multiFlag
-	fs.Var(&tags, "tag", "extra tag for the build (repeatable)")
-	pos, _, _, err := parse(fs, args)
-	if err != nil {
-		return err
+func templateCmd(g *globals) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:     "template",
+		Aliases: []string{"tpl"},
+		Short:   "Build templates",
+		RunE:    groupRun,
 	}
-	if *name == "" {
-		return usagef("template build: --name is required")
+	cmd.AddCommand(templateBuildCmd(g))
+	return cmd
+}
+
+// builtTemplate is what template build prints with --json.
+type builtTemplate struct {
+	TemplateID string `json:"templateID"`
+	BuildID    string `json:"buildID"`
+	Name       string `json:"name"`
+}
+
+func templateBuildCmd(g *globals) *cobra.Command {
+	var (
+		name, file, ready string
+		noCache, asJSON   bool
+		buildArgs         = kvFlag{}
+		tags              []string
+	)
+	cmd := &cobra.Command{
+		Use:   "build --name NAME[:TAG] [flags] [CONTEXT]",
+		Short: "Build a template from a Dockerfile",
+		Long: `Build a template from a Dockerfile: FROM a template or an image; RUN, COPY,
+ADD, ENV, WORKDIR, USER, ARG; CMD/ENTRYPOINT start it. Prints the template id;
+the build's log goes to stderr.`,
+		Args: func(cmd *cobra.Command, a []string) error {
+			if len(a) > 1 {
+				return &usageError{msg: fmt.Sprintf("template build: one build context at most, got %q", a), cmd: cmd.CommandPath()}
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, a []string) error {
+			if name == "" {
+				return &usageError{msg: "template build: --name is required", cmd: cmd.CommandPath()}
+			}
+			ctxDir := "."
+			if len(a) == 1 {
+				ctxDir = a[0]
+			}
+			return buildTemplate(cmd.Context(), g, buildOptions{name: name, file: file, ready: ready, noCache: noCache,
+				asJSON: asJSON, buildArgs: buildArgs, tags: tags, ctxDir: ctxDir})
+		},
 	}
-	if len(pos) > 1 {
-		return usagef("template build: one build context at most, got %q", pos)
-	}
-	ctxDir := "."
-	if len(pos) == 1 {
-		ctxDir = pos[0]
-	}
+	f := cmd.Flags()
+	f.StringVar(&name, "name", "", "template name (alias[:tag]); required")
+	f.StringVarP(&file, "file", "f", "", "Dockerfile (default CONTEXT/Dockerfile)")
+	f.StringVar(&ready, "ready-cmd", "", "command that succeeds once the start command serves (default: none)")
+	f.BoolVar(&noCache, "no-cache", false, "run every step, cached or not")
+	f.Var(buildArgs, "build-arg", "ARG value key=value (repeatable)")
+	f.StringArrayVar(&tags, "tag", nil, "extra tag for the build (repeatable)")
+	f.BoolVar(&asJSON, "json", false, "print {templateID, buildID, name} as JSON; no build log")
+	return cmd
+}
+
+type buildOptions struct {
+	name, file, ready, ctxDir string
+	noCache, asJSON           bool
+	buildArgs                 kvFlag
+	tags                      []string
+}
+
+func buildTemplate(ctx context.Context, g *globals, o buildOptions) error {
+	e := g.e
+	name, file, ready, noCache, buildArgs, tags, ctxDir := &o.name, &o.file, &o.ready, &o.noCache, o.buildArgs, o.tags, o.ctxDir
 	if *file == "" {
 		*file = filepath.Join(ctxDir, "Dockerfile")
 	}
@@ -77,7 +124,9 @@ func cmdTemplateBuild(ctx context.Context, g *globals, args []string, e *env) er
 	}
 	t0 := time.Now()
 	progress := func(format string, a ...any) {
-		fmt.Fprintf(e.stderr, "[%6.1fs] %s\n", time.Since(t0).Seconds(), fmt.Sprintf(format, a...))
+		if !o.asJSON {
+			fmt.Fprintf(e.stderr, "[%6.1fs] %s\n", time.Since(t0).Seconds(), fmt.Sprintf(format, a...))
+		}
 	}
 	ref, err := c.RequestBuild(ctx, *name, tags)
 	if err != nil {
@@ -110,15 +159,12 @@ func cmdTemplateBuild(ctx context.Context, g *globals, args []string, e *env) er
 		return err
 	}
 	progress("built %s (template %s, build %s)", *name, ref.TemplateID, ref.BuildID)
-	fmt.Fprintln(e.stdout, ref.TemplateID)
-	return nil
+	if o.asJSON {
+		return printJSON(e.stdout, builtTemplate{TemplateID: ref.TemplateID, BuildID: ref.BuildID, Name: *name})
+	}
+	_, err = fmt.Fprintln(e.stdout, ref.TemplateID)
+	return err
 }
-
-// multiFlag collects a repeated string flag.
-type multiFlag []string
-
-func (m *multiFlag) String() string     { return strings.Join(*m, ",") }
-func (m *multiFlag) Set(s string) error { *m = append(*m, s); return nil }
 
 // uploadContext archives src (relative to the context dir, never outside
 // it) as the build unpacks it and uploads it unless the platform has it.

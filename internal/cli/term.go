@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 
+	"github.com/spf13/cobra"
+
 	"github.com/spacesbx/space/sdk"
 )
 
@@ -20,31 +22,48 @@ type terminal interface {
 	Resized() (ch <-chan struct{}, stop func())
 }
 
-func cmdTerm(ctx context.Context, g *globals, args []string, e *env) error {
-	fs := newFlagSet("term")
-	g.register(fs)
-	user := fs.String("user", "", "run the shell as this sandbox user")
-	cwd := fs.String("cwd", "", "working directory")
-	pos, _, _, err := parse(fs, args)
-	if err != nil {
-		return err
+// termOptions are the flags of a terminal session.
+type termOptions struct{ user, cwd string }
+
+func (o *termOptions) register(cmd *cobra.Command) {
+	cmd.Flags().StringVarP(&o.user, "user", "u", "", "run the shell as this sandbox user")
+	cmd.Flags().StringVar(&o.cwd, "cwd", "", "working directory")
+}
+
+func termCmd(g *globals) *cobra.Command {
+	var o termOptions
+	cmd := &cobra.Command{
+		Use:     "term ID",
+		Aliases: []string{"terminal"},
+		Short:   "Open an interactive terminal (a login shell) in a sandbox",
+		Long: `Open an interactive terminal in a sandbox. The local terminal is put in raw
+mode: Ctrl-C, Ctrl-D and window size changes go to the remote terminal.
+The shell's exit code is space's.`,
+		Args: args(1, "ID"),
+		RunE: func(cmd *cobra.Command, a []string) error {
+			sbx, err := g.open(cmd.Context(), a[0])
+			if err != nil {
+				return err
+			}
+			return attach(cmd.Context(), g, sbx, o)
+		},
 	}
-	if len(pos) != 1 {
-		return usagef("term: expected <id>")
-	}
-	sbx, err := open(ctx, g, pos[0])
-	if err != nil {
-		return err
-	}
+	o.register(cmd)
+	return cmd
+}
+
+// attach runs a terminal session in sbx on the local terminal.
+func attach(ctx context.Context, g *globals, sbx *sdk.Sandbox, o termOptions) error {
+	e := g.e
 	rows, cols := uint32(24), uint32(80)
 	if e.term != nil {
 		if r, c, err := e.term.Size(); err == nil && r > 0 && c > 0 {
 			rows, cols = r, c
 		}
 	}
-	p, err := sbx.PTY(ctx, rows, cols, sdk.PTYOptions{User: *user, Cwd: *cwd})
+	p, err := sbx.PTY(ctx, rows, cols, sdk.PTYOptions{User: o.user, Cwd: o.cwd})
 	if err != nil {
-		return err
+		return onSandbox(sbx.ID, err)
 	}
 	defer p.Close()
 	if e.term != nil {
@@ -85,7 +104,7 @@ func cmdTerm(ctx context.Context, g *globals, args []string, e *env) error {
 	case errors.As(err, &pe):
 		return exitCode(ExitAbnormal)
 	case err != nil:
-		return err
+		return onSandbox(sbx.ID, err)
 	case copyErr != nil:
 		return copyErr
 	case code != 0:

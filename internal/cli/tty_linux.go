@@ -72,3 +72,9 @@ func (t ttyTerminal) Resized() (<-chan struct{}, func()) {
 	}()
 	return out, func() { signal.Stop(sig); close(done) }
 }
+
+// isTerminal says f is a terminal.
+func isTerminal(f *os.File) bool {
+	_, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS)
+	return err == nil
+}
