@@ -110,6 +110,16 @@ func statField(path, key string) (int64, error) {
 	return 0, fmt.Errorf("%s: no %q", path, key)
 }
 
+// fsUsed is the used bytes of the file system holding dir, as df counts
+// them (blocks minus free blocks).
+func fsUsed(dir string) (int64, error) {
+	var fs unix.Statfs_t
+	if err := unix.Statfs(dir, &fs); err != nil {
+		return 0, fmt.Errorf("ns: disk usage: %w", err)
+	}
+	return int64(fs.Blocks-fs.Bfree) * fs.Bsize, nil
+}
+
 // dirBytes sums the bytes allocated (st_blocks) to the files,
 // directories and symlinks under dir. dir is a live writable layer that
 // the sandbox changes while this runs, so the walk never resolves a path:
