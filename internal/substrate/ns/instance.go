@@ -58,7 +58,8 @@ type instance struct {
 	mu      sync.Mutex // serializes Pause, Resume and Stop
 	stopped bool
 
-	// lim are the effective limits; statsMu guards lastCPU (stats.go).
+	// lim are the effective limits; statsMu guards lastCPU (stats.go) and
+	// keeps Stats out of the cgroup while Stop removes it.
 	lim substrate.Limits
 	// uids is the host uid range of the sandbox's user namespace (nil
 	// without one); released once the init is gone.
@@ -222,7 +223,12 @@ func (i *instance) Stop(ctx context.Context) error {
 	var errs []error
 	if i.cg != nil {
 		// Kills stragglers and thaws a paused sandbox so the kill lands.
-		if err := i.cg.remove(ctx); err != nil {
+		// Under statsMu: a concurrent Stats (the worker's sampler) reads
+		// the group's directories that remove changes.
+		i.statsMu.Lock()
+		err := i.cg.remove(ctx)
+		i.statsMu.Unlock()
+		if err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -137,3 +137,29 @@ func TestDirBytesDoesNotFollowSwappedSymlinks(t *testing.T) {
 		t.Fatalf("usage read %d bytes: the walk followed a symlink out of the layer (or counted the sparse file's length)", max)
 	}
 }
+
+// The worker's sampler calls Stats on its own schedule, so a Stop can come
+// in the middle of one (run with -race: Stop's cgroup removal and Stats'
+// reads of the groups once raced).
+func TestStatsDuringStop(t *testing.T) {
+	inst, _ := start(t, substrate.Limits{MemoryBytes: 256 << 20, CPUMillis: 1000})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for ctx.Err() == nil {
+			if _, err := inst.Stats(ctx); err != nil {
+				return // stopped
+			}
+		}
+	}()
+	time.Sleep(150 * time.Millisecond)
+	if err := inst.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	<-done
+	if _, err := inst.Stats(ctx); err == nil {
+		t.Fatal("Stats of a stopped sandbox answered")
+	}
+}
