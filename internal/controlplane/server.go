@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/events"
 	"github.com/spacesbx/space/internal/scheduler"
 	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
@@ -57,6 +58,8 @@ type Server struct {
 	tb *templateBuilds
 	// warm holds the warm snapshots of platform templates (platformtemplate.go).
 	warm warmTemplates
+	// events records lifecycle events and delivers webhooks (events.go).
+	events *events.Service
 }
 
 // instanceTTL is how long a dead control plane's registration outlives it:
@@ -117,6 +120,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
 	s.tb = newTemplateBuilds(cfg)
+	if err := s.startEvents(); err != nil {
+		_ = s.reg.Close()
+		return nil, err
+	}
 	s.handler = s.routes()
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.reapNow = make(chan struct{}, 1)
@@ -189,6 +196,7 @@ func (s *Server) Close() error {
 	s.closeOnce.Do(func() {
 		s.cancel()
 		s.wg.Wait()
+		_ = s.events.Close()
 		err = s.reg.Close()
 	})
 	return err

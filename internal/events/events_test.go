@@ -73,7 +73,9 @@ func lifecycle(t *testing.T, st *store.Store, id string) {
 			r.State, r.Op = store.StateSnapshotting, &store.LifecycleOp{ID: "o3", Kind: "snapshot", From: store.StateRunning}
 		},
 		func(r *store.SandboxRecord) { r.State, r.Op = store.StateRunning, nil },
-		func(r *store.SandboxRecord) { r.State, r.Reason, r.EndedAt = store.StateKilled, "killed by test", time.Now().UTC() },
+		func(r *store.SandboxRecord) {
+			r.State, r.Reason, r.EndedAt = store.StateKilled, "killed by test", time.Now().UTC()
+		},
 	}
 	for _, fn := range steps {
 		if _, _, err := st.MutateSandbox(ctx, id, func(r *store.SandboxRecord) error { fn(r); return nil }); err != nil {
