@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -222,7 +223,34 @@ func (s *Server) handleLogsV1(w http.ResponseWriter, r *http.Request, c caller) 
 }
 
 // agentLines are the sandbox's agent lines from its worker (none when the
-// worker does not answer: the platform's lines are still served).
+// sandbox has no live execution or its worker does not answer: the
+// platform's lines are still served).
 func (s *Server) agentLines(ctx context.Context, rec store.SandboxRecord) []e2bapi.SandboxLogEntry {
-	return nil
+	if rec.State.Terminal() || rec.State == store.StateCreating || rec.Route.WorkerID == "" {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, agentLogTimeout)
+	defer cancel()
+	var resp spacev1.AgentLogResponse
+	if err := s.node.call(ctx, s.nodeURL(ctx, rec), spacev1.NodePathAgentLog, rec.Route, spacev1.LifecycleRequest{Route: rec.Route}, &resp); err != nil {
+		s.log.Debug("agent log unavailable", "sandbox", rec.ID, "err", err)
+		return nil
+	}
+	gen := strconv.FormatUint(resp.Generation, 10)
+	out := make([]e2bapi.SandboxLogEntry, 0, len(resp.Lines))
+	for _, l := range resp.Lines {
+		if l.Time.IsZero() {
+			continue // not a line of the agent's own (no time to merge it by)
+		}
+		level := l.Level
+		if e2bapi.LogLevelRank(level) < 0 {
+			level = e2bapi.LogInfo
+		}
+		out = append(out, e2bapi.SandboxLogEntry{Timestamp: l.Time.UTC(), Level: level, Message: l.Message,
+			Fields: map[string]string{"source": e2bapi.LogSourceAgent, "generation": gen}})
+	}
+	return out
 }
+
+// agentLogTimeout bounds the worker call of one logs request.
+const agentLogTimeout = 5 * time.Second
