@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -18,10 +19,11 @@ import (
 	"github.com/spacesbx/space/internal/identity"
 )
 
-// The agent log is spaced-host's own log (its stderr, in the activation's
-// directory): the sandbox's in-host agent, which serves envd and tells
-// what happened to processes and files. The file itself is the bounded
-// per-sandbox store; a read takes only its tail.
+// The agent log is what the sandbox's agents write into the activation's
+// directory: the in-sandbox agent's log (the ns substrate's agent.log, a
+// microVM's console.log, where its guest agent writes) and spaced-host's
+// (the in-host bridge). The files themselves are the bounded per-sandbox
+// store (the substrates cap them); a read takes only their tails.
 const (
 	// MaxAgentLogBytes is how much of the file's end a read looks at.
 	MaxAgentLogBytes = 256 << 10
@@ -41,12 +43,34 @@ func (m *Manager) AgentLog(_ context.Context, route identity.Route) (spacev1.Age
 	if err != nil {
 		return spacev1.AgentLogResponse{}, err
 	}
-	data, err := readTail(filepath.Join(rec.Dir, "spaced-host.log"), MaxAgentLogBytes)
-	if err != nil {
-		return spacev1.AgentLogResponse{}, fmt.Errorf("agent log %s: %w: %v", route.SandboxID, errdefs.ErrUnavailable, err)
+	var lines []spacev1.AgentLogLine
+	for _, name := range agentLogFiles {
+		data, err := readTail(filepath.Join(rec.Dir, name), MaxAgentLogBytes)
+		if err != nil {
+			return spacev1.AgentLogResponse{}, fmt.Errorf("agent log %s: %w: %v", route.SandboxID, errdefs.ErrUnavailable, err)
+		}
+		// A line without a time (a kernel's console, a panic's trace)
+		// takes the time of the line before it; one before any is dropped.
+		var last time.Time
+		for _, l := range ParseAgentLog(data, MaxAgentLogLines) {
+			if l.Time.IsZero() {
+				l.Time = last
+			}
+			if last = l.Time; !l.Time.IsZero() {
+				lines = append(lines, l)
+			}
+		}
 	}
-	return spacev1.AgentLogResponse{Generation: route.Generation, Lines: ParseAgentLog(data, MaxAgentLogLines)}, nil
+	sort.SliceStable(lines, func(i, j int) bool { return lines[i].Time.Before(lines[j].Time) })
+	if len(lines) > MaxAgentLogLines {
+		lines = lines[len(lines)-MaxAgentLogLines:]
+	}
+	return spacev1.AgentLogResponse{Generation: route.Generation, Lines: lines}, nil
 }
+
+// agentLogFiles are the agents' log files in an activation directory
+// (those a substrate does not write are simply absent).
+var agentLogFiles = []string{"agent.log", "console.log", "spaced-host.log"}
 
 // readTail reads at most max bytes of the end of path, from the first
 // whole line ("" for a missing file).
