@@ -471,3 +471,57 @@ func TestPrune(t *testing.T) {
 		t.Fatalf("sandbox index kept %d pruned events", len(evs))
 	}
 }
+
+// Changes committed while no recorder runs (every control plane down, or
+// between a leader's death and its successor) are recorded one by one
+// when a recorder starts again: the history after the cursor is the
+// outbox, so intermediate transitions are not lost.
+func TestRecorderCatchesUpAfterDowntime(t *testing.T) {
+	st := openStore(t)
+	ctx := context.Background()
+	s := startService(t, st, "cp-a", nil)
+	r := record("sbxdown000001")
+	r.State = store.StateRunning
+	if _, err := st.CreateSandbox(ctx, r); err != nil {
+		t.Fatal(err)
+	}
+	count := func() int {
+		evs, _ := st.ListEvents(ctx, store.EventQuery{TeamID: "team-a", SandboxID: "sbxdown000001", Limit: 100})
+		return len(evs)
+	}
+	waitFor(t, 10*time.Second, "created", func() bool { return count() == 1 })
+	_ = s.Close()
+	for _, fn := range []func(r *store.SandboxRecord){
+		func(r *store.SandboxRecord) {
+			r.State, r.Op = store.StatePausing, &store.LifecycleOp{ID: "o", Kind: "pause"}
+		},
+		func(r *store.SandboxRecord) { r.State, r.Op = store.StatePaused, nil },
+		func(r *store.SandboxRecord) {
+			r.State, r.Op = store.StateResuming, &store.LifecycleOp{ID: "o", Kind: "resume"}
+		},
+		func(r *store.SandboxRecord) { r.State, r.Op = store.StateRunning, nil },
+		func(r *store.SandboxRecord) { r.State = store.StateKilled },
+	} {
+		if _, _, err := st.MutateSandbox(ctx, "sbxdown000001", func(r *store.SandboxRecord) error { fn(r); return nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := st.DeleteSandbox(ctx, "sbxdown000001", 0); err != nil { // purged, too
+		t.Fatal(err)
+	}
+	s2 := startService(t, st, "cp-b", nil)
+	defer s2.Close()
+	waitFor(t, 10*time.Second, "the missed events", func() bool { return count() == 4 })
+	evs, _ := st.ListEvents(ctx, store.EventQuery{TeamID: "team-a", SandboxID: "sbxdown000001", Limit: 100, Asc: true})
+	var types []string
+	for _, e := range evs {
+		types = append(types, e.Event.Type)
+	}
+	if want := []string{e2bapi.EventCreated, e2bapi.EventPaused, e2bapi.EventResumed, e2bapi.EventKilled}; strings.Join(types, ",") != strings.Join(want, ",") {
+		t.Fatalf("recorded %v, want %v", types, want)
+	}
+	waitFor(t, 5*time.Second, "digest forgotten", func() bool {
+		state, err := st.LoadEventState(ctx)
+		return err == nil && len(state.Observed) == 0
+	})
+}
