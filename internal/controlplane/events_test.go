@@ -279,3 +279,29 @@ func TestWebhookSSRFRefused(t *testing.T) {
 	r.decode(t, &h)
 	expectError(t, e.api("PATCH", "/events/webhooks/"+h.ID, map[string]any{"url": "http://192.168.0.1/"}), 400)
 }
+
+// A create that fails is no lifecycle event, but its logs say it failed.
+func TestLogsOfFailedCreate(t *testing.T) {
+	st := openStore(t)
+	e := newEnv(t, st, nil)
+	n1 := newFakeNode(t, "w1", st)
+	e.register(n1, 10)
+	n1.setFail(500)
+	if r := e.api("POST", "/v2/sandboxes", map[string]any{"templateID": "base"}); r.Code < 500 {
+		t.Fatalf("create on a failing node: %d %s", r.Code, r.Body)
+	}
+	all, err := st.ListSandboxes(context.Background())
+	if err != nil || len(all) != 1 || all[0].Record.State != store.StateFailed {
+		t.Fatalf("records %+v %v", all, err)
+	}
+	var lv2 e2bapi.SandboxLogsV2Response
+	e.api("GET", "/v2/sandboxes/"+all[0].Record.ID+"/logs?level=error", nil).decode(t, &lv2)
+	if len(lv2.Logs) != 1 || !strings.Contains(lv2.Logs[0].Message, "sandbox failed: install failed") || lv2.Logs[0].Fields["source"] != "platform" {
+		t.Fatalf("logs %+v", lv2)
+	}
+	var evs []e2bapi.SandboxEvent
+	e.api("GET", "/events/sandboxes/"+all[0].Record.ID, nil).decode(t, &evs)
+	if len(evs) != 0 {
+		t.Fatalf("events of a failed create: %+v", evs)
+	}
+}

@@ -169,14 +169,38 @@ func (s *Server) sandboxLogs(ctx context.Context, c caller, id string) ([]e2bapi
 	if !found && len(evs) == 0 {
 		return nil, fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 	}
-	lines := make([]e2bapi.SandboxLogEntry, 0, len(evs))
+	lines := make([]e2bapi.SandboxLogEntry, 0, len(evs)+1)
+	ended := false
 	for _, e := range evs {
 		lines = append(lines, platformLine(e.Event))
+		ended = ended || e.Event.Type == e2bapi.EventKilled
+	}
+	if found && rec.State.Terminal() && !ended {
+		lines = append(lines, endLine(rec)) // a create that failed is no lifecycle event, but is news
 	}
 	if found {
 		lines = append(lines, s.agentLines(ctx, rec)...)
 	}
 	return lines, nil
+}
+
+// endLine is the platform's line for a sandbox that ended without a
+// killed event (its create failed).
+func endLine(rec store.SandboxRecord) e2bapi.SandboxLogEntry {
+	at := rec.EndedAt
+	if at.IsZero() {
+		at = rec.CreatedAt
+	}
+	msg, level := "sandbox "+string(rec.State), e2bapi.LogInfo
+	if rec.State == store.StateFailed {
+		level = e2bapi.LogError
+	}
+	if rec.Reason != "" {
+		msg += ": " + rec.Reason
+	}
+	return e2bapi.SandboxLogEntry{Timestamp: at.UTC(), Level: level, Message: msg, Fields: map[string]string{
+		"source": e2bapi.LogSourcePlatform, "generation": strconv.FormatUint(rec.Route.Generation, 10),
+	}}
 }
 
 func (s *Server) handleLogsV2(w http.ResponseWriter, r *http.Request, c caller) {
