@@ -6,9 +6,11 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -420,7 +422,17 @@ func TestTwoServicesDeliverOnce(t *testing.T) {
 func TestDeliveryRefusesPrivateAtDial(t *testing.T) {
 	st := openStore(t)
 	rcv := newReceiver(t, "s3cret-value", 0)
-	addHook(t, st, "hook1", strings.Replace(rcv.srv.URL, "127.0.0.1", "localtest.invalid", 1), "s3cret-value", []string{e2bapi.EventCreated})
+	// A name (not an address) that resolves to a private address: the
+	// machine's own name, when it does (else a name that does not resolve).
+	name, rebound := "localtest.invalid", false
+	if h, err := os.Hostname(); err == nil {
+		if addrs, err := net.LookupHost(h); err == nil && len(addrs) > 0 {
+			if ip, err := netip.ParseAddr(addrs[0]); err == nil && !PublicAddr(ip) {
+				name, rebound = h, true
+			}
+		}
+	}
+	addHook(t, st, "hook1", strings.Replace(rcv.srv.URL, "127.0.0.1", name, 1), "s3cret-value", []string{e2bapi.EventCreated})
 	addHook(t, st, "hook2", rcv.srv.URL, "s3cret-value", []string{e2bapi.EventCreated})
 	s := startService(t, st, "cp-a", func(c *Config) { c.AllowPrivate = false; c.MaxAttempts = 2; c.RetryInitial = 50 * time.Millisecond })
 	defer s.Close()
@@ -435,10 +447,13 @@ func TestDeliveryRefusesPrivateAtDial(t *testing.T) {
 			return err == nil && pending == 0 && stt.Failed == 1 && len(failed) == 1 && failed[0].Attempts == 2
 		})
 	}
-	_, _, failed, _ := st.WebhookDeliveries(context.Background(), "hook2")
-	if !strings.Contains(failed[0].LastError, "non-public") {
-		t.Errorf("hook2 error %q", failed[0].LastError)
+	for _, h := range []string{"hook1", "hook2"} {
+		_, _, failed, _ := st.WebhookDeliveries(context.Background(), h)
+		if (h == "hook2" || rebound) && !strings.Contains(failed[0].LastError, "non-public") {
+			t.Errorf("%s (%s) error %q", h, name, failed[0].LastError)
+		}
 	}
+	t.Logf("name resolving to a private address: %s (%t)", name, rebound)
 	rcv.mu.Lock()
 	defer rcv.mu.Unlock()
 	if rcv.requests != 0 {
