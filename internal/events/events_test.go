@@ -223,6 +223,11 @@ type receiver struct {
 	processed []e2bapi.SandboxEvent
 	badSig    int
 	hookIDs   map[string]bool
+	// hangOnce: after processing its first event, the receiver answers
+	// only after this long (past the dispatcher's attempt timeout), as if
+	// its acknowledgement were lost.
+	hangOnce time.Duration
+	ids      []string
 }
 
 func newReceiver(t *testing.T, secret string, failFirst int) *receiver {
@@ -249,6 +254,7 @@ func (r *receiver) serve(w http.ResponseWriter, req *http.Request) {
 	}
 	r.hookIDs[req.Header.Get(e2bapi.HeaderWebhookID)] = true
 	id := req.Header.Get(e2bapi.HeaderDeliveryID)
+	r.ids = append(r.ids, id)
 	if id == "" || r.seen[id] {
 		w.WriteHeader(http.StatusOK) // duplicate: acknowledged, not processed again
 		return
@@ -260,6 +266,12 @@ func (r *receiver) serve(w http.ResponseWriter, req *http.Request) {
 	}
 	r.seen[id] = true
 	r.processed = append(r.processed, ev)
+	if hang := r.hangOnce; hang > 0 {
+		r.hangOnce = 0
+		r.mu.Unlock()
+		time.Sleep(hang)
+		r.mu.Lock()
+	}
 	w.WriteHeader(http.StatusNoContent)
 }
 
@@ -539,4 +551,35 @@ func TestRecorderCatchesUpAfterDowntime(t *testing.T) {
 		state, err := st.LoadEventState(ctx)
 		return err == nil && len(state.Observed) == 0
 	})
+}
+
+// A delivery whose acknowledgement is lost (the receiver answers after the
+// attempt timed out) is posted again under the same delivery id; the
+// receiver processes the event once.
+func TestLostAckRedeliveredSameID(t *testing.T) {
+	st := openStore(t)
+	rcv := newReceiver(t, "s3cret-value", 0)
+	rcv.hangOnce = 1500 * time.Millisecond
+	addHook(t, st, "hook1", rcv.srv.URL, "s3cret-value", []string{e2bapi.EventCreated})
+	s := startService(t, st, "cp-a", func(c *Config) { c.AttemptTimeout = 300 * time.Millisecond })
+	defer s.Close()
+	r := record("sbxlostack001")
+	r.State = store.StateRunning
+	if _, err := st.CreateSandbox(context.Background(), r); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 15*time.Second, "the redelivery", func() bool {
+		rcv.mu.Lock()
+		defer rcv.mu.Unlock()
+		return len(rcv.ids) >= 2
+	})
+	waitFor(t, 10*time.Second, "delivered", func() bool {
+		stt, pending, _, err := st.WebhookDeliveries(context.Background(), "hook1")
+		return err == nil && pending == 0 && stt.Delivered == 1
+	})
+	rcv.mu.Lock()
+	defer rcv.mu.Unlock()
+	if rcv.ids[0] != rcv.ids[1] || len(rcv.processed) != 1 {
+		t.Fatalf("delivery ids %v, processed %d", rcv.ids, len(rcv.processed))
+	}
 }
