@@ -168,7 +168,8 @@ func TestWebhooksAndDeliveries(t *testing.T) {
 	if _, err := s.UpdateWebhook(ctx, "team-b", "h1", func(*WebhookRecord) error { return nil }); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("other team's update: %v", err)
 	}
-	if got := fmt.Sprint(w.LogValue()); got == "" || strings.Contains(got, "topsecret") {
+	w.URL = "https://example.com/hook?token=tok123"
+	if got := fmt.Sprint(w.LogValue()); got == "" || strings.Contains(got, "topsecret") || strings.Contains(got, "tok123") {
 		t.Fatalf("log value %q", got)
 	}
 	upd, err := s.UpdateWebhook(ctx, "team-a", "h1", func(r *WebhookRecord) error { r.Name = "renamed"; r.ID = "hijack"; r.TeamID = "team-b"; return nil })

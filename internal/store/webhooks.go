@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"net/url"
 	"sort"
 	"strings"
 	"time"
@@ -44,9 +45,14 @@ type WebhookRecord struct {
 	CreatedAt time.Time `json:"created_at"`
 }
 
-// LogValue renders the record without its secret.
+// LogValue renders the record without its secret, and its URL as scheme
+// and host only (a path or query may carry a receiver's token).
 func (w WebhookRecord) LogValue() slog.Value {
-	return slog.GroupValue(slog.String("webhook", w.ID), slog.String("team", w.TeamID), slog.String("url", w.URL))
+	host := "?"
+	if u, err := url.Parse(w.URL); err == nil {
+		host = u.Scheme + "://" + u.Host
+	}
+	return slog.GroupValue(slog.String("webhook", w.ID), slog.String("team", w.TeamID), slog.String("url", host))
 }
 
 // Subscribed reports whether w is enabled and takes events of type t.
