@@ -54,7 +54,7 @@ const (
 	maxEventOffset    = 10000
 )
 
-// eventQuery parses offset, limit and orderAsc.
+// eventQuery parses offset, limit, orderAsc and types (repeatable).
 func eventQuery(q url.Values, team, sandbox string) (store.EventQuery, error) {
 	eq := store.EventQuery{TeamID: team, SandboxID: sandbox, Limit: defaultEventLimit}
 	for name, dst := range map[string]*int{"offset": &eq.Offset, "limit": &eq.Limit} {
@@ -73,6 +73,17 @@ func eventQuery(q url.Values, team, sandbox string) (store.EventQuery, error) {
 		return eq, fmt.Errorf("%w: offset must be 0..%d", errdefs.ErrInvalid, maxEventOffset)
 	case eq.Limit < 1 || eq.Limit > maxEventLimit:
 		return eq, fmt.Errorf("%w: limit must be 1..%d", errdefs.ErrInvalid, maxEventLimit)
+	}
+	if ts := q["types"]; len(ts) > 0 {
+		if len(ts) > len(e2bapi.EventTypes) {
+			return eq, fmt.Errorf("%w: at most %d types", errdefs.ErrInvalid, len(e2bapi.EventTypes))
+		}
+		for _, t := range ts {
+			if !e2bapi.KnownEventType(t) {
+				return eq, fmt.Errorf("%w: unknown event type %q", errdefs.ErrInvalid, truncate(t, 64))
+			}
+		}
+		eq.Types = ts
 	}
 	if v := q.Get("orderAsc"); v != "" {
 		b, err := strconv.ParseBool(v)

@@ -177,7 +177,11 @@ func TestEventsWebhooksAndLogsAPI(t *testing.T) {
 	if len(evs) != 2 || evs[0].Type != e2bapi.EventPaused {
 		t.Fatalf("offset: %+v", evs)
 	}
-	for _, q := range []string{"limit=0", "limit=101", "offset=-1", "orderAsc=maybe", "limit=x"} {
+	e.api("GET", "/events/sandboxes/"+id+"?types=sandbox.lifecycle.paused&types=sandbox.lifecycle.killed", nil).decode(t, &evs)
+	if len(evs) != 2 || evs[0].Type != e2bapi.EventKilled || evs[1].Type != e2bapi.EventPaused {
+		t.Fatalf("types filter: %+v", evs)
+	}
+	for _, q := range []string{"limit=0", "limit=101", "offset=-1", "orderAsc=maybe", "limit=x", "types=sandbox.lifecycle.nope"} {
 		expectError(t, e.api("GET", "/events/sandboxes?"+q, nil), 400)
 	}
 

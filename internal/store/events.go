@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -289,7 +290,12 @@ type EventQuery struct {
 	Offset    int
 	Limit     int
 	Asc       bool
+	// Types, when set, keeps only events of these types.
+	Types []string
 }
+
+// eventPage is how many events a filtered listing reads at a time.
+var eventPage int64 = 500
 
 // ListEvents returns the events q selects.
 func (s *Store) ListEvents(ctx context.Context, q EventQuery) ([]EventRecord, error) {
@@ -306,35 +312,58 @@ func (s *Store) ListEvents(ctx context.Context, q EventQuery) ([]EventRecord, er
 		}
 		pfx = eventSbxPrefix + q.TeamID + "/" + q.SandboxID + "/"
 	}
+	match := func(t string) bool { return len(q.Types) == 0 || slices.Contains(q.Types, t) }
 	order := clientv3.SortDescend
 	if q.Asc {
 		order = clientv3.SortAscend
 	}
-	resp, err := s.cli.Get(ctx, pfx, clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, order),
-		clientv3.WithLimit(int64(q.Offset+q.Limit)))
-	if err != nil {
-		return nil, wrapErr("list events", err)
+	// Pages of keys in order; without a type filter the first page is
+	// all it takes.
+	chunk := int64(max(q.Offset+q.Limit, 100))
+	if len(q.Types) > 0 {
+		chunk = eventPage
 	}
-	kvs := resp.Kvs
-	if q.Offset >= len(kvs) {
-		return []EventRecord{}, nil
-	}
-	kvs = kvs[q.Offset:]
-	out := make([]EventRecord, 0, len(kvs))
-	for _, kv := range kvs {
-		var e EventRecord
-		if err := json.Unmarshal(kv.Value, &e.Event); err != nil {
-			s.log.Warn("skipping undecodable event", "key", string(kv.Key), "err", err)
-			continue
+	start, end := pfx, clientv3.GetPrefixRangeEnd(pfx)
+	out := []EventRecord{}
+	skipped := 0
+	for {
+		resp, err := s.cli.Get(ctx, start, clientv3.WithRange(end), clientv3.WithSort(clientv3.SortByKey, order), clientv3.WithLimit(chunk))
+		if err != nil {
+			return nil, wrapErr("list events", err)
 		}
-		rest := strings.TrimPrefix(string(kv.Key), pfx)
-		if q.SandboxID == "" {
-			rest, _, _ = strings.Cut(rest, "/")
+		for _, kv := range resp.Kvs {
+			var e EventRecord
+			if err := json.Unmarshal(kv.Value, &e.Event); err != nil {
+				s.log.Warn("skipping undecodable event", "key", string(kv.Key), "err", err)
+				continue
+			}
+			if !match(e.Event.Type) {
+				continue
+			}
+			if skipped < q.Offset {
+				skipped++
+				continue
+			}
+			rest := strings.TrimPrefix(string(kv.Key), pfx)
+			if q.SandboxID == "" {
+				rest, _, _ = strings.Cut(rest, "/")
+			}
+			e.Seq = rest
+			out = append(out, e)
+			if len(out) == q.Limit {
+				return out, nil
+			}
 		}
-		e.Seq = rest
-		out = append(out, e)
+		if !resp.More || len(resp.Kvs) == 0 {
+			return out, nil
+		}
+		last := string(resp.Kvs[len(resp.Kvs)-1].Key)
+		if q.Asc {
+			start = last + "\x00"
+		} else {
+			end = last
+		}
 	}
-	return out, nil
 }
 
 // PruneEvents deletes every team's events recorded before cutoff and, per

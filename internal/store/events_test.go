@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -107,6 +108,33 @@ func TestListEventsPagingAndScope(t *testing.T) {
 	if past, _ := s.ListEvents(ctx, EventQuery{TeamID: "team-a", Offset: 50, Limit: 10}); len(past) != 0 {
 		t.Fatalf("past the end: %d", len(past))
 	}
+	// A type filter reads page after page (two events a page here).
+	defer func(p int64) { eventPage = p }(eventPage)
+	eventPage = 2
+	for _, asc := range []bool{true, false} {
+		var want []string
+		for _, e := range all {
+			if e.Event.Type == all[0].Event.Type || e.Event.Type == all[3].Event.Type {
+				want = append(want, e.Seq)
+			}
+		}
+		if !asc {
+			slices.Reverse(want)
+		}
+		got, err := s.ListEvents(ctx, EventQuery{TeamID: "team-a", Limit: 100, Asc: asc, Types: []string{all[0].Event.Type, all[3].Event.Type}})
+		var seqs []string
+		for _, e := range got {
+			seqs = append(seqs, e.Seq)
+		}
+		if err != nil || fmt.Sprint(seqs) != fmt.Sprint(want) {
+			t.Fatalf("asc %t: filtered %v, want %v (%v)", asc, seqs, want, err)
+		}
+		got, _ = s.ListEvents(ctx, EventQuery{TeamID: "team-a", Offset: 1, Limit: 1, Asc: asc, Types: []string{all[0].Event.Type, all[3].Event.Type}})
+		if len(got) != 1 || got[0].Seq != want[1] {
+			t.Fatalf("asc %t: filtered page %+v, want %s", asc, got, want[1])
+		}
+	}
+	eventPage = 500
 	for _, q := range []EventQuery{{TeamID: "", Limit: 1}, {TeamID: "a/b", Limit: 1}, {TeamID: "t", Limit: 0}, {TeamID: "t", Offset: -1, Limit: 1},
 		{TeamID: "t", SandboxID: "../x", Limit: 1}} {
 		if _, err := s.ListEvents(ctx, q); !errors.Is(err, errdefs.ErrInvalid) {
