@@ -6,12 +6,15 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/events"
 	"github.com/spacesbx/space/internal/testenv"
 	"github.com/spacesbx/space/sdk"
@@ -156,4 +159,122 @@ func TestEventsWebhooksLogsPlatform(t *testing.T) {
 	if err != nil || h.Deliveries.Delivered < int64(len(want)) {
 		t.Fatalf("webhook state %+v %v", h.Deliveries, err)
 	}
+}
+
+// The control plane dies (SIGKILL) right after committing a kill, before
+// anything else ran: after the restart the killed event is recorded and
+// delivered, and no event is recorded or processed twice.
+func TestEventsSurviveControlPlaneCrash(t *testing.T) {
+	testenv.RequirePlatform(t)
+	const secret = "crash-webhook-secret"
+	var (
+		mu    sync.Mutex
+		seen  = map[string]bool{}
+		types []string
+		reqs  int
+	)
+	rcv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		defer mu.Unlock()
+		reqs++
+		if r.Header.Get(e2bapi.HeaderSignature) != events.Sign(secret, body) {
+			w.WriteHeader(http.StatusUnauthorized)
+			return
+		}
+		if id := r.Header.Get(e2bapi.HeaderDeliveryID); !seen[id] {
+			seen[id] = true
+			var ev e2bapi.SandboxEvent
+			_ = json.Unmarshal(body, &ev)
+			types = append(types, ev.SandboxID+" "+ev.Type)
+		}
+		w.WriteHeader(http.StatusOK)
+	}))
+	defer rcv.Close()
+	got := func(id string) []string {
+		mu.Lock()
+		defer mu.Unlock()
+		var out []string
+		for _, s := range types {
+			if sid, typ, _ := strings.Cut(s, " "); sid == id {
+				out = append(out, typ)
+			}
+		}
+		return out
+	}
+	waitN := func(id string, n int) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for len(got(id)) < n && time.Now().Before(deadline) {
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+
+	opts := testenv.PlatformOptions{Dir: t.TempDir(), APIKey: apiKey, LogLevel: "info", Args: []string{"--webhook-allow-private"},
+		Env: append(os.Environ(), crashpoint.EnvVar+"="+crashpoint.KillMarked+"@1")}
+	p1, err := testenv.LaunchPlatform(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p1.Kill()
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	c1, err := sdk.New(sdk.Config{APIURL: p1.APIURL, SandboxURL: p1.SandboxURL, APIKey: apiKey})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c1.CreateWebhook(ctx, e2bapi.NewWebhook{Name: "crash", URL: rcv.URL, Events: e2bapi.EventTypes, SignatureSecret: secret}); err != nil {
+		t.Fatal(err)
+	}
+	sb, err := c1.CreateSandbox(ctx, sdk.CreateOptions{Timeout: 120 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitN(sb.ID, 1)
+	killErr := c1.KillSandbox(ctx, sb.ID)
+	state, err := p1.WaitExit(60 * time.Second)
+	if err != nil {
+		t.Fatalf("the crash point was not hit (kill: %v): %v\n%s", killErr, err, p1.Log())
+	}
+	if ws, _ := state.Sys().(syscall.WaitStatus); !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+		t.Fatalf("space up ended with %v, not the crash point", state)
+	}
+	before := got(sb.ID)
+
+	opts.Env = os.Environ()
+	p2, err := testenv.LaunchPlatform(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if t.Failed() {
+			t.Logf("space up log after the restart:\n%s", p2.Log())
+		}
+		if err := p2.Stop(); err != nil {
+			t.Error(err)
+		}
+	}()
+	c2, err := sdk.New(sdk.Config{APIURL: p2.APIURL, SandboxURL: p2.SandboxURL, APIKey: apiKey})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{e2bapi.EventCreated, e2bapi.EventKilled}
+	waitN(sb.ID, len(want))
+	if strings.Join(got(sb.ID), ",") != strings.Join(want, ",") {
+		t.Fatalf("webhooks %v (before the crash %v), want %v", got(sb.ID), before, want)
+	}
+	evs, err := c2.SandboxEvents(ctx, sb.ID, sdk.EventsOptions{Asc: true, Limit: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var listed []string
+	for _, e := range evs {
+		listed = append(listed, e.Type)
+	}
+	if strings.Join(listed, ",") != strings.Join(want, ",") {
+		t.Fatalf("events API %v, want %v", listed, want)
+	}
+	mu.Lock()
+	t.Logf("before the crash the receiver had %v; %d requests in all", before, reqs)
+	mu.Unlock()
 }
