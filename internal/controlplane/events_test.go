@@ -3,15 +3,18 @@ package controlplane
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/events"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -308,4 +311,37 @@ func TestLogsOfFailedCreate(t *testing.T) {
 	if len(evs) != 0 {
 		t.Fatalf("events of a failed create: %+v", evs)
 	}
+}
+
+func FuzzParseEventAndLogQueries(f *testing.F) {
+	for _, q := range []string{"offset=1&limit=5&orderAsc=true", "types=sandbox.lifecycle.created&types=x", "limit=-1",
+		"cursor=123&direction=backward&level=warn&search=a", "start=9999999999999999999", "limit=1e3", "direction=%zz"} {
+		f.Add(q)
+	}
+	f.Fuzz(func(t *testing.T, raw string) {
+		q, err := url.ParseQuery(raw)
+		if err != nil {
+			return
+		}
+		if eq, err := eventQuery(q, "team", ""); err != nil {
+			if !errors.Is(err, errdefs.ErrInvalid) {
+				t.Fatalf("%q: untyped error %v", raw, err)
+			}
+		} else if eq.Limit < 1 || eq.Limit > maxEventLimit || eq.Offset < 0 || eq.Offset > maxEventOffset {
+			t.Fatalf("%q: accepted %+v", raw, eq)
+		}
+		for _, v2 := range []bool{true, false} {
+			lq, err := parseLogQuery(q, v2)
+			if err != nil {
+				if !errors.Is(err, errdefs.ErrInvalid) {
+					t.Fatalf("%q: untyped error %v", raw, err)
+				}
+				continue
+			}
+			if lq.Limit < 0 || lq.Limit > maxLogLimit || lq.Cursor < 0 || lq.MinLevel < 0 || len(lq.Search) > maxLogSearch {
+				t.Fatalf("%q: accepted %+v", raw, lq)
+			}
+			_ = selectLogs([]e2bapi.SandboxLogEntry{{Level: "info", Message: "m", Timestamp: time.UnixMilli(5)}}, lq)
+		}
+	})
 }

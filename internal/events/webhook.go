@@ -142,6 +142,8 @@ var reserved = []netip.Prefix{
 	netip.MustParsePrefix("240.0.0.0/4"),
 	netip.MustParsePrefix("64:ff9b::/96"), // NAT64 reaches IPv4 inside
 	netip.MustParsePrefix("2001:db8::/32"),
+	netip.MustParsePrefix("fec0::/10"), // deprecated site-local
+	netip.MustParsePrefix("100::/64"),  // discard
 }
 
 // dialControl refuses connections to non-public addresses: it runs on the
