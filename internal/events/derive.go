@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
+	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -40,6 +41,18 @@ type observed struct {
 	Op      string `json:"op,omitempty"`
 	Created bool   `json:"c,omitempty"`
 	Ended   bool   `json:"x,omitempty"`
+	// Team, Template and Exec name the sandbox for an event written
+	// after its record is gone.
+	Team     string `json:"t,omitempty"`
+	Template string `json:"tp,omitempty"`
+	Exec     string `json:"ex,omitempty"`
+	Worker   string `json:"w,omitempty"`
+}
+
+// sandbox is the little of a record the digest of sandbox id keeps.
+func (o observed) sandbox(id string) store.SandboxRecord {
+	return store.SandboxRecord{ID: id, TeamID: o.Team, TemplateID: o.Template,
+		Route: identity.Route{SandboxID: id, Generation: o.Gen, ExecutionID: o.Exec, WorkerID: o.Worker}}
 }
 
 // derived is one event a record change causes.
@@ -54,6 +67,7 @@ type derived struct {
 func derive(p observed, rec store.SandboxRecord) (observed, []derived) {
 	n := p
 	n.State = string(rec.State)
+	n.Team, n.Template, n.Exec, n.Worker = rec.TeamID, rec.TemplateID, rec.Route.ExecutionID, rec.Route.WorkerID
 	meta := rec.Metadata
 	exec := func(at time.Time) *e2bapi.EventExecution {
 		started := rec.StartedAt

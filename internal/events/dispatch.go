@@ -93,9 +93,14 @@ func (s *Service) attempt(ctx context.Context, l *store.Leadership, d store.Deli
 		return ignoreGone(s.st.RecordAttempt(ctx, l, d, store.DeliveryDrop, 0, s.cfg.Clock()))
 	}
 	status, err := s.post(ctx, hook, d)
-	if ctx.Err() != nil {
-		return ctx.Err() // not an attempt: the next leader sends it again
+	if err != nil && ctx.Err() != nil {
+		return ctx.Err() // cut short by a stop: not an attempt, the next leader sends it again
 	}
+	// An answer is recorded even while stopping (the leadership guard
+	// still holds), so a stop seldom causes a redelivery.
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
+	defer cancel()
+	ctx = rctx
 	d.Attempts++
 	d.LastError = ""
 	switch {
@@ -119,6 +124,9 @@ func (s *Service) attempt(ctx context.Context, l *store.Leadership, d store.Deli
 	}
 	return ignoreGone(s.st.RecordAttempt(ctx, l, d, out, status, s.cfg.Clock()))
 }
+
+// recordTimeout bounds recording an attempt's outcome.
+const recordTimeout = 5 * time.Second
 
 func ignoreGone(err error) error {
 	if errors.Is(err, errdefs.ErrNotFound) {

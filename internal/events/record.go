@@ -94,7 +94,16 @@ func (s *Service) apply(ctx context.Context, l *store.Leadership, obs map[string
 		if !known {
 			return s.st.CommitEvents(ctx, l, store.EventCommit{Cursor: cursor})
 		}
-		if err := s.st.CommitEvents(ctx, l, store.EventCommit{Cursor: cursor, SandboxID: id, Forget: true}); err != nil {
+		c := store.EventCommit{Cursor: cursor, SandboxID: id, Forget: true}
+		if prev.Created && !prev.Ended && prev.Team != "" {
+			// Purged before its end was seen (a resync after a gap in
+			// the history): it ended all the same.
+			d := derived{Type: e2bapi.EventKilled, Data: e2bapi.EventData{Reason: "ended unobserved", Generation: prev.Gen, WorkerID: prev.Worker}}
+			if err := s.addEvents(ctx, &c, prev.sandbox(id), []derived{d}, rev); err != nil {
+				return err
+			}
+		}
+		if err := s.commit(ctx, l, c, id); err != nil {
 			return err
 		}
 		delete(obs, id)
@@ -106,15 +115,28 @@ func (s *Service) apply(ctx context.Context, l *store.Leadership, obs map[string
 	if known && len(ds) == 0 && bytes.Equal(pb, nb) {
 		return nil // nothing new: the cursor may lag, replaying this is a no-op
 	}
-	now := s.cfg.Clock().UTC()
 	c := store.EventCommit{Cursor: cursor, SandboxID: id, Observed: nb}
-	var hooks []store.WebhookRecord
-	if len(ds) > 0 {
-		var err error
-		if hooks, err = s.st.ListWebhooks(ctx, rec.TeamID); err != nil {
-			return err
-		}
+	if err := s.addEvents(ctx, &c, *rec, ds, rev); err != nil {
+		return err
 	}
+	if err := s.commit(ctx, l, c, id); err != nil {
+		return err
+	}
+	obs[id] = next
+	return nil
+}
+
+// addEvents adds to c the events ds of sandbox rec (derived from the
+// change at revision rev) and a delivery for each webhook taking one.
+func (s *Service) addEvents(ctx context.Context, c *store.EventCommit, rec store.SandboxRecord, ds []derived, rev int64) error {
+	if len(ds) == 0 {
+		return nil
+	}
+	hooks, err := s.st.ListWebhooks(ctx, rec.TeamID)
+	if err != nil {
+		return err
+	}
+	now := s.cfg.Clock().UTC()
 	for i, d := range ds {
 		data, err := json.Marshal(d.Data)
 		if err != nil {
@@ -136,12 +158,16 @@ func (s *Service) apply(ctx context.Context, l *store.Leadership, obs map[string
 			}
 		}
 	}
+	return nil
+}
+
+// commit writes c and wakes the dispatcher when it holds deliveries.
+func (s *Service) commit(ctx context.Context, l *store.Leadership, c store.EventCommit, id string) error {
 	if err := s.st.CommitEvents(ctx, l, c); err != nil {
 		return err
 	}
-	obs[id] = next
 	for _, e := range c.Events {
-		s.log.Debug("events: recorded", "type", e.Event.Type, "sandbox", id, "team", rec.TeamID)
+		s.log.Debug("events: recorded", "type", e.Event.Type, "sandbox", id, "team", e.Event.SandboxTeamID)
 	}
 	if len(c.Deliveries) > 0 {
 		s.Kick()
