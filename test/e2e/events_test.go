@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -97,7 +98,7 @@ func TestEventsWebhooksLogsPlatform(t *testing.T) {
 	var agent, platform int
 	deadline := time.Now().Add(30 * time.Second)
 	for time.Now().Before(deadline) {
-		lines, err := c.SandboxLogs(ctx, sb.ID, sdk.LogsOptions{Limit: 1000})
+		lines, err := sandboxLogs(ctx, tp, sb.ID, "limit=1000")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -116,7 +117,7 @@ func TestEventsWebhooksLogsPlatform(t *testing.T) {
 		time.Sleep(300 * time.Millisecond)
 	}
 	t.Logf("log lines: %d platform, %d agent", platform, agent)
-	if lines, err := c.SandboxLogs(ctx, sb.ID, sdk.LogsOptions{Limit: 20}); err == nil {
+	if lines, err := sandboxLogs(ctx, tp, sb.ID, "limit=20"); err == nil {
 		for _, l := range lines {
 			t.Logf("  %s %-5s %-8s %s", l.Timestamp.Format(time.RFC3339Nano), l.Level, l.Fields["source"], l.Message)
 		}
@@ -277,4 +278,27 @@ func TestEventsSurviveControlPlaneCrash(t *testing.T) {
 	mu.Lock()
 	t.Logf("before the crash the receiver had %v; %d requests in all", before, reqs)
 	mu.Unlock()
+}
+
+// sandboxLogs reads GET /v2/sandboxes/{id}/logs?query as any client would.
+func sandboxLogs(ctx context.Context, tp *testenv.Platform, id, query string) ([]e2bapi.SandboxLogEntry, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, tp.APIURL+"/v2/sandboxes/"+id+"/logs?"+query, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("X-API-Key", apiKey)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(resp.Body)
+		return nil, fmt.Errorf("logs: %d %s", resp.StatusCode, b)
+	}
+	var out e2bapi.SandboxLogsV2Response
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		return nil, err
+	}
+	return out.Logs, nil
 }
