@@ -36,7 +36,7 @@ func (s *Service) dispatch(ctx context.Context, l *store.Leadership) error {
 		if err != nil && ctx.Err() == nil {
 			s.log.Warn("events: read pending deliveries", "err", err)
 		}
-		now := s.cfg.Clock()
+		now := time.Now() // retries wait real time (timers do), whatever the clock of the timestamps
 		wake := s.cfg.PollInterval
 		headSeen := map[string]bool{}
 		for _, d := range pending {
@@ -115,7 +115,7 @@ func (s *Service) attempt(ctx context.Context, l *store.Leadership, d store.Deli
 		if d.Attempts >= s.cfg.MaxAttempts {
 			out = store.DeliveryGiveUp
 		} else {
-			d.NextAt = s.cfg.Clock().Add(s.retryAfter(d.Attempts)).UTC()
+			d.NextAt = time.Now().Add(s.retryAfter(d.Attempts)).UTC()
 		}
 	}
 	s.log.Debug("events: delivery attempt", "webhook", d.WebhookID, "delivery", d.ID, "attempt", d.Attempts, "status", status, "err", d.LastError)

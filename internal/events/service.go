@@ -68,7 +68,8 @@ type Config struct {
 	PollInterval time.Duration
 	// MaxWebhooksPerTeam bounds a team's registrations (20).
 	MaxWebhooksPerTeam int
-	// Logger (default slog.Default()) and Clock (default time.Now).
+	// Logger (default slog.Default()) and Clock (default time.Now; the
+	// time of events and of pruning: retries wait real time).
 	Logger *slog.Logger
 	Clock  func() time.Time
 }
