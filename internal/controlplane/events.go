@@ -109,12 +109,19 @@ func (s *Server) handleSandboxEvents(w http.ResponseWriter, r *http.Request, c c
 }
 
 // listEvents answers the caller's team's events (of one sandbox when
-// sandbox is set). Another team's sandbox simply has none.
+// sandbox is set: 404 when the team has neither its record nor an event
+// of it, as for any other team's sandbox).
 func (s *Server) listEvents(w http.ResponseWriter, r *http.Request, c caller, sandbox string) {
 	q, err := eventQuery(r.URL.Query(), c.TeamID, sandbox)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
+	}
+	if sandbox != "" {
+		if _, _, err := s.teamSandbox(r.Context(), c, sandbox); err != nil {
+			s.writeError(w, r, err)
+			return
+		}
 	}
 	evs, err := s.st.ListEvents(r.Context(), q)
 	if err != nil {

@@ -154,20 +154,38 @@ func platformLine(ev e2bapi.SandboxEvent) e2bapi.SandboxLogEntry {
 	}}
 }
 
+// teamSandbox finds the caller's sandbox id: its record (found false when
+// it was purged) and its events, oldest first. errdefs.ErrNotFound when
+// the team has neither (another team's sandbox included).
+func (s *Server) teamSandbox(ctx context.Context, c caller, id string) (rec store.SandboxRecord, found bool, err error) {
+	rec, _, err = s.st.GetSandbox(ctx, id)
+	found = err == nil && rec.TeamID == c.TeamID
+	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+		return rec, false, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err)
+	}
+	if found {
+		return rec, true, nil
+	}
+	evs, err := s.st.ListEvents(ctx, store.EventQuery{TeamID: c.TeamID, SandboxID: id, Limit: 1})
+	if err != nil {
+		return rec, false, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err)
+	}
+	if len(evs) == 0 {
+		return rec, false, fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
+	}
+	return store.SandboxRecord{}, false, nil
+}
+
 // sandboxLogs gathers the lines of the caller's sandbox id: 404 when the
 // team has neither a record nor events of it.
 func (s *Server) sandboxLogs(ctx context.Context, c caller, id string) ([]e2bapi.SandboxLogEntry, error) {
-	rec, _, err := s.st.GetSandbox(ctx, id)
-	found := err == nil && rec.TeamID == c.TeamID
-	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
-		return nil, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err)
+	rec, found, err := s.teamSandbox(ctx, c, id)
+	if err != nil {
+		return nil, err
 	}
 	evs, err := s.st.ListEvents(ctx, store.EventQuery{TeamID: c.TeamID, SandboxID: id, Limit: platformLogEvents, Asc: true})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err)
-	}
-	if !found && len(evs) == 0 {
-		return nil, fmt.Errorf("%w: sandbox %s", errdefs.ErrNotFound, id)
 	}
 	lines := make([]e2bapi.SandboxLogEntry, 0, len(evs)+1)
 	ended := false
