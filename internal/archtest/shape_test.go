@@ -46,6 +46,8 @@ var layer = map[string]int{
 	"internal/guest": 3, "sdk": 3, "internal/egress": 3, "internal/baseimage": 3, "internal/volume": 3,
 	// 4 also: a template build, a client of sandboxes.
 	"internal/templatebuild": 4,
+	// 4 also: lifecycle events and webhook deliveries, over the store.
+	"internal/events": 4,
 	// 2 also: a Dockerfile read into E2B template build steps.
 	"internal/dockerfile": 2,
 	// 1 and 2 also: image layers and the registry client.

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/internal/codeinterp"
+	"github.com/spacesbx/space/internal/events"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
@@ -145,6 +146,16 @@ type Config struct {
 	// (default 24 h).
 	TeamMetricsInterval  time.Duration
 	TeamMetricsRetention time.Duration
+
+	// Events and webhooks (events.go, webhooks.go, internal/events).
+	// WebhookAllowPrivate lets webhook URLs reach loopback, private and
+	// link-local addresses (tests, closed labs); default: refused at
+	// registration and at every delivery's dial.
+	WebhookAllowPrivate bool
+	// Events tunes event retention and webhook delivery (zero fields:
+	// internal/events' defaults; Instance, AllowPrivate, Logger and Clock
+	// are set by the server).
+	Events events.Config
 }
 
 // EgressLimit bounds a team's egress.

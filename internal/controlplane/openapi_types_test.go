@@ -35,6 +35,11 @@ var e2bSchemas = map[string]any{
 	"SandboxTimeoutRequest": e2bapi.TimeoutRequest{}, "ForkError": e2bapi.Error{}, "Error": spacev1.Error{}, "SandboxMetric": e2bapi.SandboxMetric{},
 	"SandboxesWithMetrics": e2bapi.SandboxesWithMetrics{}, "TeamMetric": e2bapi.TeamMetric{}, "MaxTeamMetric": e2bapi.MaxTeamMetric{},
 	"SandboxRefreshRequest": e2bapi.SandboxRefreshRequest{},
+	"SandboxLog":            e2bapi.SandboxLog{}, "SandboxLogEntry": e2bapi.SandboxLogEntry{}, "SandboxLogs": e2bapi.SandboxLogs{},
+	"SandboxLogsV2Response": e2bapi.SandboxLogsV2Response{}, "SandboxEvent": e2bapi.SandboxEvent{},
+	"SandboxEventData": e2bapi.EventData{}, "SandboxEventExecution": e2bapi.EventExecution{},
+	"NewWebhook": e2bapi.NewWebhook{}, "WebhookUpdate": e2bapi.WebhookUpdate{}, "Webhook": e2bapi.Webhook{},
+	"WebhookDeliveryState": e2bapi.WebhookDeliveryState{}, "FailedDelivery": e2bapi.FailedDelivery{},
 
 	"TemplateBuildRequestV3": e2bapi.TemplateBuildRequestV3{}, "TemplateRequestResponseV3": e2bapi.TemplateRequestResponseV3{},
 	"TemplateBuildFileUpload": e2bapi.TemplateBuildFileUpload{}, "TemplateBuildStartV2": e2bapi.TemplateBuildStartV2{},

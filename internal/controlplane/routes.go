@@ -76,6 +76,9 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("GET /volumecontent/{id}/file", s.volumeHandler(volumeRead))
 	mux.HandleFunc("PUT /volumecontent/{id}/file", s.volumeHandler(volumeWrite))
 
+	// E2B: lifecycle events, webhooks and sandbox logs (events.go, webhooks.go, logs.go).
+	s.eventRoutes(mux)
+
 	// SPACE's own (inspect.go, capabilities.go, move.go, rotate.go).
 	mux.HandleFunc("GET /space/v1/workers", s.handleWorkers)
 	mux.HandleFunc("GET /space/v1/sandboxes/{id}/executions", s.handleExecutions)

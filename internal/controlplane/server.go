@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/events"
 	"github.com/spacesbx/space/internal/scheduler"
 	"github.com/spacesbx/space/internal/snapshot"
 	"github.com/spacesbx/space/internal/store"
@@ -66,6 +67,9 @@ type Server struct {
 
 	// authLog bounds the failed-authentication log lines (auth.go).
 	authLog logLimiter
+
+	// events records lifecycle events and delivers webhooks (events.go).
+	events *events.Service
 }
 
 // instanceTTL is how long a dead control plane's registration outlives it:
@@ -130,6 +134,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
 	s.tb = newTemplateBuilds(cfg)
+	if err := s.startEvents(); err != nil {
+		_ = s.reg.Close()
+		return nil, err
+	}
 	s.obs = newObservability()
 	s.handler = s.observe(s.routes())
 	s.ctx, s.cancel = context.WithCancel(context.Background())
@@ -204,6 +212,7 @@ func (s *Server) Close() error {
 	s.closeOnce.Do(func() {
 		s.cancel()
 		s.wg.Wait()
+		_ = s.events.Close()
 		err = s.reg.Close()
 	})
 	return err

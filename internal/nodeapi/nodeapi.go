@@ -107,6 +107,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("POST "+spacev1.NodePathMetrics, s.metrics())
 	mux.HandleFunc("POST "+spacev1.NodePathMetricsRange, s.metricsRange())
 	mux.HandleFunc("POST "+spacev1.NodePathNetwork, s.network())
+	mux.HandleFunc("POST "+spacev1.NodePathAgentLog, s.agentLog()) // events: sandbox logs (agentlog.go)
 	mux.HandleFunc("GET "+spacev1.NodePathHealth, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"worker":%q,"active":%d}`, s.cfg.WorkerID, s.mgr.Active())

@@ -47,6 +47,8 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	etcd := fs.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
 	egressFlags := node.EgressFlags(fs)
 	teamDeny := fs.String("egress-deny-teams", "", "comma-separated team ids whose sandboxes never get a way out (their network options that would open one are refused)")
+	// Events and webhooks.
+	fs.BoolVar(&cfg.WebhookAllowPrivate, "webhook-allow-private", false, "let webhook URLs reach loopback, private and link-local addresses (tests, closed labs)")
 	logOpts := logsetup.Flags(fs, logsetup.Options{Format: getenv(logsetup.EnvFormat), Level: getenv(logsetup.EnvLevel)})
 	// Observability (docs/OPERATIONS.md).
 	fs.StringVar(&cfg.APIMetricsAddr, "api-metrics-addr", telemetry.DefaultControlPlaneMetricsAddr, "control plane's Prometheus /metrics listener (off: none)")

@@ -122,6 +122,8 @@ type Config struct {
 	Egress node.EgressConfig
 	// EgressLimits are per-team limits (controlplane.Config.EgressLimits).
 	EgressLimits map[string]controlplane.EgressLimit
+	// WebhookAllowPrivate: controlplane.Config.WebhookAllowPrivate (events).
+	WebhookAllowPrivate bool
 	// Logger defaults to slog.Default(); `space up` builds it with
 	// package logsetup.
 	Logger *slog.Logger
@@ -356,7 +358,8 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 	p.cp, err = controlplane.New(controlplane.Config{
 		Addr: cfg.APIAddr, DataDir: filepath.Join(cfg.DataDir, "api"), BootstrapAPIKey: cfg.APIKey,
 		EdgeKey: edgeKey, Domain: p.SandboxDomain, DefaultEnvdVersion: guest.EnvdVersion, EgressLimits: cfg.EgressLimits,
-		SandboxURL: p.SandboxURL,
+		SandboxURL:          p.SandboxURL,
+		WebhookAllowPrivate: cfg.WebhookAllowPrivate, // events
 		Templates: map[string]controlplane.Template{
 			"base": controlplane.DefaultTemplate, "base-vm": controlplane.DefaultVMTemplate,
 			ns.TemplateBaseHost:            controlplane.DefaultTemplate,

@@ -108,7 +108,9 @@ type created struct {
 }
 
 func TestTeamIsolation(t *testing.T) {
-	p := testenv.StartPlatform(t, testenv.PlatformOptions{})
+	// Private webhook URLs allowed: the walker registers a real webhook
+	// (on loopback) so that its routes are walked with a real id.
+	p := testenv.StartPlatform(t, testenv.PlatformOptions{Args: []string{"--webhook-allow-private"}})
 	c := &client{t: t, base: p.APIURL, hc: &http.Client{Timeout: 2 * time.Minute}}
 	adminA := key(p.APIKey)
 	const teamA = "default"

@@ -1,0 +1,80 @@
+package sbxmanager
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"unicode/utf8"
+)
+
+func TestParseAgentLog(t *testing.T) {
+	data := `time=2026-12-04T19:00:00.123Z level=INFO msg="envd serving" addr=/run/x.sock
+time=2026-12-04T19:00:01Z level=WARN msg=slow op="a b" ms=12
+{"time":"2026-12-04T19:00:02Z","level":"ERROR","msg":"process failed","pid":7}
+not a structured line
+
+time=2026-12-04T19:00:03Z level=DEBUG+2 msg="quoted \"inner\" text"
+`
+	got := ParseAgentLog([]byte(data), -1)
+	if len(got) != 5 {
+		t.Fatalf("%d lines: %+v", len(got), got)
+	}
+	want := []struct{ level, msg string }{
+		{"info", "envd serving addr=/run/x.sock"},
+		{"warn", `slow op="a b" ms=12`},
+		{"error", "process failed pid=7"},
+		{"info", "not a structured line"},
+		{"debug", `quoted "inner" text`},
+	}
+	for i, w := range want {
+		if got[i].Level != w.level || got[i].Message != w.msg {
+			t.Errorf("line %d: %+v, want %+v", i, got[i], w)
+		}
+	}
+	if got[0].Time.UnixMilli()%1000 != 123 || !got[3].Time.IsZero() {
+		t.Errorf("times %v %v", got[0].Time, got[3].Time)
+	}
+	if last := ParseAgentLog([]byte(data), 2); len(last) != 2 || last[1].Level != "debug" {
+		t.Errorf("newest 2: %+v", last)
+	}
+}
+
+func TestReadTailBounded(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "spaced-host.log")
+	var b strings.Builder
+	for i := 0; i < 10000; i++ {
+		b.WriteString("time=2026-12-04T19:00:00Z level=INFO msg=line\n")
+	}
+	if err := os.WriteFile(p, []byte(b.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	data, err := readTail(p, 4096)
+	if err != nil || len(data) > 4096 || !strings.HasPrefix(string(data), "time=") {
+		t.Fatalf("tail: %d bytes %q... %v", len(data), string(data[:min(20, len(data))]), err)
+	}
+	if data, err := readTail(filepath.Join(t.TempDir(), "missing"), 10); err != nil || data != nil {
+		t.Fatalf("missing file: %q %v", data, err)
+	}
+}
+
+func FuzzParseAgentLog(f *testing.F) {
+	f.Add([]byte("time=2026-12-04T19:00:00Z level=INFO msg=\"a b\" k=v\n{\"msg\":1}\n"))
+	f.Add([]byte("msg=\"unterminated\nlevel=\"\\\""))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		lines := ParseAgentLog(data, MaxAgentLogLines)
+		if len(lines) > MaxAgentLogLines {
+			t.Fatalf("%d lines", len(lines))
+		}
+		for _, l := range lines {
+			if !utf8.ValidString(l.Message) || len(l.Message) > maxAgentLineBytes+3 {
+				t.Fatalf("bad message %q", l.Message)
+			}
+			switch l.Level {
+			case "debug", "info", "warn", "error":
+			default:
+				t.Fatalf("level %q", l.Level)
+			}
+		}
+	})
+}
