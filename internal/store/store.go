@@ -18,8 +18,10 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -237,6 +239,22 @@ func startEmbedded(ctx context.Context, cfg Config, closing *atomic.Bool) (*embe
 	if b, err := os.ReadFile(urlsFile); err == nil {
 		_ = json.Unmarshal(b, &saved)
 	}
+	for attempt := 1; ; attempt++ {
+		e, url, err := startEmbeddedOnce(ctx, cfg, closing, urlsFile, saved)
+		// A port found free a moment ago can be taken before etcd binds
+		// it (parallel test processes do): choose again, unless the
+		// operator named the URLs.
+		if err != nil && attempt < 4 && cfg.ClientURL == "" && cfg.PeerURL == "" &&
+			(errors.Is(err, syscall.EADDRINUSE) || strings.Contains(err.Error(), "address already in use")) {
+			cfg.Logger.Warn("embedded etcd: port taken before it was bound; choosing another", "attempt", attempt, "err", err)
+			saved = savedURLs{}
+			continue
+		}
+		return e, url, err
+	}
+}
+
+func startEmbeddedOnce(ctx context.Context, cfg Config, closing *atomic.Bool, urlsFile string, saved savedURLs) (*embed.Etcd, string, error) {
 	clientURL, err := chooseURL(cfg.ClientURL, saved.Client)
 	if err != nil {
 		return nil, "", err
@@ -297,7 +315,7 @@ func chooseURL(configured, saved string) (string, error) {
 			return saved, nil
 		}
 	}
-	p, err := FreePort()
+	p, err := freePort()
 	if err != nil {
 		return "", err
 	}
@@ -312,6 +330,9 @@ func portFree(hostport string) bool {
 	_ = l.Close()
 	return true
 }
+
+// freePort is FreePort; tests make it hand out a taken port.
+var freePort = FreePort
 
 // FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
 func FreePort() (int, error) {

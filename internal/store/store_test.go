@@ -5,6 +5,7 @@ import (
 	"crypto/ed25519"
 	"crypto/rand"
 	"errors"
+	"net"
 	"io"
 	"log/slog"
 	"strconv"
@@ -436,5 +437,32 @@ func TestClosedIsUnavailable(t *testing.T) {
 	if err := wrapErr("get", clientv3.ErrNoAvailableEndpoints); !errors.Is(err, ErrClosed) || !errors.Is(err, errdefs.ErrUnavailable) ||
 		!strings.Contains(err.Error(), "store closed") {
 		t.Fatalf("%v", err)
+	}
+}
+
+// A port found free can be taken before etcd binds it (another test
+// process): the embedded start chooses again instead of failing.
+func TestEmbeddedPortTakenIsChosenAgain(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	calls := 0
+	freePort = func() (int, error) {
+		calls++
+		if calls == 1 {
+			return taken.Addr().(*net.TCPAddr).Port, nil // taken "a moment later"
+		}
+		return FreePort()
+	}
+	defer func() { freePort = FreePort }()
+	s := openTest(t, t.TempDir())
+	defer s.Close()
+	if calls < 3 {
+		t.Fatalf("free port asked %d times; the taken one was not replaced", calls)
+	}
+	if _, err := s.CreateSandbox(context.Background(), testRecord("porttaken1")); err != nil {
+		t.Fatal(err)
 	}
 }
