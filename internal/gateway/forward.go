@@ -41,7 +41,7 @@ func GuestRequest(r *http.Request, port int) *http.Request {
 // "Connection: Upgrade".
 func CheckTCPUpgrade(r *http.Request) error {
 	if !headerHasToken(r.Header, "Connection", "upgrade") {
-		return errors.New("Upgrade: tcp needs Connection: Upgrade")
+		return errors.New("an \"Upgrade: tcp\" request needs \"Connection: Upgrade\"")
 	}
 	return nil
 }
