@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -142,7 +143,7 @@ func parseAgentLine(line string) spacev1.AgentLogLine {
 					extra = append(extra, k+"="+s)
 				}
 			}
-			sortStrings(extra)
+			slices.Sort(extra) // the fields are the tenant's: never a quadratic sort
 			l.Message = clip(strings.TrimSpace(l.Message + " " + strings.Join(extra, " ")))
 			return l
 		}
@@ -226,12 +227,4 @@ func clip(s string) string {
 		s = s[:len(s)-1]
 	}
 	return s + "..."
-}
-
-func sortStrings(a []string) {
-	for i := 1; i < len(a); i++ {
-		for j := i; j > 0 && a[j] < a[j-1]; j-- {
-			a[j], a[j-1] = a[j-1], a[j]
-		}
-	}
 }

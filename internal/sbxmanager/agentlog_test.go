@@ -1,10 +1,12 @@
 package sbxmanager
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 	"unicode/utf8"
 )
 
@@ -77,4 +79,32 @@ func FuzzParseAgentLog(f *testing.F) {
 			}
 		}
 	})
+}
+
+// The agent log is written inside the sandbox: its lines are the tenant's.
+// A JSON line of the whole tail (256 KiB) holding tens of thousands of
+// fields must cost the worker a parse, not a quadratic sort of its
+// fields (seconds of a shared core per logs request, as often as the
+// tenant asks).
+func TestParseAgentLogManyFieldsNotQuadratic(t *testing.T) {
+	var b strings.Builder
+	b.WriteString(`{"time":"2026-12-04T19:00:00Z","msg":"m"`)
+	for i := 0; b.Len() < MaxAgentLogBytes-64; i++ {
+		fmt.Fprintf(&b, `,"%x":0`, i)
+	}
+	b.WriteString("}\n")
+	data := []byte(b.String())
+	ParseAgentLog(data, MaxAgentLogLines) // warm up
+	start := time.Now()
+	lines := ParseAgentLog(data, MaxAgentLogLines)
+	took := time.Since(start)
+	if len(lines) != 1 || len(lines[0].Message) > maxAgentLineBytes+3 {
+		t.Fatalf("parsed %d lines", len(lines))
+	}
+	// Linearithmic: tens of milliseconds (a few hundred under -race);
+	// the insertion sort took seconds.
+	t.Logf("took %v", took)
+	if took > 750*time.Millisecond {
+		t.Fatalf("parsing one %d-byte line took %v", len(data), took)
+	}
 }
