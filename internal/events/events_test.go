@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -635,5 +636,36 @@ func TestResyncRecordsVanishedSandboxEnd(t *testing.T) {
 	}
 	if len(obs) != 0 {
 		t.Fatalf("digests left: %v", obs)
+	}
+}
+
+// A tenant's webhook whose receiver never acknowledges (always 500, or a
+// tarpit) holds each delivery for minutes of retries. Its deliveries must
+// not pile up in etcd without bound while the tenant keeps its sandboxes
+// churning: every event past the cap is recorded, but not queued for it.
+func TestPendingDeliveriesBoundedPerWebhook(t *testing.T) {
+	st := openStore(t)
+	rcv := newReceiver(t, "s3cret-value", 1<<30) // never acknowledges
+	addHook(t, st, "hookdown", rcv.srv.URL, "s3cret-value", e2bapi.EventTypes)
+	s := startService(t, st, "cp-a", func(c *Config) {
+		c.MaxPendingPerWebhook = 5
+		c.MaxAttempts = 1000
+		c.RetryInitial, c.RetryMax = time.Hour, time.Hour
+	})
+	defer s.Close()
+	for i := range 4 {
+		lifecycle(t, st, fmt.Sprintf("sbxpileup%04d", i))
+	}
+	want := 4 * len(wantLifecycle)
+	waitFor(t, 20*time.Second, "every event recorded", func() bool {
+		evs, err := st.ListEvents(context.Background(), store.EventQuery{TeamID: "team-a", Limit: 100})
+		return err == nil && len(evs) == want
+	})
+	_, pending, _, err := st.WebhookDeliveries(context.Background(), "hookdown")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pending > 5 {
+		t.Fatalf("%d deliveries pending for a webhook that never answers (cap 5, %d events)", pending, want)
 	}
 }
