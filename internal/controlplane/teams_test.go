@@ -2,6 +2,7 @@ package controlplane
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -309,4 +310,51 @@ func TestInviteByEmailNeverReachesAnotherAccount(t *testing.T) {
 	}
 	// The squatted token does not reach the bootstrap team.
 	expectError(t, e.do("GET", "/sandboxes", map[string]string{"Authorization": "Bearer " + squat.AccessToken.Token, HeaderTeamID: DefaultTeamID}, nil), 403)
+}
+
+// One tenant must not grow etcd without bound (nor every team's key
+// listing, which reads every team's keys): a team's API keys and members,
+// a user's access tokens and teams are bounded, the next one 400.
+func TestTenantCreationsBounded(t *testing.T) {
+	e := newEnv(t, openStore(t), nil)
+	admin := map[string]string{"X-API-Key": e.key}
+	fill := func(what string, limit int, create func(i int) resp) {
+		t.Helper()
+		for i := range limit + 50 {
+			r := create(i)
+			if r.Code == 201 {
+				continue
+			}
+			if r.Code != 400 || i == 0 {
+				t.Fatalf("%s %d: %d %s", what, i, r.Code, r.Body)
+			}
+			return
+		}
+		t.Fatalf("%s: %d created, no bound", what, limit+50)
+	}
+	fill("api key", maxAPIKeysPerTeam, func(i int) resp {
+		return e.do("POST", "/api-keys", admin, map[string]any{"name": fmt.Sprintf("k%d", i), "role": "user"})
+	})
+	var keys []e2bapi.TeamAPIKey
+	e.do("GET", "/api-keys", admin, nil).decode(t, &keys)
+	if len(keys) != maxAPIKeysPerTeam {
+		t.Fatalf("%d keys (bound %d)", len(keys), maxAPIKeysPerTeam)
+	}
+
+	var u e2bapi.InvitedTeamMember
+	e.do("POST", "/teams/default/users", admin, map[string]any{"email": "u@example.com"}).decode(t, &u)
+	tok := map[string]string{"Authorization": "Bearer " + u.AccessToken.Token}
+	fill("access token", maxAccessTokensPerUser, func(i int) resp {
+		return e.do("POST", "/access-tokens", tok, map[string]any{"name": fmt.Sprintf("t%d", i)})
+	})
+	fill("team", maxTeamsPerUser, func(i int) resp {
+		return e.do("POST", "/teams", tok, map[string]any{"name": fmt.Sprintf("t%d", i)})
+	})
+	fill("member", maxMembersPerTeam, func(i int) resp {
+		return e.do("POST", "/teams/default/users", admin, map[string]any{"email": fmt.Sprintf("m%d@example.com", i)})
+	})
+	// A member's role change is not a new member.
+	if r := e.do("POST", "/teams/default/users", admin, map[string]any{"userID": u.ID, "role": "admin"}); r.Code != 201 {
+		t.Fatalf("role change at the bound: %d %s", r.Code, r.Body)
+	}
 }
