@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
 	"sync"
@@ -173,9 +174,28 @@ func (s *Service) post(ctx context.Context, hook store.WebhookRecord, d store.De
 		if errors.As(err, &ue) {
 			err = ue.Err
 		}
-		return 0, fmt.Errorf("post: %w", err)
+		return 0, fmt.Errorf("post: %w", publicDialError(err))
 	}
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 	_ = resp.Body.Close()
 	return resp.StatusCode, nil
+}
+
+// publicDialError is err as the webhook's owner may see it (lastError):
+// never the address a name resolved to, nor the resolver's answer, which
+// would map the platform's internal names and addresses for a tenant
+// who registers them.
+func publicDialError(err error) error {
+	var dnsErr *net.DNSError
+	switch {
+	case errors.Is(err, errdefs.ErrDenied):
+		return fmt.Errorf("%w: the url resolves to a non-public address", errdefs.ErrDenied)
+	case errors.As(err, &dnsErr):
+		return errors.New("the url's host could not be resolved")
+	}
+	var opErr *net.OpError
+	if errors.As(err, &opErr) && opErr.Err != nil {
+		return fmt.Errorf("%s: %w", opErr.Op, opErr.Err)
+	}
+	return err
 }

@@ -669,3 +669,41 @@ func TestPendingDeliveriesBoundedPerWebhook(t *testing.T) {
 		t.Fatalf("%d deliveries pending for a webhook that never answers (cap 5, %d events)", pending, want)
 	}
 }
+
+// A tenant's webhook naming a host that resolves to an internal address
+// is refused at the dial, and its lastError (which the tenant reads) does
+// not tell the address the name resolved to: the webhook API is no
+// resolver of the platform's internal names.
+func TestDialRefusalHidesResolvedAddress(t *testing.T) {
+	st := openStore(t)
+	rcv := newReceiver(t, "s3cret-value", 0)
+	_, port, _ := net.SplitHostPort(strings.TrimPrefix(rcv.srv.URL, "http://"))
+	// "localhost." passes the registration's name check; it resolves to
+	// loopback (the stand-in for an internal name).
+	addHook(t, st, "hook1", "http://localhost.:"+port+"/", "s3cret-value", []string{e2bapi.EventCreated})
+	s := startService(t, st, "cp-a", func(c *Config) { c.AllowPrivate = false; c.MaxAttempts = 1 })
+	defer s.Close()
+	r := record("sbxssrf000002")
+	r.State = store.StateRunning
+	if _, err := st.CreateSandbox(context.Background(), r); err != nil {
+		t.Fatal(err)
+	}
+	var failed []store.DeliveryRecord
+	waitFor(t, 10*time.Second, "hook1 failed", func() bool {
+		var err error
+		_, _, failed, err = st.WebhookDeliveries(context.Background(), "hook1")
+		return err == nil && len(failed) == 1
+	})
+	msg := failed[0].LastError
+	if strings.Contains(msg, "127.0.0.1") || strings.Contains(msg, "::1") || strings.Contains(msg, port) {
+		t.Fatalf("lastError tells the resolved address: %q", msg)
+	}
+	if !strings.Contains(msg, "non-public") {
+		t.Fatalf("lastError %q", msg)
+	}
+	rcv.mu.Lock()
+	defer rcv.mu.Unlock()
+	if rcv.requests != 0 {
+		t.Fatalf("receiver reached %d times", rcv.requests)
+	}
+}
