@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/spacesbx/space/api/spacev1"
@@ -218,7 +219,22 @@ func normLevel(s string) string {
 	return "info"
 }
 
+// clip makes s a message fit to show: control characters (an escape
+// sequence the sandbox wrote, or one its quoted or JSON field decoded to)
+// are shown escaped, never passed to the terminal or page that prints the
+// line, and the message is cut at maxAgentLineBytes.
 func clip(s string) string {
+	if strings.IndexFunc(s, unicode.IsControl) >= 0 {
+		var b strings.Builder
+		for _, r := range s {
+			if unicode.IsControl(r) {
+				fmt.Fprintf(&b, "\\u%04x", r)
+				continue
+			}
+			b.WriteRune(r)
+		}
+		s = b.String()
+	}
 	if len(s) <= maxAgentLineBytes {
 		return s
 	}

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode"
 	"unicode/utf8"
 )
 
@@ -106,5 +107,28 @@ func TestParseAgentLogManyFieldsNotQuadratic(t *testing.T) {
 	t.Logf("took %v", took)
 	if took > 750*time.Millisecond {
 		t.Fatalf("parsing one %d-byte line took %v", len(data), took)
+	}
+}
+
+// The sandbox writes its agent log: an escape sequence in a line (raw,
+// or decoded from a quoted or JSON field) must not reach the terminal of
+// whoever runs `space logs`, nor any other reader, as a control
+// character (OSC 52 writes the clipboard, others retitle or rewrite the
+// screen).
+func TestParseAgentLogEscapesControlCharacters(t *testing.T) {
+	data := "time=2026-12-04T19:00:00Z level=INFO msg=\"a\\x1b]52;c;ZWNobyBwd25lZA==\\ab\" k=\"\\x9b2J\"\n" +
+		`{"time":"2026-12-04T19:00:01Z","msg":"x\u001b[2Jy","f":"\u0007"}` + "\n" +
+		"raw \x1b[31mred\x1b[0m line\n"
+	got := ParseAgentLog([]byte(data), -1)
+	if len(got) != 3 {
+		t.Fatalf("%d lines: %+v", len(got), got)
+	}
+	for i, l := range got {
+		if strings.IndexFunc(l.Message, unicode.IsControl) >= 0 {
+			t.Errorf("line %d carries a control character: %q", i, l.Message)
+		}
+	}
+	if want := `a\u001b]52;c;ZWNobyBwd25lZA==\u0007b`; !strings.HasPrefix(got[0].Message, want) {
+		t.Errorf("line 0: %q, want prefix %q", got[0].Message, want)
 	}
 }
