@@ -678,9 +678,18 @@ func TestDialRefusalHidesResolvedAddress(t *testing.T) {
 	st := openStore(t)
 	rcv := newReceiver(t, "s3cret-value", 0)
 	_, port, _ := net.SplitHostPort(strings.TrimPrefix(rcv.srv.URL, "http://"))
-	// "localhost." passes the registration's name check; it resolves to
-	// loopback (the stand-in for an internal name).
-	addHook(t, st, "hook1", "http://localhost.:"+port+"/", "s3cret-value", []string{e2bapi.EventCreated})
+	// The machine's own name stands in for an internal name when it
+	// resolves to a private address; else a name that does not resolve.
+	name, rebound := "localtest.invalid", false
+	if h, err := os.Hostname(); err == nil {
+		if addrs, err := net.LookupHost(h); err == nil && len(addrs) > 0 {
+			if ip, err := netip.ParseAddr(addrs[0]); err == nil && !PublicAddr(ip) {
+				name, rebound = h, true
+			}
+		}
+	}
+	t.Logf("name resolving to a private address: %s (%t)", name, rebound)
+	addHook(t, st, "hook1", "http://"+name+":"+port+"/", "s3cret-value", []string{e2bapi.EventCreated})
 	s := startService(t, st, "cp-a", func(c *Config) { c.AllowPrivate = false; c.MaxAttempts = 1 })
 	defer s.Close()
 	r := record("sbxssrf000002")
@@ -695,15 +704,38 @@ func TestDialRefusalHidesResolvedAddress(t *testing.T) {
 		return err == nil && len(failed) == 1
 	})
 	msg := failed[0].LastError
-	if strings.Contains(msg, "127.0.0.1") || strings.Contains(msg, "::1") || strings.Contains(msg, port) {
-		t.Fatalf("lastError tells the resolved address: %q", msg)
+	addrs, _ := net.LookupHost(name)
+	for _, a := range append(addrs, port) {
+		if strings.Contains(msg, a) {
+			t.Fatalf("lastError tells the resolved address %s: %q", a, msg)
+		}
 	}
-	if !strings.Contains(msg, "non-public") {
-		t.Fatalf("lastError %q", msg)
+	if want := map[bool]string{true: "non-public", false: "could not be resolved"}[rebound]; !strings.Contains(msg, want) {
+		t.Fatalf("lastError %q, want %q", msg, want)
 	}
 	rcv.mu.Lock()
 	defer rcv.mu.Unlock()
 	if rcv.requests != 0 {
 		t.Fatalf("receiver reached %d times", rcv.requests)
+	}
+}
+
+// IPv6 forms that carry an IPv4 address reach that address on a host with
+// the matching translator or tunnel (local-use NAT64, 6to4, the deprecated
+// IPv4-compatible form): they are not public whatever the IPv4 inside.
+// "localhost." (the absolute name) is localhost too.
+func TestPublicAddrRefusesEmbeddedIPv4(t *testing.T) {
+	for _, a := range []string{"64:ff9b:1::a00:1", "64:ff9b:1:ffff::7f00:1", "2002:7f00:1::1", "2002:a9fe:a9fe::", "::7f00:1", "::a00:1"} {
+		if PublicAddr(netip.MustParseAddr(a)) {
+			t.Errorf("%s public", a)
+		}
+	}
+	for _, u := range []string{"http://[64:ff9b:1::a00:1]/", "http://[2002:a9fe:a9fe::]/", "http://[::a9fe:a9fe]/", "http://localhost./", "http://a.localhost./"} {
+		if _, err := ParseWebhookURL(u, false); !errors.Is(err, errdefs.ErrInvalid) {
+			t.Errorf("%s: err %v, want invalid", u, err)
+		}
+	}
+	if !PublicAddr(netip.MustParseAddr("2606:4700:4700::1111")) {
+		t.Error("2606:4700:4700::1111 not public")
 	}
 }
