@@ -14,6 +14,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -737,5 +738,53 @@ func TestPublicAddrRefusesEmbeddedIPv4(t *testing.T) {
 	}
 	if !PublicAddr(netip.MustParseAddr("2606:4700:4700::1111")) {
 		t.Error("2606:4700:4700::1111 not public")
+	}
+}
+
+// A tenant whose receivers hang on every attempt (until the attempt
+// timeout) must not hold every delivery slot: another team's delivery
+// goes out at once, not after the hung attempts time out.
+func TestHungTeamDoesNotHoldEveryDeliverySlot(t *testing.T) {
+	st := openStore(t)
+	var hung atomic.Int32
+	tarpit := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hung.Add(1)
+		select {
+		case <-r.Context().Done():
+		case <-time.After(5 * time.Second):
+		}
+	}))
+	t.Cleanup(tarpit.Close)
+	defer tarpit.CloseClientConnections()
+	good := newReceiver(t, "s3cret-value", 0)
+	for i := range 8 {
+		if err := st.CreateWebhook(context.Background(), store.WebhookRecord{ID: fmt.Sprintf("hook-a%d", i), TeamID: "team-evil", Name: "h",
+			URL: tarpit.URL, Enabled: true, Events: e2bapi.EventTypes, Secret: "s3cret-value", CreatedAt: time.Now().UTC()}, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := st.CreateWebhook(context.Background(), store.WebhookRecord{ID: "hook-z", TeamID: "team-good", Name: "h",
+		URL: good.srv.URL, Enabled: true, Events: e2bapi.EventTypes, Secret: "s3cret-value", CreatedAt: time.Now().UTC()}, 0); err != nil {
+		t.Fatal(err)
+	}
+	const attempt = 4 * time.Second
+	s := startService(t, st, "cp-a", func(c *Config) { c.AttemptTimeout = attempt })
+	defer s.Close()
+	evil := record("sbxevil000001")
+	evil.TeamID, evil.State = "team-evil", store.StateRunning
+	if _, err := st.CreateSandbox(context.Background(), evil); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the tarpit reached", func() bool { return hung.Load() >= 2 })
+	time.Sleep(200 * time.Millisecond) // every slot the evil team may take, taken
+	start := time.Now()
+	ok := record("sbxgood000001")
+	ok.TeamID, ok.State = "team-good", store.StateRunning
+	if _, err := st.CreateSandbox(context.Background(), ok); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 2*attempt, "the good team's delivery", func() bool { return len(good.types("sbxgood000001")) == 1 })
+	if took := time.Since(start); took > attempt/2 {
+		t.Fatalf("the good team's delivery took %v behind %d hung attempts (attempt timeout %v)", took, hung.Load(), attempt)
 	}
 }

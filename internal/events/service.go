@@ -65,8 +65,9 @@ type Config struct {
 	AttemptTimeout time.Duration
 	// LeaseTTL is how long a dead leader keeps the election (5 s).
 	LeaseTTL time.Duration
-	// Concurrency bounds the webhooks posted to at once (8); a webhook's
-	// own deliveries go out one at a time, in event order.
+	// Concurrency bounds the webhooks posted to at once (8), a quarter of
+	// them (at least 1) of one team; a webhook's own deliveries go out one
+	// at a time, in event order.
 	Concurrency int
 	// PollInterval is how often pending deliveries are looked at when
 	// nothing else wakes the dispatcher (1 s).
