@@ -90,12 +90,13 @@ func (s *Server) handleListTeams(w http.ResponseWriter, r *http.Request, c calle
 		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
 		return
 	}
+	def := defaultMembership(ms)
 	for i, m := range ms {
 		t, err := s.st.GetTeam(ctx, m.TeamID)
 		if err != nil {
 			continue
 		}
-		out = append(out, e2bapi.Team{TeamID: t.ID, Name: t.Name, IsDefault: i == 0})
+		out = append(out, e2bapi.Team{TeamID: t.ID, Name: t.Name, IsDefault: i == def})
 	}
 	writeJSON(w, http.StatusOK, out)
 }
@@ -133,7 +134,9 @@ func (s *Server) handleCreateTeam(w http.ResponseWriter, r *http.Request, c call
 		return
 	}
 	s.log.Info("team created", "team", t.ID, "user", c.UserID)
-	writeJSON(w, http.StatusCreated, e2bapi.Team{TeamID: t.ID, Name: t.Name, IsDefault: c.TeamID == ""})
+	ms, _ := s.st.Memberships(ctx, c.UserID)
+	def := defaultMembership(ms)
+	writeJSON(w, http.StatusCreated, e2bapi.Team{TeamID: t.ID, Name: t.Name, IsDefault: def >= 0 && ms[def].TeamID == t.ID})
 }
 
 func (s *Server) handleListMembers(w http.ResponseWriter, r *http.Request, c caller) {
@@ -224,11 +227,13 @@ func (s *Server) handleInviteMember(w http.ResponseWriter, r *http.Request, c ca
 			return
 		}
 	}
-	m := store.MemberRecord{TeamID: c.TeamID, UserID: u.ID, Role: req.Role, CreatedAt: now}
+	// An existing user added by id did not choose this team: it is never
+	// their default (an email invitation's new user has no other team).
+	m := store.MemberRecord{TeamID: c.TeamID, UserID: u.ID, Role: req.Role, CreatedAt: now, Added: req.UserID != ""}
 	member := false
 	for _, old := range ms {
 		if old.UserID == u.ID {
-			m.CreatedAt, member = old.CreatedAt, true // a role change keeps the user's default team
+			m.CreatedAt, m.Added, member = old.CreatedAt, old.Added, true // a role change keeps the user's default team
 		}
 	}
 	if !member && len(ms) >= maxMembersPerTeam {
