@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/spf13/cobra"
 
@@ -157,8 +158,26 @@ func printLog(w io.Writer, l sdk.LogEntry, asJSON bool) error {
 		fmt.Fprintf(&extra, " %s=%s", k, l.Fields[k])
 	}
 	_, err := fmt.Fprintf(w, "%s %-5s %-8s %s%s\n", l.Timestamp.UTC().Format("2006-01-02T15:04:05.000Z"),
-		strings.ToUpper(orDash(l.Level)), src, l.Message, extra.String())
+		printable(strings.ToUpper(orDash(l.Level))), printable(src), printable(l.Message), printable(extra.String()))
 	return err
+}
+
+// printable shows s's control characters escaped: a log line is the
+// sandbox's text, and an escape sequence in it must not reach the
+// terminal.
+func printable(s string) string {
+	if strings.IndexFunc(s, unicode.IsControl) < 0 {
+		return s
+	}
+	var b strings.Builder
+	for _, r := range s {
+		if unicode.IsControl(r) {
+			fmt.Fprintf(&b, "\\u%04x", r)
+			continue
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
 }
 
 func metricsCmd(g *globals) *cobra.Command {

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unicode"
 )
 
 // TestLogsFollow drives `sandbox logs --follow --json` against a server
@@ -139,5 +140,31 @@ func TestMetricsFollow(t *testing.T) {
 	defer mu.Unlock()
 	if starts[0] != "" || starts[1] != strconv.FormatInt(t0.Add(5*time.Second).Unix(), 10) {
 		t.Errorf("start parameters %q", starts)
+	}
+}
+
+// A log line is the sandbox's text (its agent's, or a failure reason
+// quoting it): `sandbox logs` prints its control characters escaped, so
+// an escape sequence cannot drive the terminal (OSC 52 sets the
+// clipboard, CSI rewrites the screen).
+func TestLogsEscapeControlCharacters(t *testing.T) {
+	t0 := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_ = json.NewEncoder(w).Encode(map[string]any{"logs": []map[string]any{{"timestamp": t0, "level": "info",
+			"message": "a\x1b]52;c;ZWNobyBwd25lZA==\x07b\x1b[2J", "fields": map[string]string{"source": "agent", "k": "\u009b1m"}}}})
+	}))
+	defer srv.Close()
+	var stdout, stderr bytes.Buffer
+	code := run(t.Context(), []string{"sandbox", "logs", "s1"}, &env{stdin: strings.NewReader(""), stdout: &stdout, stderr: &stderr,
+		getenv: func(k string) string { return map[string]string{"SPACE_API_URL": srv.URL, "SPACE_API_KEY": "k"}[k] }})
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	out := strings.TrimSuffix(stdout.String(), "\n")
+	if strings.IndexFunc(out, unicode.IsControl) >= 0 {
+		t.Fatalf("printed control characters: %q", out)
+	}
+	if !strings.Contains(out, `a\u001b]52;c;ZWNobyBwd25lZA==\u0007b\u001b[2J k=\u009b1m`) {
+		t.Fatalf("printed %q", out)
 	}
 }

@@ -64,6 +64,13 @@ func (s *Server) handleCreateAccessToken(w http.ResponseWriter, r *http.Request,
 		s.writeError(w, r, err)
 		return
 	}
+	if toks, err := s.st.ListAccessTokens(r.Context(), c.UserID); err != nil {
+		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
+		return
+	} else if len(toks) >= maxAccessTokensPerUser {
+		s.writeError(w, r, fmt.Errorf("%w: the user has %d access tokens (at most %d)", errdefs.ErrInvalid, len(toks), maxAccessTokensPerUser))
+		return
+	}
 	out, err := s.createAccessToken(context.WithoutCancel(r.Context()), c.UserID, req.Name)
 	if err != nil {
 		s.writeError(w, r, err)

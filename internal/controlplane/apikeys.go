@@ -59,6 +59,13 @@ func (s *Server) handleCreateAPIKey(w http.ResponseWriter, r *http.Request, c ca
 		s.writeError(w, r, fmt.Errorf("%w: role must be %q or %q", errdefs.ErrInvalid, store.RoleAdmin, store.RoleUser))
 		return
 	}
+	if keys, err := s.st.ListAPIKeys(r.Context(), c.TeamID); err != nil {
+		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
+		return
+	} else if len(keys) >= maxAPIKeysPerTeam {
+		s.writeError(w, r, fmt.Errorf("%w: the team has %d API keys (at most %d)", errdefs.ErrInvalid, len(keys), maxAPIKeysPerTeam))
+		return
+	}
 	key := newAPIKey()
 	rec := store.APIKeyRecord{TeamID: c.TeamID, KeyID: newUUID(), Role: req.Role, Name: req.Name,
 		CreatedAt: s.now().UTC(), Mask: maskOf(key, apiKeyPrefix), CreatedBy: c.UserID}

@@ -101,8 +101,13 @@ func (s *Server) authenticateToken(ctx context.Context, token, team string) (cal
 		return caller{}, fmt.Errorf("%w: membership lookup failed: %v", errdefs.ErrUnavailable, err)
 	}
 	c := caller{KeyID: rec.ID, UserID: rec.UserID}
+	if team == "" {
+		if i := defaultMembership(ms); i >= 0 {
+			c.TeamID, c.Role = ms[i].TeamID, ms[i].Role
+		}
+	}
 	for _, m := range ms {
-		if team == "" || m.TeamID == team {
+		if team != "" && m.TeamID == team {
 			c.TeamID, c.Role = m.TeamID, m.Role
 			break
 		}
@@ -113,6 +118,18 @@ func (s *Server) authenticateToken(ctx context.Context, token, team string) (cal
 	}
 	c.Operator = c.Role == store.RoleAdmin && c.TeamID == s.cfg.BootstrapTeamID
 	return c, nil
+}
+
+// defaultMembership is the index in ms (oldest first) of the user's
+// default team: their oldest membership they did not merely get added to
+// by another team's admin (-1: none; the user names a team by X-Team-ID).
+func defaultMembership(ms []store.MemberRecord) int {
+	for i, m := range ms {
+		if !m.Added {
+			return i
+		}
+	}
+	return -1
 }
 
 // authenticateRequest reads the request's credential: X-API-Key, else an
@@ -186,7 +203,7 @@ func (l *logLimiter) allow(now time.Time) (bool, int) {
 func (s *Server) withKey(h func(http.ResponseWriter, *http.Request, caller)) http.HandlerFunc {
 	return s.withUser(func(w http.ResponseWriter, r *http.Request, c caller) {
 		if c.TeamID == "" {
-			s.authFailed(w, r, fmt.Errorf("%w: the user belongs to no team: create one (POST /teams) or be invited", errdefs.ErrDenied))
+			s.authFailed(w, r, fmt.Errorf("%w: the user has no default team: create one (POST /teams), be invited, or name one with X-Team-ID", errdefs.ErrDenied))
 			return
 		}
 		h(w, r, c)

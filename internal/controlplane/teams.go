@@ -38,6 +38,15 @@ func (s *Server) teamRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /openapi.json", s.handleOpenAPIJSON)
 }
 
+// Bounds of what one tenant may create: each is a record in etcd, and
+// listing a team's keys reads every key of every team.
+const (
+	maxAPIKeysPerTeam      = 100
+	maxAccessTokensPerUser = 100
+	maxTeamsPerUser        = 100 // POST /teams refuses a user in as many
+	maxMembersPerTeam      = 500
+)
+
 // bootstrapTeam makes sure the bootstrap team exists (the bootstrap key is
 // its admin), so that GET /teams names it.
 func (s *Server) bootstrapTeam(ctx context.Context) error {
@@ -81,12 +90,13 @@ func (s *Server) handleListTeams(w http.ResponseWriter, r *http.Request, c calle
 		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
 		return
 	}
+	def := defaultMembership(ms)
 	for i, m := range ms {
 		t, err := s.st.GetTeam(ctx, m.TeamID)
 		if err != nil {
 			continue
 		}
-		out = append(out, e2bapi.Team{TeamID: t.ID, Name: t.Name, IsDefault: i == 0})
+		out = append(out, e2bapi.Team{TeamID: t.ID, Name: t.Name, IsDefault: i == def})
 	}
 	writeJSON(w, http.StatusOK, out)
 }
@@ -105,6 +115,13 @@ func (s *Server) handleCreateTeam(w http.ResponseWriter, r *http.Request, c call
 		s.writeError(w, r, err)
 		return
 	}
+	if ms, err := s.st.Memberships(r.Context(), c.UserID); err != nil {
+		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
+		return
+	} else if len(ms) >= maxTeamsPerUser {
+		s.writeError(w, r, fmt.Errorf("%w: the user is in %d teams (at most %d)", errdefs.ErrInvalid, len(ms), maxTeamsPerUser))
+		return
+	}
 	now := s.now().UTC()
 	t := store.TeamRecord{ID: newUUID(), Name: req.Name, CreatedAt: now}
 	ctx := context.WithoutCancel(r.Context())
@@ -117,7 +134,9 @@ func (s *Server) handleCreateTeam(w http.ResponseWriter, r *http.Request, c call
 		return
 	}
 	s.log.Info("team created", "team", t.ID, "user", c.UserID)
-	writeJSON(w, http.StatusCreated, e2bapi.Team{TeamID: t.ID, Name: t.Name, IsDefault: c.TeamID == ""})
+	ms, _ := s.st.Memberships(ctx, c.UserID)
+	def := defaultMembership(ms)
+	writeJSON(w, http.StatusCreated, e2bapi.Team{TeamID: t.ID, Name: t.Name, IsDefault: def >= 0 && ms[def].TeamID == t.ID})
 }
 
 func (s *Server) handleListMembers(w http.ResponseWriter, r *http.Request, c caller) {
@@ -176,6 +195,15 @@ func (s *Server) handleInviteMember(w http.ResponseWriter, r *http.Request, c ca
 	now := s.now().UTC()
 	out := e2bapi.InvitedTeamMember{}
 	var u store.UserRecord
+	ms, err := s.st.Members(ctx, c.TeamID)
+	if err != nil {
+		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
+		return
+	}
+	if req.Email != "" && len(ms) >= maxMembersPerTeam {
+		s.writeError(w, r, fmt.Errorf("%w: the team has %d members (at most %d)", errdefs.ErrInvalid, len(ms), maxMembersPerTeam))
+		return
+	}
 	if req.Email != "" {
 		if len(req.Email) > 254 || !strings.Contains(req.Email, "@") || strings.ContainsAny(req.Email, "/ \x00") {
 			s.writeError(w, r, fmt.Errorf("%w: email must be an address", errdefs.ErrInvalid))
@@ -199,16 +227,18 @@ func (s *Server) handleInviteMember(w http.ResponseWriter, r *http.Request, c ca
 			return
 		}
 	}
-	m := store.MemberRecord{TeamID: c.TeamID, UserID: u.ID, Role: req.Role, CreatedAt: now}
-	ms, err := s.st.Members(ctx, c.TeamID)
-	if err != nil {
-		s.writeError(w, r, fmt.Errorf("%w: %v", errdefs.ErrUnavailable, err))
-		return
-	}
+	// An existing user added by id did not choose this team: it is never
+	// their default (an email invitation's new user has no other team).
+	m := store.MemberRecord{TeamID: c.TeamID, UserID: u.ID, Role: req.Role, CreatedAt: now, Added: req.UserID != ""}
+	member := false
 	for _, old := range ms {
 		if old.UserID == u.ID {
-			m.CreatedAt = old.CreatedAt // a role change keeps the user's default team
+			m.CreatedAt, m.Added, member = old.CreatedAt, old.Added, true // a role change keeps the user's default team
 		}
+	}
+	if !member && len(ms) >= maxMembersPerTeam {
+		s.writeError(w, r, fmt.Errorf("%w: the team has %d members (at most %d)", errdefs.ErrInvalid, len(ms), maxMembersPerTeam))
+		return
 	}
 	if req.Role != store.RoleAdmin {
 		if err := s.keepAnAdmin(ctx, c.TeamID, u.ID); err != nil {

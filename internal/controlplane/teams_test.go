@@ -2,6 +2,7 @@ package controlplane
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -309,4 +310,98 @@ func TestInviteByEmailNeverReachesAnotherAccount(t *testing.T) {
 	}
 	// The squatted token does not reach the bootstrap team.
 	expectError(t, e.do("GET", "/sandboxes", map[string]string{"Authorization": "Bearer " + squat.AccessToken.Token, HeaderTeamID: DefaultTeamID}, nil), 403)
+}
+
+// One tenant must not grow etcd without bound (nor every team's key
+// listing, which reads every team's keys): a team's API keys and members,
+// a user's access tokens and teams are bounded, the next one 400.
+func TestTenantCreationsBounded(t *testing.T) {
+	e := newEnv(t, openStore(t), nil)
+	admin := map[string]string{"X-API-Key": e.key}
+	fill := func(what string, limit int, create func(i int) resp) {
+		t.Helper()
+		for i := range limit + 50 {
+			r := create(i)
+			if r.Code == 201 {
+				continue
+			}
+			if r.Code != 400 || i == 0 {
+				t.Fatalf("%s %d: %d %s", what, i, r.Code, r.Body)
+			}
+			return
+		}
+		t.Fatalf("%s: %d created, no bound", what, limit+50)
+	}
+	fill("api key", maxAPIKeysPerTeam, func(i int) resp {
+		return e.do("POST", "/api-keys", admin, map[string]any{"name": fmt.Sprintf("k%d", i), "role": "user"})
+	})
+	var keys []e2bapi.TeamAPIKey
+	e.do("GET", "/api-keys", admin, nil).decode(t, &keys)
+	if len(keys) != maxAPIKeysPerTeam {
+		t.Fatalf("%d keys (bound %d)", len(keys), maxAPIKeysPerTeam)
+	}
+
+	var u e2bapi.InvitedTeamMember
+	e.do("POST", "/teams/default/users", admin, map[string]any{"email": "u@example.com"}).decode(t, &u)
+	tok := map[string]string{"Authorization": "Bearer " + u.AccessToken.Token}
+	fill("access token", maxAccessTokensPerUser, func(i int) resp {
+		return e.do("POST", "/access-tokens", tok, map[string]any{"name": fmt.Sprintf("t%d", i)})
+	})
+	fill("team", maxTeamsPerUser, func(i int) resp {
+		return e.do("POST", "/teams", tok, map[string]any{"name": fmt.Sprintf("t%d", i)})
+	})
+	fill("member", maxMembersPerTeam, func(i int) resp {
+		return e.do("POST", "/teams/default/users", admin, map[string]any{"email": fmt.Sprintf("m%d@example.com", i)})
+	})
+	// A member's role change is not a new member.
+	if r := e.do("POST", "/teams/default/users", admin, map[string]any{"userID": u.ID, "role": "admin"}); r.Code != 201 {
+		t.Fatalf("role change at the bound: %d %s", r.Code, r.Body)
+	}
+}
+
+// An admin of one team can add any existing user by id. That must not
+// make the team the user's default: Mallory adds Victor (who is in no
+// team any more) to her team, and Victor's token, used without
+// X-Team-ID, would otherwise create his sandboxes (his code, files and
+// secrets) in Mallory's team.
+func TestAddedByIDNeverBecomesDefaultTeam(t *testing.T) {
+	e := newEnv(t, openStore(t), nil)
+	admin := map[string]string{"X-API-Key": e.key}
+	var mal, vic e2bapi.InvitedTeamMember
+	e.do("POST", "/teams/default/users", admin, map[string]any{"email": "mallory@example.com"}).decode(t, &mal)
+	e.do("POST", "/teams/default/users", admin, map[string]any{"email": "victor@example.com"}).decode(t, &vic)
+	malTok := "Bearer " + mal.AccessToken.Token
+	e.clock.Advance(time.Second)
+	var m e2bapi.Team
+	e.do("POST", "/teams", map[string]string{"Authorization": malTok}, map[string]any{"name": "m"}).decode(t, &m)
+	if r := e.do("DELETE", "/teams/default/users/"+vic.ID, admin, nil); r.Code != 204 {
+		t.Fatalf("remove victor: %d %s", r.Code, r.Body)
+	}
+	if r := e.do("POST", "/teams/"+m.TeamID+"/users", map[string]string{"Authorization": malTok, HeaderTeamID: m.TeamID},
+		map[string]any{"userID": vic.ID}); r.Code != 201 {
+		t.Fatalf("mallory adds victor: %d %s", r.Code, r.Body)
+	}
+	victor := map[string]string{"Authorization": "Bearer " + vic.AccessToken.Token}
+	expectError(t, e.do("GET", "/sandboxes", victor, nil), 403)
+	expectError(t, e.do("POST", "/events/webhooks", victor, map[string]any{"name": "x", "url": "https://example.com/",
+		"events": []string{e2bapi.EventCreated}, "signatureSecret": "0123456789"}), 403)
+	var teams []e2bapi.Team
+	e.do("GET", "/teams", victor, nil).decode(t, &teams)
+	if len(teams) != 1 || teams[0].TeamID != m.TeamID || teams[0].IsDefault {
+		t.Fatalf("victor's teams: %+v", teams)
+	}
+	// Victor may still act on it on purpose.
+	if r := e.do("GET", "/sandboxes", map[string]string{"Authorization": victor["Authorization"], HeaderTeamID: m.TeamID}, nil); r.Code != 200 {
+		t.Fatalf("victor naming the team: %d %s", r.Code, r.Body)
+	}
+	// A team Victor creates is his default.
+	e.clock.Advance(time.Second)
+	var own e2bapi.Team
+	e.do("POST", "/teams", victor, map[string]any{"name": "v"}).decode(t, &own)
+	if !own.IsDefault {
+		t.Fatalf("victor's own team: %+v", own)
+	}
+	if r := e.do("GET", "/sandboxes", victor, nil); r.Code != 200 {
+		t.Fatalf("victor's default: %d %s", r.Code, r.Body)
+	}
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
 	"sync"
@@ -22,11 +23,16 @@ import (
 // at a time per webhook, up to Concurrency webhooks at once.
 func (s *Service) dispatch(ctx context.Context, l *store.Leadership) error {
 	type result struct {
-		hook string
-		err  error
+		hook, team string
+		err        error
 	}
 	done := make(chan result)
 	inflight := map[string]bool{}
+	// A team's webhooks take at most perTeam of the slots: a tenant's
+	// receivers that hang every attempt must not hold them all, holding
+	// up every other team's deliveries.
+	teamInflight := map[string]int{}
+	perTeam := max(1, s.cfg.Concurrency/4)
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	timer := time.NewTimer(0)
@@ -44,7 +50,7 @@ func (s *Service) dispatch(ctx context.Context, l *store.Leadership) error {
 				continue
 			}
 			headSeen[d.WebhookID] = true
-			if inflight[d.WebhookID] || len(inflight) >= s.cfg.Concurrency {
+			if inflight[d.WebhookID] || len(inflight) >= s.cfg.Concurrency || teamInflight[d.TeamID] >= perTeam {
 				continue
 			}
 			if wait := d.NextAt.Sub(now); wait > 0 {
@@ -52,12 +58,13 @@ func (s *Service) dispatch(ctx context.Context, l *store.Leadership) error {
 				continue
 			}
 			inflight[d.WebhookID] = true
+			teamInflight[d.TeamID]++
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
 				err := s.attempt(ctx, l, d)
 				select {
-				case done <- result{d.WebhookID, err}:
+				case done <- result{d.WebhookID, d.TeamID, err}:
 				case <-ctx.Done():
 				}
 			}()
@@ -68,6 +75,9 @@ func (s *Service) dispatch(ctx context.Context, l *store.Leadership) error {
 			return ctx.Err()
 		case r := <-done:
 			delete(inflight, r.hook)
+			if teamInflight[r.team]--; teamInflight[r.team] <= 0 {
+				delete(teamInflight, r.team)
+			}
 			if errors.Is(r.err, store.ErrNotLeader) {
 				return r.err
 			}
@@ -173,9 +183,28 @@ func (s *Service) post(ctx context.Context, hook store.WebhookRecord, d store.De
 		if errors.As(err, &ue) {
 			err = ue.Err
 		}
-		return 0, fmt.Errorf("post: %w", err)
+		return 0, fmt.Errorf("post: %w", publicDialError(err))
 	}
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 	_ = resp.Body.Close()
 	return resp.StatusCode, nil
+}
+
+// publicDialError is err as the webhook's owner may see it (lastError):
+// never the address a name resolved to, nor the resolver's answer, which
+// would map the platform's internal names and addresses for a tenant
+// who registers them.
+func publicDialError(err error) error {
+	var dnsErr *net.DNSError
+	switch {
+	case errors.Is(err, errdefs.ErrDenied):
+		return fmt.Errorf("%w: the url resolves to a non-public address", errdefs.ErrDenied)
+	case errors.As(err, &dnsErr):
+		return errors.New("the url's host could not be resolved")
+	}
+	var opErr *net.OpError
+	if errors.As(err, &opErr) && opErr.Err != nil {
+		return fmt.Errorf("%s: %w", opErr.Op, opErr.Err)
+	}
+	return err
 }

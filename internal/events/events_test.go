@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -13,6 +14,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -635,5 +637,154 @@ func TestResyncRecordsVanishedSandboxEnd(t *testing.T) {
 	}
 	if len(obs) != 0 {
 		t.Fatalf("digests left: %v", obs)
+	}
+}
+
+// A tenant's webhook whose receiver never acknowledges (always 500, or a
+// tarpit) holds each delivery for minutes of retries. Its deliveries must
+// not pile up in etcd without bound while the tenant keeps its sandboxes
+// churning: every event past the cap is recorded, but not queued for it.
+func TestPendingDeliveriesBoundedPerWebhook(t *testing.T) {
+	st := openStore(t)
+	rcv := newReceiver(t, "s3cret-value", 1<<30) // never acknowledges
+	addHook(t, st, "hookdown", rcv.srv.URL, "s3cret-value", e2bapi.EventTypes)
+	s := startService(t, st, "cp-a", func(c *Config) {
+		c.MaxPendingPerWebhook = 5
+		c.MaxAttempts = 1000
+		c.RetryInitial, c.RetryMax = time.Hour, time.Hour
+	})
+	defer s.Close()
+	for i := range 4 {
+		lifecycle(t, st, fmt.Sprintf("sbxpileup%04d", i))
+	}
+	want := 4 * len(wantLifecycle)
+	waitFor(t, 20*time.Second, "every event recorded", func() bool {
+		evs, err := st.ListEvents(context.Background(), store.EventQuery{TeamID: "team-a", Limit: 100})
+		return err == nil && len(evs) == want
+	})
+	_, pending, _, err := st.WebhookDeliveries(context.Background(), "hookdown")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pending > 5 {
+		t.Fatalf("%d deliveries pending for a webhook that never answers (cap 5, %d events)", pending, want)
+	}
+}
+
+// A tenant's webhook naming a host that resolves to an internal address
+// is refused at the dial, and its lastError (which the tenant reads) does
+// not tell the address the name resolved to: the webhook API is no
+// resolver of the platform's internal names.
+func TestDialRefusalHidesResolvedAddress(t *testing.T) {
+	st := openStore(t)
+	rcv := newReceiver(t, "s3cret-value", 0)
+	_, port, _ := net.SplitHostPort(strings.TrimPrefix(rcv.srv.URL, "http://"))
+	// The machine's own name stands in for an internal name when it
+	// resolves to a private address; else a name that does not resolve.
+	name, rebound := "localtest.invalid", false
+	if h, err := os.Hostname(); err == nil {
+		if addrs, err := net.LookupHost(h); err == nil && len(addrs) > 0 {
+			if ip, err := netip.ParseAddr(addrs[0]); err == nil && !PublicAddr(ip) {
+				name, rebound = h, true
+			}
+		}
+	}
+	t.Logf("name resolving to a private address: %s (%t)", name, rebound)
+	addHook(t, st, "hook1", "http://"+name+":"+port+"/", "s3cret-value", []string{e2bapi.EventCreated})
+	s := startService(t, st, "cp-a", func(c *Config) { c.AllowPrivate = false; c.MaxAttempts = 1 })
+	defer s.Close()
+	r := record("sbxssrf000002")
+	r.State = store.StateRunning
+	if _, err := st.CreateSandbox(context.Background(), r); err != nil {
+		t.Fatal(err)
+	}
+	var failed []store.DeliveryRecord
+	waitFor(t, 10*time.Second, "hook1 failed", func() bool {
+		var err error
+		_, _, failed, err = st.WebhookDeliveries(context.Background(), "hook1")
+		return err == nil && len(failed) == 1
+	})
+	msg := failed[0].LastError
+	addrs, _ := net.LookupHost(name)
+	for _, a := range append(addrs, port) {
+		if strings.Contains(msg, a) {
+			t.Fatalf("lastError tells the resolved address %s: %q", a, msg)
+		}
+	}
+	if want := map[bool]string{true: "non-public", false: "could not be resolved"}[rebound]; !strings.Contains(msg, want) {
+		t.Fatalf("lastError %q, want %q", msg, want)
+	}
+	rcv.mu.Lock()
+	defer rcv.mu.Unlock()
+	if rcv.requests != 0 {
+		t.Fatalf("receiver reached %d times", rcv.requests)
+	}
+}
+
+// IPv6 forms that carry an IPv4 address reach that address on a host with
+// the matching translator or tunnel (local-use NAT64, 6to4, the deprecated
+// IPv4-compatible form): they are not public whatever the IPv4 inside.
+// "localhost." (the absolute name) is localhost too.
+func TestPublicAddrRefusesEmbeddedIPv4(t *testing.T) {
+	for _, a := range []string{"64:ff9b:1::a00:1", "64:ff9b:1:ffff::7f00:1", "2002:7f00:1::1", "2002:a9fe:a9fe::", "::7f00:1", "::a00:1"} {
+		if PublicAddr(netip.MustParseAddr(a)) {
+			t.Errorf("%s public", a)
+		}
+	}
+	for _, u := range []string{"http://[64:ff9b:1::a00:1]/", "http://[2002:a9fe:a9fe::]/", "http://[::a9fe:a9fe]/", "http://localhost./", "http://a.localhost./"} {
+		if _, err := ParseWebhookURL(u, false); !errors.Is(err, errdefs.ErrInvalid) {
+			t.Errorf("%s: err %v, want invalid", u, err)
+		}
+	}
+	if !PublicAddr(netip.MustParseAddr("2606:4700:4700::1111")) {
+		t.Error("2606:4700:4700::1111 not public")
+	}
+}
+
+// A tenant whose receivers hang on every attempt (until the attempt
+// timeout) must not hold every delivery slot: another team's delivery
+// goes out at once, not after the hung attempts time out.
+func TestHungTeamDoesNotHoldEveryDeliverySlot(t *testing.T) {
+	st := openStore(t)
+	var hung atomic.Int32
+	tarpit := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hung.Add(1)
+		select {
+		case <-r.Context().Done():
+		case <-time.After(5 * time.Second):
+		}
+	}))
+	t.Cleanup(tarpit.Close)
+	defer tarpit.CloseClientConnections()
+	good := newReceiver(t, "s3cret-value", 0)
+	for i := range 8 {
+		if err := st.CreateWebhook(context.Background(), store.WebhookRecord{ID: fmt.Sprintf("hook-a%d", i), TeamID: "team-evil", Name: "h",
+			URL: tarpit.URL, Enabled: true, Events: e2bapi.EventTypes, Secret: "s3cret-value", CreatedAt: time.Now().UTC()}, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := st.CreateWebhook(context.Background(), store.WebhookRecord{ID: "hook-z", TeamID: "team-good", Name: "h",
+		URL: good.srv.URL, Enabled: true, Events: e2bapi.EventTypes, Secret: "s3cret-value", CreatedAt: time.Now().UTC()}, 0); err != nil {
+		t.Fatal(err)
+	}
+	const attempt = 4 * time.Second
+	s := startService(t, st, "cp-a", func(c *Config) { c.AttemptTimeout = attempt })
+	defer s.Close()
+	evil := record("sbxevil000001")
+	evil.TeamID, evil.State = "team-evil", store.StateRunning
+	if _, err := st.CreateSandbox(context.Background(), evil); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the tarpit reached", func() bool { return hung.Load() >= 2 })
+	time.Sleep(200 * time.Millisecond) // every slot the evil team may take, taken
+	start := time.Now()
+	ok := record("sbxgood000001")
+	ok.TeamID, ok.State = "team-good", store.StateRunning
+	if _, err := st.CreateSandbox(context.Background(), ok); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 2*attempt, "the good team's delivery", func() bool { return len(good.types("sbxgood000001")) == 1 })
+	if took := time.Since(start); took > attempt/2 {
+		t.Fatalf("the good team's delivery took %v behind %d hung attempts (attempt timeout %v)", took, hung.Load(), attempt)
 	}
 }

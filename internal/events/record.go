@@ -136,6 +136,17 @@ func (s *Service) addEvents(ctx context.Context, c *store.EventCommit, rec store
 	if err != nil {
 		return err
 	}
+	// Room left in each webhook's queue: a receiver that never answers
+	// (the tenant chose its URL) holds its deliveries for minutes each,
+	// and they must not pile up without bound.
+	room := make(map[string]int, len(hooks))
+	for _, h := range hooks {
+		n, err := s.st.PendingCount(ctx, h.ID)
+		if err != nil {
+			return err
+		}
+		room[h.ID] = s.cfg.MaxPendingPerWebhook - n
+	}
 	now := s.cfg.Clock().UTC()
 	for i, d := range ds {
 		data, err := json.Marshal(d.Data)
@@ -152,10 +163,17 @@ func (s *Service) addEvents(ctx context.Context, c *store.EventCommit, rec store
 			return fmt.Errorf("events: encode event: %w", err)
 		}
 		for _, h := range hooks {
-			if h.Subscribed(d.Type) {
-				c.Deliveries = append(c.Deliveries, store.DeliveryRecord{ID: NewID(), WebhookID: h.ID, TeamID: h.TeamID, Seq: seq,
-					EventID: ev.ID, EventType: ev.Type, Body: body, State: store.DeliveryPending, CreatedAt: now})
+			if !h.Subscribed(d.Type) {
+				continue
 			}
+			if room[h.ID] <= 0 {
+				s.log.Warn("events: webhook has too many pending deliveries; event not queued for it",
+					"webhook", h.ID, "team", h.TeamID, "event", ev.ID, "type", ev.Type, "max_pending", s.cfg.MaxPendingPerWebhook)
+				continue
+			}
+			room[h.ID]--
+			c.Deliveries = append(c.Deliveries, store.DeliveryRecord{ID: NewID(), WebhookID: h.ID, TeamID: h.TeamID, Seq: seq,
+				EventID: ev.ID, EventType: ev.Type, Body: body, State: store.DeliveryPending, CreatedAt: now})
 		}
 	}
 	return nil

@@ -36,6 +36,11 @@ const (
 	DefaultPollInterval   = time.Second
 	// DefaultMaxWebhooksPerTeam bounds a team's registrations.
 	DefaultMaxWebhooksPerTeam = 20
+	// DefaultMaxPendingPerWebhook bounds a webhook's pending deliveries:
+	// a receiver that never answers (a tenant's own choice) must not grow
+	// etcd, nor the dispatcher's every read of the pending deliveries,
+	// without bound.
+	DefaultMaxPendingPerWebhook = 1000
 )
 
 // Config configures a Service.
@@ -60,14 +65,18 @@ type Config struct {
 	AttemptTimeout time.Duration
 	// LeaseTTL is how long a dead leader keeps the election (5 s).
 	LeaseTTL time.Duration
-	// Concurrency bounds the webhooks posted to at once (8); a webhook's
-	// own deliveries go out one at a time, in event order.
+	// Concurrency bounds the webhooks posted to at once (8), a quarter of
+	// them (at least 1) of one team; a webhook's own deliveries go out one
+	// at a time, in event order.
 	Concurrency int
 	// PollInterval is how often pending deliveries are looked at when
 	// nothing else wakes the dispatcher (1 s).
 	PollInterval time.Duration
 	// MaxWebhooksPerTeam bounds a team's registrations (20).
 	MaxWebhooksPerTeam int
+	// MaxPendingPerWebhook bounds a webhook's pending deliveries (1000):
+	// an event past it is not queued for that webhook (logged at warn).
+	MaxPendingPerWebhook int
 	// Logger (default slog.Default()) and Clock (default time.Now; the
 	// time of events and of pruning: retries wait real time).
 	Logger *slog.Logger
@@ -86,6 +95,7 @@ func (c Config) withDefaults() Config {
 	c.Concurrency = cmp.Or(c.Concurrency, DefaultConcurrency)
 	c.PollInterval = cmp.Or(c.PollInterval, DefaultPollInterval)
 	c.MaxWebhooksPerTeam = cmp.Or(c.MaxWebhooksPerTeam, DefaultMaxWebhooksPerTeam)
+	c.MaxPendingPerWebhook = cmp.Or(c.MaxPendingPerWebhook, DefaultMaxPendingPerWebhook)
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -103,7 +113,7 @@ func (c Config) Validate() error {
 	case c.Retention < 0 || c.PruneInterval < 0 || c.RetryInitial < 0 || c.RetryMax < 0 || c.AttemptTimeout < 0 ||
 		c.LeaseTTL < 0 || c.PollInterval < 0:
 		return fmt.Errorf("events config: %w: negative duration", errdefs.ErrInvalid)
-	case c.MaxPerTeam < 0 || c.MaxAttempts < 0 || c.Concurrency < 0 || c.MaxWebhooksPerTeam < 0:
+	case c.MaxPerTeam < 0 || c.MaxAttempts < 0 || c.Concurrency < 0 || c.MaxWebhooksPerTeam < 0 || c.MaxPendingPerWebhook < 0:
 		return fmt.Errorf("events config: %w: negative bound", errdefs.ErrInvalid)
 	case c.LeaseTTL != 0 && c.LeaseTTL < time.Second:
 		return fmt.Errorf("events config: %w: lease ttl below 1 s", errdefs.ErrInvalid)

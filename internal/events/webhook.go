@@ -108,7 +108,7 @@ func ParseWebhookURL(raw string, allowPrivate bool) (*url.URL, error) {
 		if !allowPrivate && !PublicAddr(ip) {
 			return nil, fmt.Errorf("%w: webhook url names a non-public address %s", errdefs.ErrInvalid, ip)
 		}
-	} else if !allowPrivate && (strings.EqualFold(host, "localhost") || strings.HasSuffix(strings.ToLower(host), ".localhost")) {
+	} else if h := strings.ToLower(strings.TrimSuffix(host, ".")); !allowPrivate && (h == "localhost" || strings.HasSuffix(h, ".localhost")) {
 		return nil, fmt.Errorf("%w: webhook url names localhost", errdefs.ErrInvalid)
 	}
 	return u, nil
@@ -140,7 +140,10 @@ var reserved = []netip.Prefix{
 	netip.MustParsePrefix("198.51.100.0/24"),
 	netip.MustParsePrefix("203.0.113.0/24"),
 	netip.MustParsePrefix("240.0.0.0/4"),
-	netip.MustParsePrefix("64:ff9b::/96"), // NAT64 reaches IPv4 inside
+	netip.MustParsePrefix("64:ff9b::/96"),   // NAT64 reaches IPv4 inside
+	netip.MustParsePrefix("64:ff9b:1::/48"), // local-use NAT64 (RFC 8215)
+	netip.MustParsePrefix("2002::/16"),      // 6to4: an IPv4 address inside
+	netip.MustParsePrefix("::/96"),          // IPv4-compatible (deprecated)
 	netip.MustParsePrefix("2001:db8::/32"),
 	netip.MustParsePrefix("fec0::/10"), // deprecated site-local
 	netip.MustParsePrefix("100::/64"),  // discard

@@ -8,10 +8,12 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/spacesbx/space/api/spacev1"
@@ -142,7 +144,7 @@ func parseAgentLine(line string) spacev1.AgentLogLine {
 					extra = append(extra, k+"="+s)
 				}
 			}
-			sortStrings(extra)
+			slices.Sort(extra) // the fields are the tenant's: never a quadratic sort
 			l.Message = clip(strings.TrimSpace(l.Message + " " + strings.Join(extra, " ")))
 			return l
 		}
@@ -217,7 +219,22 @@ func normLevel(s string) string {
 	return "info"
 }
 
+// clip makes s a message fit to show: control characters (an escape
+// sequence the sandbox wrote, or one its quoted or JSON field decoded to)
+// are shown escaped, never passed to the terminal or page that prints the
+// line, and the message is cut at maxAgentLineBytes.
 func clip(s string) string {
+	if strings.IndexFunc(s, unicode.IsControl) >= 0 {
+		var b strings.Builder
+		for _, r := range s {
+			if unicode.IsControl(r) {
+				fmt.Fprintf(&b, "\\u%04x", r)
+				continue
+			}
+			b.WriteRune(r)
+		}
+		s = b.String()
+	}
 	if len(s) <= maxAgentLineBytes {
 		return s
 	}
@@ -226,12 +243,4 @@ func clip(s string) string {
 		s = s[:len(s)-1]
 	}
 	return s + "..."
-}
-
-func sortStrings(a []string) {
-	for i := 1; i < len(a); i++ {
-		for j := i; j > 0 && a[j] < a[j-1]; j-- {
-			a[j], a[j-1] = a[j-1], a[j]
-		}
-	}
 }

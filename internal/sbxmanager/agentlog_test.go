@@ -1,10 +1,13 @@
 package sbxmanager
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+	"unicode"
 	"unicode/utf8"
 )
 
@@ -77,4 +80,55 @@ func FuzzParseAgentLog(f *testing.F) {
 			}
 		}
 	})
+}
+
+// The agent log is written inside the sandbox: its lines are the tenant's.
+// A JSON line of the whole tail (256 KiB) holding tens of thousands of
+// fields must cost the worker a parse, not a quadratic sort of its
+// fields (seconds of a shared core per logs request, as often as the
+// tenant asks).
+func TestParseAgentLogManyFieldsNotQuadratic(t *testing.T) {
+	var b strings.Builder
+	b.WriteString(`{"time":"2026-12-04T19:00:00Z","msg":"m"`)
+	for i := 0; b.Len() < MaxAgentLogBytes-64; i++ {
+		fmt.Fprintf(&b, `,"%x":0`, i)
+	}
+	b.WriteString("}\n")
+	data := []byte(b.String())
+	ParseAgentLog(data, MaxAgentLogLines) // warm up
+	start := time.Now()
+	lines := ParseAgentLog(data, MaxAgentLogLines)
+	took := time.Since(start)
+	if len(lines) != 1 || len(lines[0].Message) > maxAgentLineBytes+3 {
+		t.Fatalf("parsed %d lines", len(lines))
+	}
+	// Linearithmic: tens of milliseconds (a few hundred under -race);
+	// the insertion sort took seconds.
+	t.Logf("took %v", took)
+	if took > 750*time.Millisecond {
+		t.Fatalf("parsing one %d-byte line took %v", len(data), took)
+	}
+}
+
+// The sandbox writes its agent log: an escape sequence in a line (raw,
+// or decoded from a quoted or JSON field) must not reach the terminal of
+// whoever runs `space logs`, nor any other reader, as a control
+// character (OSC 52 writes the clipboard, others retitle or rewrite the
+// screen).
+func TestParseAgentLogEscapesControlCharacters(t *testing.T) {
+	data := "time=2026-12-04T19:00:00Z level=INFO msg=\"a\\x1b]52;c;ZWNobyBwd25lZA==\\ab\" k=\"\\x9b2J\"\n" +
+		`{"time":"2026-12-04T19:00:01Z","msg":"x\u001b[2Jy","f":"\u0007"}` + "\n" +
+		"raw \x1b[31mred\x1b[0m line\n"
+	got := ParseAgentLog([]byte(data), -1)
+	if len(got) != 3 {
+		t.Fatalf("%d lines: %+v", len(got), got)
+	}
+	for i, l := range got {
+		if strings.IndexFunc(l.Message, unicode.IsControl) >= 0 {
+			t.Errorf("line %d carries a control character: %q", i, l.Message)
+		}
+	}
+	if want := `a\u001b]52;c;ZWNobyBwd25lZA==\u0007b`; !strings.HasPrefix(got[0].Message, want) {
+		t.Errorf("line 0: %q, want prefix %q", got[0].Message, want)
+	}
 }

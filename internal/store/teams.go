@@ -45,6 +45,11 @@ type MemberRecord struct {
 	UserID    string    `json:"user_id"`
 	Role      string    `json:"role"`
 	CreatedAt time.Time `json:"created_at"`
+	// Added: an admin of the team added an existing user by id, without
+	// the user's say. Such a membership is never the user's default team
+	// (a token without X-Team-ID must not start acting on a team someone
+	// else chose for it).
+	Added bool `json:"added,omitempty"`
 }
 
 func validIDPart(s string) bool {

@@ -286,6 +286,18 @@ func (s *Store) WebhookDeliveries(ctx context.Context, id string) (WebhookStatus
 	return st, pending, failed, nil
 }
 
+// PendingCount returns how many deliveries of webhook id are pending.
+func (s *Store) PendingCount(ctx context.Context, id string) (int, error) {
+	if err := validHookID(id); err != nil {
+		return 0, fmt.Errorf("store: pending count: %w", err)
+	}
+	resp, err := s.cli.Get(ctx, webhookPendingPrefix+id+"/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		return 0, wrapErr("pending count", err)
+	}
+	return int(resp.Count), nil
+}
+
 // PendingDeliveries returns every pending delivery, by webhook then Seq.
 func (s *Store) PendingDeliveries(ctx context.Context) ([]DeliveryRecord, error) {
 	resp, err := s.cli.Get(ctx, webhookPendingPrefix, clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
