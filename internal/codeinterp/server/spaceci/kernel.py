@@ -40,6 +40,14 @@ class KernelError(Exception):
     """The kernel could not be started or made ready."""
 
 
+class KernelExitedError(KernelError):
+    """The kernel process exited before it was ready."""
+
+
+# START_ATTEMPTS bounds the starts of a kernel that exits while starting.
+START_ATTEMPTS = 3
+
+
 class Kernel:
     def __init__(self, spec_name, cwd, env, extra_arguments=(), flavor=None, interrupt_grace=10.0):
         self.spec_name = spec_name
@@ -57,23 +65,34 @@ class Kernel:
         self._gen = 0
         self._abort = ("ContextRestarting", "Context was restarted")
         self.shell = self.iopub = None
-        # The connection file (the kernel's ports and HMAC key) in the
-        # server's private runtime dir; a bare KernelManager would make it
-        # with mkstemp in $TMPDIR.
-        self.km = KernelManager(kernel_name=spec_name, connection_file=os.path.join(
-            jupyter_runtime_dir(), f"kernel-{uuid.uuid4()}.json"))
-        if flavor == "deno":
-            # Deno's kernel exits on SIGINT (its kernelspec leaves the
-            # signal mode) but stops the running code, state kept, on an
-            # interrupt_request.
-            self.km.kernel_spec.interrupt_mode = "message"
-        try:
-            self.km.start_kernel(cwd=cwd, env=env, extra_arguments=list(extra_arguments))
-            self._connect()
-            self._wait_ready()
-        except Exception as e:
-            self._teardown()
-            raise KernelError(f"kernel {spec_name!r}: {e}") from e
+        # The kernel's ports are chosen free before the kernel binds them
+        # (jupyter_client), so another process can take one in between;
+        # a kernel that exits while starting is started again, on new
+        # ports, a bounded number of times.
+        for attempt in range(1, START_ATTEMPTS + 1):
+            # The connection file (the kernel's ports and HMAC key) in the
+            # server's private runtime dir; a bare KernelManager would make
+            # it with mkstemp in $TMPDIR.
+            self.km = KernelManager(kernel_name=spec_name, connection_file=os.path.join(
+                jupyter_runtime_dir(), f"kernel-{uuid.uuid4()}.json"))
+            if flavor == "deno":
+                # Deno's kernel exits on SIGINT (its kernelspec leaves the
+                # signal mode) but stops the running code, state kept, on an
+                # interrupt_request.
+                self.km.kernel_spec.interrupt_mode = "message"
+            try:
+                self.km.start_kernel(cwd=cwd, env=env, extra_arguments=list(extra_arguments))
+                self._connect()
+                self._wait_ready()
+                break
+            except KernelExitedError as e:
+                self._teardown()
+                if attempt == START_ATTEMPTS:
+                    raise KernelError(f"kernel {spec_name!r}: {e}") from e
+                log.warning("kernel %s: exited while starting (attempt %d), starting it again", spec_name, attempt)
+            except Exception as e:
+                self._teardown()
+                raise KernelError(f"kernel {spec_name!r}: {e}") from e
 
     # --- sockets -------------------------------------------------------
 
@@ -130,7 +149,7 @@ class Kernel:
         deadline = time.monotonic() + READY_TIMEOUT
         while time.monotonic() < deadline:
             if not self._alive():
-                raise KernelError(f"the kernel exited (code {self._exit_code()}) while starting")
+                raise KernelExitedError(f"the kernel exited (code {self._exit_code()}) while starting")
             req = self.session.send(self.shell, "kernel_info_request", {})
             msg_id = req["header"]["msg_id"]
             replied = published = False
