@@ -66,14 +66,14 @@ func (s *Server) observe(h http.Handler) http.Handler {
 			trust = telemetry.Trusted
 		}
 		ctx, span := telemetry.ServerSpan(r, telemetry.ScopeControlPlane, "space-api "+r.Method, trust)
-		sw := &codeWriter{ResponseWriter: w}
+		sw := &telemetry.StatusWriter{ResponseWriter: w}
 		r = r.WithContext(ctx)
 		h.ServeHTTP(sw, r)
 		route := r.Pattern
 		if route == "" {
 			route = "unmatched"
 		}
-		code := sw.code()
+		code := sw.CodeOr(http.StatusOK)
 		s.obs.requests.WithLabelValues(route, strconv.Itoa(code)).Inc()
 		s.obs.durations.WithLabelValues(route).Observe(time.Since(start).Seconds())
 		if span.IsRecording() {
@@ -94,40 +94,6 @@ func traceCapability(ctx context.Context, sandbox string, purpose string) (conte
 		}
 		span.End()
 	}
-}
-
-type codeWriter struct {
-	http.ResponseWriter
-	status int
-}
-
-func (w *codeWriter) WriteHeader(code int) {
-	if w.status == 0 {
-		w.status = code
-	}
-	w.ResponseWriter.WriteHeader(code)
-}
-
-func (w *codeWriter) Write(b []byte) (int, error) {
-	if w.status == 0 {
-		w.status = http.StatusOK
-	}
-	return w.ResponseWriter.Write(b)
-}
-
-func (w *codeWriter) Flush() {
-	if f, ok := w.ResponseWriter.(http.Flusher); ok {
-		f.Flush()
-	}
-}
-
-func (w *codeWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
-
-func (w *codeWriter) code() int {
-	if w.status == 0 {
-		return http.StatusOK
-	}
-	return w.status
 }
 
 // tracedClient is c with a transport that carries the request's trace

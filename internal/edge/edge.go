@@ -290,13 +290,15 @@ func (e *Edge) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	sw := &statusWriter{ResponseWriter: w}
-	defer func() { e.metrics.requests.WithLabelValues(string(t.purpose), statusLabel(sw.code())).Inc() }()
+	sw := &telemetry.StatusWriter{ResponseWriter: w}
+	defer func() {
+		e.metrics.requests.WithLabelValues(string(t.purpose), statusLabel(sw.CodeOr(statusClientClosed))).Inc()
+	}()
 	// A new trace root per request: a client's traceparent is a link at
 	// most, never the parent (package telemetry).
 	ctx, span := telemetry.ServerSpan(r, telemetry.ScopeEdge, "edge "+string(t.purpose), telemetry.Untrusted,
 		telemetry.AttrSandbox.String(t.sandbox), telemetry.AttrPurpose.String(string(t.purpose)))
-	defer func() { telemetry.EndHTTP(span, sw.code()) }()
+	defer func() { telemetry.EndHTTP(span, sw.CodeOr(statusClientClosed)) }()
 	r = r.WithContext(ctx)
 
 	callerToken := r.Header.Get(spacev1.HeaderAccessToken)

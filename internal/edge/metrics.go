@@ -4,7 +4,6 @@ package edge
 // response-status recording they need.
 
 import (
-	"net/http"
 	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -62,40 +61,6 @@ func newMetrics() *metrics {
 	return m
 }
 
-// statusWriter records the response status for metrics. It unwraps for
-// http.ResponseController (flush, hijack, full duplex).
-type statusWriter struct {
-	http.ResponseWriter
-	status int
-}
-
-func (s *statusWriter) WriteHeader(code int) {
-	if s.status == 0 {
-		s.status = code
-	}
-	s.ResponseWriter.WriteHeader(code)
-}
-
-func (s *statusWriter) Write(b []byte) (int, error) {
-	if s.status == 0 {
-		s.status = http.StatusOK
-	}
-	return s.ResponseWriter.Write(b)
-}
-
-func (s *statusWriter) Flush() {
-	_ = http.NewResponseController(s.ResponseWriter).Flush()
-}
-
-func (s *statusWriter) Unwrap() http.ResponseWriter { return s.ResponseWriter }
-
-func (s *statusWriter) code() int {
-	if s.status == 0 {
-		return 499 // client closed before an answer
-	}
-	return s.status
-}
-
 // statusLabel is the metrics label of HTTP status n: the code itself, or
 // "other" outside 100-999 (a bounded label set).
 func statusLabel(n int) string {
@@ -104,3 +69,7 @@ func statusLabel(n int) string {
 	}
 	return "other"
 }
+
+// statusClientClosed is the code counted for a request that ended before
+// any answer was written (the client went away).
+const statusClientClosed = 499

@@ -94,8 +94,8 @@ func Middleware(scope string, trust Trust, name func(*http.Request) string, next
 			return
 		}
 		ctx, span := ServerSpan(r, scope, name(r), trust)
-		sw := &statusWriter{ResponseWriter: w}
-		defer func() { EndHTTP(span, sw.code()) }()
+		sw := &StatusWriter{ResponseWriter: w}
+		defer func() { EndHTTP(span, sw.CodeOr(http.StatusOK)) }()
 		next.ServeHTTP(sw, r.WithContext(ctx))
 	})
 }
@@ -129,38 +129,39 @@ func (t transport) CloseIdleConnections() {
 	}
 }
 
-// statusWriter records the response code; it keeps Flush and
-// Unwrap (http.ResponseController) working.
-type statusWriter struct {
+// StatusWriter records the response code a handler writes; Flush and
+// Unwrap (http.ResponseController: hijack, full duplex) reach the wrapped
+// writer. The edge, the control plane and Middleware count and trace with
+// it.
+type StatusWriter struct {
 	http.ResponseWriter
 	status int
 }
 
-func (w *statusWriter) WriteHeader(code int) {
+func (w *StatusWriter) WriteHeader(code int) {
 	if w.status == 0 {
 		w.status = code
 	}
 	w.ResponseWriter.WriteHeader(code)
 }
 
-func (w *statusWriter) Write(b []byte) (int, error) {
+func (w *StatusWriter) Write(b []byte) (int, error) {
 	if w.status == 0 {
 		w.status = http.StatusOK
 	}
 	return w.ResponseWriter.Write(b)
 }
 
-func (w *statusWriter) Flush() {
-	if f, ok := w.ResponseWriter.(http.Flusher); ok {
-		f.Flush()
-	}
+func (w *StatusWriter) Flush() {
+	_ = http.NewResponseController(w.ResponseWriter).Flush()
 }
 
-func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+func (w *StatusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
-func (w *statusWriter) code() int {
+// CodeOr is the code written, or none when the handler wrote nothing.
+func (w *StatusWriter) CodeOr(none int) int {
 	if w.status == 0 {
-		return http.StatusOK
+		return none
 	}
 	return w.status
 }
