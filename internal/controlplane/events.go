@@ -26,8 +26,8 @@ func (s *Server) eventRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /events/webhooks/{id}", s.withKey(s.handleGetWebhook))
 	mux.HandleFunc("PATCH /events/webhooks/{id}", s.withKey(s.handleUpdateWebhook))
 	mux.HandleFunc("DELETE /events/webhooks/{id}", s.withKey(s.handleDeleteWebhook))
-	mux.HandleFunc("GET /v2/sandboxes/{id}/logs", s.withKey(s.handleLogsV2))
-	mux.HandleFunc("GET /sandboxes/{id}/logs", s.withKey(s.handleLogsV1))
+	mux.HandleFunc("GET /v2/sandboxes/{id}/logs", s.withKey(func(w http.ResponseWriter, r *http.Request, c caller) { s.handleLogs(w, r, c, true) }))
+	mux.HandleFunc("GET /sandboxes/{id}/logs", s.withKey(func(w http.ResponseWriter, r *http.Request, c caller) { s.handleLogs(w, r, c, false) }))
 }
 
 // startEvents starts the events service of this control plane (every

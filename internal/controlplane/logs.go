@@ -221,32 +221,15 @@ func endLine(rec store.SandboxRecord) e2bapi.SandboxLogEntry {
 	}}
 }
 
-func (s *Server) handleLogsV2(w http.ResponseWriter, r *http.Request, c caller) {
+// handleLogs answers both logs routes: the same selection, in v2's
+// structured shape or v1's (lines beside the entries).
+func (s *Server) handleLogs(w http.ResponseWriter, r *http.Request, c caller, v2 bool) {
 	id, err := parseSandboxID(r.PathValue("id"))
 	if err != nil {
 		s.writeError(w, r, err)
 		return
 	}
-	q, err := parseLogQuery(r.URL.Query(), true)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	lines, err := s.sandboxLogs(r.Context(), c, id)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, e2bapi.SandboxLogsV2Response{Logs: selectLogs(lines, q)})
-}
-
-func (s *Server) handleLogsV1(w http.ResponseWriter, r *http.Request, c caller) {
-	id, err := parseSandboxID(r.PathValue("id"))
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	q, err := parseLogQuery(r.URL.Query(), false)
+	q, err := parseLogQuery(r.URL.Query(), v2)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -257,6 +240,10 @@ func (s *Server) handleLogsV1(w http.ResponseWriter, r *http.Request, c caller) 
 		return
 	}
 	sel := selectLogs(lines, q)
+	if v2 {
+		writeJSON(w, http.StatusOK, e2bapi.SandboxLogsV2Response{Logs: sel})
+		return
+	}
 	out := e2bapi.SandboxLogs{LogEntries: sel, Logs: make([]e2bapi.SandboxLog, 0, len(sel))}
 	for _, e := range sel {
 		out.Logs = append(out.Logs, e2bapi.SandboxLog{Line: e.Message, Timestamp: e.Timestamp})
