@@ -364,14 +364,47 @@ func (p *Proxy) stillAllowedLocked(st *sandbox, c *conn) bool {
 }
 
 func (p *Proxy) dialOut(ctx context.Context, d decision) (net.Conn, error) {
-	dial := p.cfg.Dial
-	if dial == nil {
+	dial, real := p.cfg.Dial, p.cfg.Dial == nil
+	if real {
 		dial = p.dialer.DialContext
 	}
 	if d.proxy != nil {
 		return socks5.Dial(ctx, dial, d.proxyAddr.String(), d.proxy.Username, d.proxy.Password, d.dial.String())
 	}
-	return dial(ctx, "tcp", d.dial.String())
+	c, err := dial(ctx, "tcp", d.dial.String())
+	if err != nil {
+		return nil, err
+	}
+	// A test's Dial reaches its servers on loopback: the backstop is for
+	// the worker's own dialer.
+	if reason := p.localConn(c); real && reason != "" {
+		c.Close()
+		return nil, fmt.Errorf("egress: %s is %s: %w", d.dial, reason, errdefs.ErrDenied)
+	}
+	return c, nil
+}
+
+// localConn is the backstop behind the decision: a connection that the
+// kernel delivered to the host itself (it chose the destination as
+// source, which it does only for a local address) or whose destination
+// became one of the host's addresses while it was dialled is closed
+// before a byte of the sandbox's is sent. The peer saw a handshake, no
+// data.
+func (p *Proxy) localConn(c net.Conn) string {
+	la, lok := c.LocalAddr().(*net.TCPAddr)
+	ra, rok := c.RemoteAddr().(*net.TCPAddr)
+	if !lok || !rok {
+		return "" // not a TCP socket (a test's Dial)
+	}
+	l, _ := netip.AddrFromSlice(la.IP)
+	r, _ := netip.AddrFromSlice(ra.IP)
+	switch {
+	case l.Unmap() == r.Unmap():
+		return "this host"
+	case p.cfg.Defaults.Reserved(r):
+		return "reserved"
+	}
+	return ""
 }
 
 // lookup is the proxy's own resolution of an allowed name.

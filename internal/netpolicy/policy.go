@@ -42,7 +42,7 @@ func Compile(s Spec, d Defaults) (*Policy, error) {
 	if err != nil {
 		return nil, err
 	}
-	nd := Defaults{Allow: d.Allow}
+	nd := Defaults{Allow: d.Allow, Host: d.Host}
 	for _, l := range []struct {
 		name string
 		in   []netip.Prefix

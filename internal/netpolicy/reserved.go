@@ -17,6 +17,17 @@ type Defaults struct {
 	// Denied lists extra always-denied prefixes (worker and control-plane
 	// addresses, the link pool).
 	Denied []netip.Prefix
+	// Host holds the worker's own addresses as they are now (it gains
+	// and loses them while it runs), always denied like Denied. nil:
+	// none beyond Denied.
+	Host AddrSet
+}
+
+// AddrSet is a set of addresses that may change over time
+// (hostaddr.Watcher). Contains is called concurrently, with canonical
+// (unmapped, zoneless) addresses.
+type AddrSet interface {
+	Contains(netip.Addr) bool
 }
 
 func mustPrefixes(s ...string) []netip.Prefix {
@@ -94,7 +105,7 @@ func canonAddr(ip netip.Addr) netip.Addr {
 // loopback, link-local (169.254/16 incl. metadata 169.254.169.254,
 // fe80::/10), multicast, broadcast, 0/8, 240/4, 192.0.0.0/24, the IPv4
 // addresses embedded in IPv4-mapped, NAT64, SIIT, 6to4 and Teredo forms,
-// d.Denied, and the private ranges (10/8, 172.16/12, 192.168/16,
+// d.Denied, d.Host, and the private ranges (10/8, 172.16/12, 192.168/16,
 // 100.64/10, fc00::/7) unless inside d.AllowPrivate. An invalid address
 // is reserved (fail closed).
 func (d Defaults) Reserved(ip netip.Addr) bool {
@@ -109,7 +120,7 @@ func (d Defaults) Reserved(ip netip.Addr) bool {
 }
 
 func (d Defaults) reserved1(ip netip.Addr) bool {
-	if containsAddr(alwaysReserved, ip) || containsAddr(d.Denied, ip) {
+	if containsAddr(alwaysReserved, ip) || containsAddr(d.Denied, ip) || d.Host != nil && d.Host.Contains(ip) {
 		return true
 	}
 	return containsAddr(privateRanges, ip) && !containsAddr(d.AllowPrivate, ip)

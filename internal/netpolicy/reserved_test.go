@@ -131,3 +131,32 @@ func TestReserved(t *testing.T) {
 		t.Error("the zero Addr is not reserved")
 	}
 }
+
+type fixedSet map[netip.Addr]bool
+
+func (f fixedSet) Contains(a netip.Addr) bool { return f[a] }
+
+// Defaults.Host is always denied, in every form that embeds the address,
+// and carried into compiled policies.
+func TestReservedHost(t *testing.T) {
+	host := fixedSet{netip.MustParseAddr("198.51.100.7"): true, netip.MustParseAddr("2001:db8::7"): true}
+	d := Defaults{Allow: true, Host: host}
+	for _, a := range []string{"198.51.100.7", "::ffff:198.51.100.7", "64:ff9b::c633:6407", "2002:c633:6407::1", "2001:db8::7"} {
+		if !d.Reserved(netip.MustParseAddr(a)) {
+			t.Errorf("%s not reserved though it is the host's", a)
+		}
+	}
+	if d.Reserved(netip.MustParseAddr("198.51.100.8")) {
+		t.Error("198.51.100.8 reserved though the host does not have it")
+	}
+	p, err := Compile(Spec{AllowOut: []string{"198.51.100.0/24"}}, d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v := p.Addr(netip.MustParseAddr("198.51.100.7")); v.Allow || v.Reason != "reserved" {
+		t.Errorf("a compiled policy allowing the host's range: %+v", v)
+	}
+	if p.Defaults().Host == nil {
+		t.Error("Policy.Defaults dropped Host")
+	}
+}

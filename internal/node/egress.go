@@ -19,6 +19,7 @@ import (
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/egress"
 	"github.com/spacesbx/space/internal/errdefs"
+	"github.com/spacesbx/space/internal/hostaddr"
 	"github.com/spacesbx/space/internal/identity"
 	"github.com/spacesbx/space/internal/netpolicy"
 	"github.com/spacesbx/space/internal/sbxmanager"
@@ -150,6 +151,7 @@ type workerEgress struct {
 	// netnsPath is the egress namespace's bind mount (NetnsPath).
 	netnsPath string
 	proxy     *egress.Proxy
+	host      *hostaddr.Watcher
 	defaults  netpolicy.Defaults
 	resolver  netip.Addr
 	tcp       *net.TCPListener
@@ -175,6 +177,9 @@ func newWorkerEgress(c EgressConfig, stateDir string, reg prometheus.Registerer,
 	defer func() {
 		if err != nil {
 			e.closeSockets()
+			if e.host != nil {
+				e.host.Close()
+			}
 			n.Close()
 		}
 	}()
@@ -183,8 +188,13 @@ func newWorkerEgress(c EgressConfig, stateDir string, reg prometheus.Registerer,
 	// the worker's resolver, whatever its destination).
 	e.resolver = c.Pool.Addr().Next()
 	denied := append([]netip.Prefix{c.Pool.Masked()}, c.Deny...)
-	denied = append(denied, hostAddrs()...)
-	e.defaults = netpolicy.Defaults{Allow: c.Mode == EgressAllow, AllowPrivate: c.AllowPrivate, Denied: denied}
+	// The host's own addresses are followed, not listed once: an address
+	// the host gains later (a new interface, DHCP, a VPN) is as much the
+	// worker's as those it had at start.
+	if e.host, err = hostaddr.New(hostaddr.Config{Logger: log}); err != nil {
+		return nil, fmt.Errorf("egress: host addresses: %w", err)
+	}
+	e.defaults = netpolicy.Defaults{Allow: c.Mode == EgressAllow, AllowPrivate: c.AllowPrivate, Denied: denied, Host: e.host}
 	var roots *x509.CertPool
 	if c.UpstreamCAFile != "" {
 		pem, err := os.ReadFile(c.UpstreamCAFile)
@@ -212,25 +222,6 @@ func newWorkerEgress(c EgressConfig, stateDir string, reg prometheus.Registerer,
 		return nil, fmt.Errorf("egress proxy: %w", err)
 	}
 	return e, nil
-}
-
-// hostAddrs are this host's own addresses (root network namespace): no
-// sandbox may reach the worker or anything else listening on the host.
-func hostAddrs() []netip.Prefix {
-	addrs, err := net.InterfaceAddrs()
-	if err != nil {
-		return nil
-	}
-	var out []netip.Prefix
-	for _, a := range addrs {
-		if ipn, ok := a.(*net.IPNet); ok {
-			if ip, ok := netip.AddrFromSlice(ipn.IP); ok {
-				ip = ip.Unmap()
-				out = append(out, netip.PrefixFrom(ip, ip.BitLen()))
-			}
-		}
-	}
-	return out
 }
 
 func toLink(l sbxnet.Link) sbxmanager.Link {
@@ -286,10 +277,12 @@ func (e *workerEgress) InUse() ([]int, error) { return e.net.InUse() }
 // Run serves the proxy and the resolver until ctx ends.
 func (e *workerEgress) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
-	errs := make([]error, 2)
-	wg.Add(2)
+	errs := make([]error, 3)
+	wg.Add(3)
+	// The proxy's sockets close when ctx ends; so does the watcher.
 	go func() { defer wg.Done(); errs[0] = e.proxy.ServeTCP(ctx, e.tcp, sbxnet.OriginalDst) }()
 	go func() { defer wg.Done(); errs[1] = e.proxy.ServeDNS(ctx, e.udp, e.dnsTCP) }()
+	go func() { defer wg.Done(); errs[2] = e.host.Run(ctx) }()
 	wg.Wait()
 	if ctx.Err() != nil {
 		return nil
@@ -332,6 +325,7 @@ func (e *workerEgress) close(destroy bool) error {
 	e.closed = true
 	err := e.proxy.Close()
 	e.closeSockets()
+	e.host.Close()
 	if destroy {
 		return errors.Join(err, e.net.Destroy())
 	}
