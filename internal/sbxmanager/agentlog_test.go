@@ -88,25 +88,40 @@ func FuzzParseAgentLog(f *testing.F) {
 // fields (seconds of a shared core per logs request, as often as the
 // tenant asks).
 func TestParseAgentLogManyFieldsNotQuadratic(t *testing.T) {
-	var b strings.Builder
-	b.WriteString(`{"time":"2026-12-04T19:00:00Z","msg":"m"`)
-	for i := 0; b.Len() < MaxAgentLogBytes-64; i++ {
-		fmt.Fprintf(&b, `,"%x":0`, i)
+	line := func(size int) []byte {
+		var b strings.Builder
+		b.WriteString(`{"time":"2026-12-04T19:00:00Z","msg":"m"`)
+		for i := 0; b.Len() < size-64; i++ {
+			fmt.Fprintf(&b, `,"%x":0`, i)
+		}
+		b.WriteString("}\n")
+		return []byte(b.String())
 	}
-	b.WriteString("}\n")
-	data := []byte(b.String())
-	ParseAgentLog(data, MaxAgentLogLines) // warm up
-	start := time.Now()
-	lines := ParseAgentLog(data, MaxAgentLogLines)
-	took := time.Since(start)
-	if len(lines) != 1 || len(lines[0].Message) > maxAgentLineBytes+3 {
-		t.Fatalf("parsed %d lines", len(lines))
+	// The fastest of a few runs: the machine is shared, and a scheduling
+	// pause only ever adds time.
+	fastest := func(data []byte) time.Duration {
+		best := time.Duration(1<<63 - 1)
+		for range 5 {
+			start := time.Now()
+			lines := ParseAgentLog(data, MaxAgentLogLines)
+			best = min(best, time.Since(start))
+			if len(lines) != 1 || len(lines[0].Message) > maxAgentLineBytes+3 {
+				t.Fatalf("parsed %d lines", len(lines))
+			}
+		}
+		return best
 	}
-	// Linearithmic: tens of milliseconds (a few hundred under -race);
-	// the insertion sort took seconds.
-	t.Logf("took %v", took)
-	if took > 750*time.Millisecond {
-		t.Fatalf("parsing one %d-byte line took %v", len(data), took)
+	// A quarter of the fields and the whole tail: linearithmic parsing
+	// takes about 4-5x as long for 4x the fields, the insertion sort this
+	// guards against 16x (and seconds in absolute terms). Compared with
+	// itself, not a wall-clock limit, so a loaded machine does not fail it.
+	small, full := line(MaxAgentLogBytes/4), line(MaxAgentLogBytes)
+	fastest(full) // warm up
+	ts, tf := fastest(small), fastest(full)
+	ratio := float64(tf) / float64(max(ts, time.Microsecond))
+	t.Logf("%d bytes: %v; %d bytes: %v; ratio %.1f", len(small), ts, len(full), tf, ratio)
+	if ratio > 10 {
+		t.Fatalf("4x the fields took %.1fx as long (%v vs %v): parsing is quadratic in the fields", ratio, tf, ts)
 	}
 }
 
