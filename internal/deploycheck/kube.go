@@ -111,6 +111,8 @@ type Workload struct {
 	Object
 	Selector *metav1.LabelSelector
 	Template corev1.PodTemplateSpec
+	// Claims are a StatefulSet's volumeClaimTemplates, volumes of its pods.
+	Claims []string
 }
 
 // Workloads returns the Deployments, StatefulSets and DaemonSets of objs.
@@ -119,11 +121,15 @@ func Workloads(objs []Object) []Workload {
 	for _, o := range objs {
 		switch w := o.Obj.(type) {
 		case *appsv1.Deployment:
-			out = append(out, Workload{o, w.Spec.Selector, w.Spec.Template})
+			out = append(out, Workload{o, w.Spec.Selector, w.Spec.Template, nil})
 		case *appsv1.StatefulSet:
-			out = append(out, Workload{o, w.Spec.Selector, w.Spec.Template})
+			var claims []string
+			for _, c := range w.Spec.VolumeClaimTemplates {
+				claims = append(claims, c.Name)
+			}
+			out = append(out, Workload{o, w.Spec.Selector, w.Spec.Template, claims})
 		case *appsv1.DaemonSet:
-			out = append(out, Workload{o, w.Spec.Selector, w.Spec.Template})
+			out = append(out, Workload{o, w.Spec.Selector, w.Spec.Template, nil})
 		}
 	}
 	return out

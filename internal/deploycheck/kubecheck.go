@@ -99,7 +99,11 @@ func (r KubeRules) Check(objs []Object) []error {
 			}
 		}
 	}
-	if len(tags) > 1 {
+	distinct := map[string]bool{}
+	for _, tg := range tags {
+		distinct[tg] = true
+	}
+	if len(distinct) > 1 {
 		c.errs = append(c.errs, fmt.Errorf("SPACE images carry different tags %v: one release runs together", tags))
 	}
 	return c.errs
@@ -145,6 +149,9 @@ func (c *kubeChecker) workload(w Workload, tags map[string]string) {
 	}
 	spec := w.Template.Spec
 	vols := map[string]bool{}
+	for _, c := range w.Claims {
+		vols[c] = true
+	}
 	for _, v := range spec.Volumes {
 		vols[v.Name] = true
 		switch {

@@ -169,7 +169,7 @@ func (r UnitRules) checkSandboxed(u *Unit, args []string) []error {
 			bad("want %s=%s, have %q", k, want, got)
 		}
 	}
-	if u.Value("Service", "CapabilityBoundingSet") == "" {
+	if !u.Has("Service", "CapabilityBoundingSet") {
 		bad("CapabilityBoundingSet is unset: every capability stays possible")
 	}
 	var state []string

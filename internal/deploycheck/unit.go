@@ -90,6 +90,17 @@ func (u *Unit) Values(section, key string) []string {
 	return out
 }
 
+// Has reports whether section sets key at all (an empty value counts:
+// CapabilityBoundingSet= is the empty set).
+func (u *Unit) Has(section, key string) bool {
+	for _, e := range u.Sections[section] {
+		if e.Key == key {
+			return true
+		}
+	}
+	return false
+}
+
 // Value returns the last value of key in section ("" when unset).
 func (u *Unit) Value(section, key string) string {
 	v := u.Values(section, key)
