@@ -29,6 +29,8 @@ var (
 	flagSets  map[string]FlagSet
 	flagsErr  error
 	tmpBin    string
+	// binDir is where the servers' binaries are (after binFlags).
+	binDir string
 )
 
 func TestMain(m *testing.M) {
@@ -63,6 +65,7 @@ func binFlags(t *testing.T) map[string]FlagSet {
 				return
 			}
 		}
+		binDir = dir
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		flagSets = map[string]FlagSet{}
