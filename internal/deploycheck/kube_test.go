@@ -174,3 +174,24 @@ func TestKubernetesRejects(t *testing.T) {
 		t.Error("kustomization with an unknown field decoded")
 	}
 }
+
+// The unit tier's part (no binaries): every manifest decodes strictly, and
+// the documents the decoder must refuse are refused.
+func TestKubernetesDecodes(t *testing.T) {
+	objs, _ := manifests(t)
+	if len(objs) < 10 {
+		t.Errorf("%d documents", len(objs))
+	}
+	for name, want := range map[string]string{
+		"unknown-field.yaml":    `unknown field "replica"`,
+		"wrong-apiversion.yaml": `Deployment wants apiVersion apps/v1`,
+		"duplicate-field.yaml":  `duplicate|already set`,
+	} {
+		_, err := decodeFile(t, filepath.Join("testdata/kubernetes-broken", name))
+		if err == nil {
+			t.Errorf("%s decoded", name)
+			continue
+		}
+		wantErrs(t, name, []error{err}, want)
+	}
+}

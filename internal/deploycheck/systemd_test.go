@@ -125,10 +125,8 @@ func TestSystemdAnalyzeVerify(t *testing.T) {
 	if err != nil {
 		testenv.Skipf(t, "systemd-analyze is not installed (make deploy-deps installs Debian's systemd)")
 	}
-	dir := os.Getenv("SPACE_BIN_DIR")
-	if dir == "" {
-		testenv.Skipf(t, "needs the built binaries: SPACE_BIN_DIR=$PWD/bin after make build")
-	}
+	binFlags(t) // the binaries: $SPACE_BIN_DIR or a build
+	dir := binDir
 	units, _ := filepath.Glob(filepath.Join(root, "deploy/systemd/*.service"))
 	for _, u := range units {
 		if problems := analyzeVerify(t, sa, dir, u); len(problems) > 0 {
