@@ -52,7 +52,9 @@ func ParseUnit(name string, r io.Reader) (*Unit, error) {
 				return nil, fmt.Errorf("%s:%d: bad section header %q", name, start, full)
 			}
 			section = full[1 : len(full)-1]
-			u.Sections[section] = u.Sections[section] // a section may be empty
+			if _, ok := u.Sections[section]; !ok {
+				u.Sections[section] = nil // a section may be empty
+			}
 			continue
 		}
 		k, v, ok := strings.Cut(full, "=")
