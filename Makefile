@@ -67,6 +67,14 @@ code-interpreter-image: base-image
 deps:
 	@command -v node >/dev/null || { apt-get update -qq && apt-get install -y -qq nodejs npm; }
 
+## deploy-deps: Debian's systemd, whose systemd-analyze verify reads the
+## units of deploy/systemd in internal/deploycheck's tests (only the tool
+## is used; nothing is started)
+.PHONY: deploy-deps
+deploy-deps:
+	@command -v systemd-analyze >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; }
+
 ## registry-deps: Debian's docker-registry (the CNCF distribution registry),
 ## which internal/oci's tests start on 127.0.0.1 with a temp storage dir.
 ## Only the binary is used: the package's own service (port 5000) is
@@ -131,7 +139,7 @@ $(VM_KERNEL_DIR)/.done:
 ## test: the whole suite, every tier: unit, root, platform (space up, the
 ## hostile suite, end to end with the e2b SDK) and kvm; run it as root.
 ## Ends with the list of what did not run (docs/TESTING.md).
-test: build e2e-deps registry-deps codeinterp-deps
+test: build e2e-deps registry-deps codeinterp-deps deploy-deps
 	@[ "$$(id -u)" = 0 ] || echo 'make test: not root: the root and platform tiers will not run (see the NOT RUN list at the end)'
 	set -o pipefail; SPACE_BIN_DIR=$(BIN) $(GO) test $(GOTESTFLAGS) -json $(PKGS) | $(NOTRUN)
 

@@ -67,6 +67,9 @@ var layer = map[string]int{
 	"internal/up": 9,
 	// 10: what drives a whole SPACE: the CLI, benchmarks, test harnesses.
 	"internal/cli": 10, "internal/bench": 10, "internal/testenv": 10,
+	// 10 also: the deployment files' checker (units, image, manifests,
+	// configuration reference against the binaries' flags).
+	"internal/deploycheck": 10,
 	// 11: mains and suites.
 	"cmd": 11, "test": 11, "internal/archtest": 11, "sdk/sdktest": 11,
 	"internal/vmchan/vmchantest": 11, "internal/bench/idleproc": 11,

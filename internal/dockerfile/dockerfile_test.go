@@ -123,3 +123,51 @@ func FuzzParse(f *testing.F) {
 		}
 	})
 }
+
+func TestStages(t *testing.T) {
+	const df = `ARG GO=1.26
+FROM golang:${GO}-bookworm AS Build
+WORKDIR /src
+COPY go.mod go.sum ./
+RUN go build \
+    -o /out/ ./cmd/x
+FROM debian:bookworm-slim AS runtime
+COPY --from=build /out/x /usr/local/bin/x
+ENTRYPOINT ["/usr/local/bin/x", "-v"]
+FROM runtime
+CMD echo hi
+`
+	st, err := Stages(strings.NewReader(df))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(st) != 3 || st[0].Name != "build" || st[0].From != "golang:1.26-bookworm" || st[1].Name != "runtime" || st[2].Name != "" || st[2].From != "runtime" {
+		t.Fatalf("stages %+v", st)
+	}
+	if in := st[0].Instructions[2]; in.Keyword != "RUN" || in.Line != 5 || in.Args != "go build  -o /out/ ./cmd/x" {
+		t.Errorf("RUN %+v", in)
+	}
+	from, srcs, dest, err := st[1].Instructions[0].Copy()
+	if err != nil || from != "build" || !reflect.DeepEqual(srcs, []string{"/out/x"}) || dest != "/usr/local/bin/x" {
+		t.Errorf("COPY %q %q %q %v", from, srcs, dest, err)
+	}
+	if argv, ok := st[1].Instructions[1].Exec(); !ok || !reflect.DeepEqual(argv, []string{"/usr/local/bin/x", "-v"}) {
+		t.Errorf("ENTRYPOINT %q %v", argv, ok)
+	}
+	if _, ok := st[2].Instructions[0].Exec(); ok {
+		t.Error("shell form read as exec form")
+	}
+	for _, bad := range []string{"", "RUN x\nFROM a", "FROM a b", "FROM a\nCOPY x"} {
+		_, err := Stages(strings.NewReader(bad))
+		if err == nil {
+			if bad == "FROM a\nCOPY x" {
+				continue // Stages reads; COPY's form is checked by Copy
+			}
+			t.Errorf("%q: accepted", bad)
+		}
+	}
+	st, _ = Stages(strings.NewReader("FROM a\nCOPY x"))
+	if _, _, _, err := st[0].Instructions[0].Copy(); err == nil {
+		t.Error("COPY with one word accepted")
+	}
+}
