@@ -23,8 +23,10 @@ func main() {
 	addr := flag.String("addr", controlplane.DefaultAddr, "listen address")
 	dataDir := flag.String("data-dir", "/var/lib/space/api", "signing key and embedded etcd data")
 	etcd := flag.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
-	apiKey := flag.String("api-key", os.Getenv("SPACE_API_KEY"), "bootstrap API key e2b_<40 hex> (env SPACE_API_KEY; generated if empty)")
-	edgeKey := flag.String("edge-key", os.Getenv("SPACE_EDGE_KEY"), "space-edge service key (env SPACE_EDGE_KEY)")
+	// Keys default to empty and are read from the environment after
+	// parsing: an environment default would be printed by -h.
+	apiKey := flag.String("api-key", "", "bootstrap API key e2b_<40 hex> (default $SPACE_API_KEY, else generated)")
+	edgeKey := flag.String("edge-key", "", "space-edge service key (default $SPACE_EDGE_KEY)")
 	domain := flag.String("domain", controlplane.DefaultDomain, "domain reported to E2B clients, who build https://<port>-<id>.<domain>: the edge's sandbox domain with its HTTPS port unless 443 (e.g. localhost:3443)")
 	sandboxURL := flag.String("sandbox-url", "", "the edge's URL, where template builds reach their build sandboxes (empty: builds disabled)")
 	webhookAllowPrivate := flag.Bool("webhook-allow-private", false, "let webhook URLs reach loopback, private and link-local addresses (tests, closed labs)")
@@ -33,6 +35,12 @@ func main() {
 	metricsAddr := flag.String("metrics-addr", telemetry.DefaultControlPlaneMetricsAddr, "Prometheus /metrics listener (off: none)")
 	traceCfg := telemetry.Flags(flag.CommandLine, telemetry.FromEnv(os.Getenv))
 	flag.Parse()
+	if *apiKey == "" {
+		*apiKey = os.Getenv("SPACE_API_KEY")
+	}
+	if *edgeKey == "" {
+		*edgeKey = os.Getenv("SPACE_EDGE_KEY")
+	}
 	log, err := logsetup.New(os.Stderr, *logOpts)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "space-api:", err)

@@ -29,7 +29,7 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	fs.StringVar(&cfg.DataDir, "data-dir", DefaultDataDir, "state directory (etcd, keys, workers)")
 	fs.IntVar(&cfg.Workers, "workers", 1, "number of workers in this process; 0: none, workers are space-node processes joining (the banner prints their flags)")
 	fs.IntVar(&cfg.Capacity, "capacity", node.DefaultCapacity, "sandboxes per worker the scheduler may place (each idle ns sandbox holds about 13 host tasks against kernel.pid_max; a warning says when the host cannot hold them)")
-	fs.StringVar(&cfg.APIKey, "api-key", getenv("SPACE_API_KEY"), "bootstrap API key e2b_<40 hex> (default $SPACE_API_KEY, else generated)")
+	fs.StringVar(&cfg.APIKey, "api-key", "", "bootstrap API key e2b_<40 hex> (default $SPACE_API_KEY, else generated)")
 	fs.StringVar(&cfg.BinDir, "bin-dir", "", "directory of spaced-host and spaced-guest (default: next to this binary)")
 	fs.StringVar(&cfg.VMKernelDir, "vm-kernel-dir", "", "microvm guest kernel dir with vmlinuz and modules/ (default: .cache/vm/kernel of the checkout the binaries were built in; none: ns only)")
 	fs.StringVar(&cfg.VMAccel, "vm-accel", "", "force the microvm accelerator, kvm or tcg (default: boot a probe guest under kvm, then tcg, and use the first that works)")
@@ -57,6 +57,10 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	traceCfg := telemetry.Flags(fs, telemetry.FromEnv(getenv))
 	if err := fs.Parse(args); err != nil {
 		return 2
+	}
+	// Read after parsing, not as the flag's default: -h prints defaults.
+	if cfg.APIKey == "" {
+		cfg.APIKey = getenv("SPACE_API_KEY")
 	}
 	if *etcd != "" {
 		cfg.EtcdEndpoints = strings.Split(*etcd, ",")
