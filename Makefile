@@ -77,6 +77,17 @@ registry-deps:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-registry && \
 	  { ! command -v systemctl >/dev/null || systemctl disable --now docker-registry.service >/dev/null 2>&1 || true; }; }
 
+## etcd-deps: Debian's etcd (etcd-server, etcd-client: /usr/bin/etcd and
+## etcdctl; etcdutl only from 3.5, else `etcdctl snapshot restore`), which
+## test/cluster runs as a three-member cluster on network-namespace hosts.
+## Only the binaries are used: the package's own service (port 2379 on the
+## loopback) is disabled and stopped where systemd runs.
+.PHONY: etcd-deps
+etcd-deps:
+	@dpkg -s etcd-server etcd-client >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends etcd-server etcd-client && \
+	  { ! command -v systemctl >/dev/null || systemctl disable --now etcd.service >/dev/null 2>&1 || true; }; }
+
 ## codeinterp-deps: what internal/codeinterp's tests run the code
 ## interpreter server on (what its image holds): Debian's Jupyter client,
 ## IPython kernel, matplotlib, pandas and numpy for /usr/bin/python3, and
