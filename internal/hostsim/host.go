@@ -44,9 +44,9 @@ type Host struct {
 	// Kill; each Kill moves on to a fresh one (<host>.<boot>): a cgroup
 	// once killed is not started into again (on some kernels a process
 	// cloned into a cgroup that was ever killed is killed at birth).
-	cg     *cgroup
-	boot   int
-	oldCG  []*cgroup
+	cg    *cgroup
+	boot  int
+	oldCG []*cgroup
 
 	mu          sync.Mutex
 	cmds        []namedCommand // in Start order, for Restart

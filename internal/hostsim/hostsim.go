@@ -133,7 +133,7 @@ func New(cfg Config) (_ *Net, retErr error) {
 	} else if err := os.MkdirAll(n.dir, 0o700); err != nil {
 		return nil, fmt.Errorf("hostsim: %w", err)
 	}
-	cg, err := newCgroup(filepath.Base(n.dir))
+	cg, err := newCgroup(fmt.Sprintf("%d.%s", os.Getpid(), filepath.Base(n.dir)))
 	if err != nil {
 		return nil, err
 	}

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -216,8 +217,14 @@ func (c *cgroup) kill() error {
 				_ = unix.Kill(pid, unix.SIGKILL)
 			}
 		}
-		if len(c.pids()) == 0 {
+		left := c.pids()
+		if len(left) == 0 {
 			return nil
+		}
+		// A frozen process takes its SIGKILL only once thawed (a paused
+		// sandbox in a cgroup v1 freezer).
+		for _, pid := range left {
+			thaw(pid)
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("hostsim: %w: processes %v still in %s 10s after SIGKILL", errdefs.ErrUnavailable, c.pids(), c.path)
@@ -249,4 +256,48 @@ func (c *cgroup) remove() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// thaw thaws the freezer cgroups pid is in: v1's freezer.state and
+// v2's cgroup.freeze (best effort: a process that is gone needs none).
+func thaw(pid int) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+	if err != nil {
+		return
+	}
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		f := strings.SplitN(line, ":", 3)
+		if len(f) != 3 || f[2] == "/" {
+			continue
+		}
+		switch {
+		case f[1] == "" && f[0] == "0":
+			if root := cgroup2Mount(); root != "" {
+				_ = os.WriteFile(filepath.Join(root, f[2], "cgroup.freeze"), []byte("0"), 0)
+			}
+		case slices.Contains(strings.Split(f[1], ","), "freezer"):
+			if root := freezerMount(); root != "" {
+				_ = os.WriteFile(filepath.Join(root, f[2], "freezer.state"), []byte("THAWED"), 0)
+			}
+		}
+	}
+}
+
+// freezerMount returns where the cgroup v1 freezer is mounted ("" when
+// it is not).
+func freezerMount() string {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		pre, post, ok := strings.Cut(sc.Text(), " - ")
+		pf, sf := strings.Fields(pre), strings.Fields(post)
+		if ok && len(pf) >= 5 && len(sf) >= 3 && sf[0] == "cgroup" && slices.Contains(strings.Split(sf[2], ","), "freezer") {
+			return pf[4]
+		}
+	}
+	return ""
 }
