@@ -291,18 +291,23 @@ func (c *cluster) stop() {
 	}
 }
 
-// setup is what every test here starts with: root, the binaries, etcd,
-// a hostsim net.
+// setup is what every test here starts with: root (the only reason it
+// skips), the binaries (SPACE_BIN_DIR, or built now), etcd, a hostsim
+// net.
 func setup(t *testing.T) (bin, dir string, n *hostsim.Net) {
 	t.Helper()
 	testenv.RequireRoot(t, "network-namespace hosts, cgroups, sandboxes")
-	bin = testenv.RequireBinDir(t)
 	for _, p := range []string{"/usr/bin/etcd", "/usr/bin/etcdctl"} {
 		if _, err := os.Stat(p); err != nil {
-			testenv.Skipf(t, "needs Debian's etcd (make etcd-deps): %v", err)
+			t.Fatalf("needs Debian's etcd: run make etcd-deps (make test and make cluster-test do): %v", err)
 		}
 	}
-	dir, err := os.MkdirTemp("", "cl-") // short: worker sockets live under it
+	bin, cleanup, err := testenv.BinDir()
+	if err != nil {
+		t.Fatalf("binaries: %v", err)
+	}
+	t.Cleanup(cleanup)
+	dir, err = os.MkdirTemp("", "cl-") // short: worker sockets live under it
 	if err != nil {
 		t.Fatal(err)
 	}
