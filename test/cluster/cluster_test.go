@@ -16,6 +16,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/hostsim"
+	"github.com/spacesbx/space/internal/node"
 	"github.com/spacesbx/space/internal/testenv"
 )
 
@@ -134,6 +135,10 @@ func startCluster(t *testing.T, n *hostsim.Net, bin, dir string) *cluster {
 		c.start(h, "space-node", filepath.Join(bin, "space-node"), "--id", h.Name(), "--addr", netip.AddrPortFrom(h.Addr(), nodePort).String(),
 			"--data-dir", data, "--etcd-endpoints", c.etcdEndpoints(), "--snapshot-dir", c.snapDir,
 			"--capacity", "24", "--egress", "off", "--keep-sandboxes=false", "--metrics-addr", "off", "--log-level", "info")
+		// On a pure cgroup v2 host the worker moves its sandboxes into
+		// cgroups of its own, out of the host's: they are the host's too
+		// (a host kill ends them). On a hybrid host they stay in it.
+		h.OwnCgroup(node.NSCgroupParent(data, h.Name()))
 	}
 	c.waitWorkers(0, 120*time.Second, "w1", "w2", "w3")
 	return c
