@@ -22,7 +22,7 @@ CMDS := space space-api space-edge space-node spaced-host netgtw space-nsinit
 SPACE_VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo devel)
 SPACE_LDFLAGS := -X github.com/spacesbx/space/internal/cli.Version=$(SPACE_VERSION)
 
-.PHONY: all build run test test-unit bench density check fuzz e2e-deps deps vm-deps sandbox-deps base-image clean churn crash
+.PHONY: all build run test test-unit bench density check fuzz e2e-deps deps vm-deps sandbox-deps base-image clean churn crash cluster-test
 
 all: build
 
@@ -85,6 +85,17 @@ registry-deps:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-registry && \
 	  { ! command -v systemctl >/dev/null || systemctl disable --now docker-registry.service >/dev/null 2>&1 || true; }; }
 
+## etcd-deps: Debian's etcd (etcd-server, etcd-client: /usr/bin/etcd and
+## etcdctl; etcdutl only from 3.5, else `etcdctl snapshot restore`), which
+## test/cluster runs as a three-member cluster on network-namespace hosts.
+## Only the binaries are used: the package's own service (port 2379 on the
+## loopback) is disabled and stopped where systemd runs.
+.PHONY: etcd-deps
+etcd-deps:
+	@dpkg -s etcd-server etcd-client >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends etcd-server etcd-client && \
+	  { ! command -v systemctl >/dev/null || systemctl disable --now etcd.service >/dev/null 2>&1 || true; }; }
+
 ## codeinterp-deps: what internal/codeinterp's tests run the code
 ## interpreter server on (what its image holds): Debian's Jupyter client,
 ## IPython kernel, matplotlib, pandas and numpy for /usr/bin/python3, and
@@ -139,9 +150,29 @@ $(VM_KERNEL_DIR)/.done:
 ## test: the whole suite, every tier: unit, root, platform (space up, the
 ## hostile suite, end to end with the e2b SDK) and kvm; run it as root.
 ## Ends with the list of what did not run (docs/TESTING.md).
+<<<<<<< HEAD
 test: build e2e-deps registry-deps codeinterp-deps deploy-deps
+=======
+## It includes test/cluster (about 3 minutes; make cluster-test runs it
+## alone and prints its report).
+test: build e2e-deps registry-deps codeinterp-deps etcd-deps
+>>>>>>> harness
 	@[ "$$(id -u)" = 0 ] || echo 'make test: not root: the root and platform tiers will not run (see the NOT RUN list at the end)'
 	set -o pipefail; SPACE_BIN_DIR=$(BIN) $(GO) test $(GOTESTFLAGS) -json $(PKGS) | $(NOTRUN)
+
+## cluster-test: test/cluster, SPACE as a cluster of network-namespace
+## hosts on one machine (internal/hostsim): 3 etcd members (Debian's etcd),
+## 2 control planes, 2 edges and 3 workers, each on its own host, under
+## client load; one etcd member, one control plane, one edge and one worker
+## host killed and restarted in turn, a worker partitioned for 30 s; then
+## an etcd backup restored into a fresh cluster. About 3 minutes, as root;
+## make test runs it too.
+## Prints the report table (also in $(CLUSTER_OUT)/.../cluster-report.txt).
+CLUSTER_OUT := $(CURDIR)/.cache/cluster-test
+cluster-test: build etcd-deps
+	@rm -rf $(CLUSTER_OUT) && mkdir -p $(CLUSTER_OUT)
+	set -o pipefail; SPACE_BIN_DIR=$(BIN) $(GO) test -race -count=1 -timeout 30m -json -artifacts -outputdir $(CLUSTER_OUT) ./test/cluster/ | $(NOTRUN); \
+	  rc=$$?; find $(CLUSTER_OUT) -name cluster-report.txt -exec cat {} \; ; exit $$rc
 
 ## test-unit: the inner loop: the unit tier only (go test -short; no root,
 ## no built binaries, no platform), as any user. Ends

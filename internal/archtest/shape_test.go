@@ -31,7 +31,7 @@ var layer = map[string]int{
 	// 1 also: tracing setup and the metrics listener (telemetry), and the
 	// guest's span report (telemetry/guestspan).
 	"internal/telemetry": 1,
-	"internal/netpolicy": 1, "internal/sbxnet": 1, "internal/netsim": 1, "internal/hostaddr": 1,
+	"internal/netpolicy": 1, "internal/sbxnet": 1, "internal/netsim": 1, "internal/hostsim": 1, "internal/hostaddr": 1,
 	"internal/egress/intercept": 1, "internal/egress/socks5": 1,
 	// 1 also: the code interpreter server (Python, embedded) for the
 	// code-interpreter-v1 image.
