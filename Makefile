@@ -150,13 +150,9 @@ $(VM_KERNEL_DIR)/.done:
 ## test: the whole suite, every tier: unit, root, platform (space up, the
 ## hostile suite, end to end with the e2b SDK) and kvm; run it as root.
 ## Ends with the list of what did not run (docs/TESTING.md).
-<<<<<<< HEAD
-test: build e2e-deps registry-deps codeinterp-deps deploy-deps
-=======
 ## It includes test/cluster (about 3 minutes; make cluster-test runs it
 ## alone and prints its report).
-test: build e2e-deps registry-deps codeinterp-deps etcd-deps
->>>>>>> harness
+test: build e2e-deps registry-deps codeinterp-deps deploy-deps etcd-deps
 	@[ "$$(id -u)" = 0 ] || echo 'make test: not root: the root and platform tiers will not run (see the NOT RUN list at the end)'
 	set -o pipefail; SPACE_BIN_DIR=$(BIN) $(GO) test $(GOTESTFLAGS) -json $(PKGS) | $(NOTRUN)
 
