@@ -13,6 +13,7 @@ import (
 	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/netpolicy"
+	"github.com/spacesbx/space/internal/scheduler"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -179,14 +180,10 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 	)
 	for attempt := 0; attempt < installAttempts; attempt++ {
 		t0 := time.Now()
-		ws, err := s.workersWithLoad(ctx, p.Spec.Substrate)
+		w, err := s.pick(ctx, p.Spec.Substrate, tried)
 		if err != nil {
-			lastErr = err
-			break
-		}
-		w, err := s.sched.Pick(ws, tried...)
-		if err != nil {
-			if lastErr == nil {
+			// No room after a failed install: the install's error says more.
+			if lastErr == nil || !errors.Is(err, scheduler.ErrNoCapacity) {
 				lastErr = err
 			}
 			break
