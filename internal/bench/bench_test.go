@@ -454,7 +454,8 @@ func TestFleetSmall(t *testing.T) {
 		t.Fatalf("results: %+v", rs)
 	}
 	rows := fleetRows(rs)
-	if len(rows) != 6 || rows[0].Target != ">= 100/s" || !strings.Contains(rows[1].Baseline, "with 1 replica") {
+	if len(rows) != 7 || rows[0].Target != ">= 100/s" || !strings.Contains(rows[0].Baseline, "store floor") ||
+		!strings.Contains(rows[2].Baseline, "with 1 replica") || len(rs[0].Floors) != 2 {
 		t.Fatalf("rows: %+v", rows)
 	}
 }

@@ -16,6 +16,8 @@ package bench
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -31,6 +33,7 @@ import (
 
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/internal/controlplane"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/fleetsim"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -69,6 +72,10 @@ type FleetResult struct {
 	Denied int64
 	// Phases are the creates' create-timing phases (api.place, ...).
 	Phases map[string][]time.Duration
+	// Floors are the store floor's rates, one round before each create
+	// round: the same clients doing only a create's etcd operations
+	// (FleetEnv.FloorRound), the baseline of the creates' rate.
+	Floors []float64
 }
 
 // Median creates per second over rounds.
@@ -101,6 +108,11 @@ func measureFleetOnce(ctx context.Context, dir string, fc FleetConfig, replicas 
 		return res, fmt.Errorf("warm-up: %w", err)
 	}
 	for range fc.Rounds {
+		f, err := env.FloorRound(ctx, fc.Creates)
+		if err != nil {
+			return res, fmt.Errorf("store floor: %w", err)
+		}
+		res.Floors = append(res.Floors, f)
 		env.phases.Collect(true)
 		r, err := env.Round(ctx, fc.Creates, &res.Latency)
 		env.phases.Collect(false)
@@ -129,6 +141,7 @@ func measureFleetOnce(ctx context.Context, dir string, fc FleetConfig, replicas 
 // and a simulated fleet, with a load client over the replicas.
 type FleetEnv struct {
 	*loadClient
+	st     *store.Store
 	fleet  *fleetsim.Fleet
 	phases *PhaseCollector
 	undo   []func()
@@ -160,6 +173,7 @@ func StartFleet(ctx context.Context, dir string, workers, replicas, clients int,
 		return nil, err
 	}
 	e.undo = append(e.undo, func() { st.Close() })
+	e.st = st
 	runCtx, stop := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	e.undo = append(e.undo, func() { stop(); wg.Wait() })
@@ -203,6 +217,68 @@ func StartFleet(ctx context.Context, dir string, workers, replicas, clients int,
 	return e, nil
 }
 
+// FloorRound is the store's floor under a create: n times, by as many
+// clients as the creates, the etcd operations a create waits for in turn
+// (the API key's lookup, the record's create, its update to running), on
+// the same etcd, without HTTP, control plane or worker. The records
+// (killed ones, placed nowhere) are deleted untimed. It returns the rate.
+func (e *FleetEnv) FloorRound(ctx context.Context, n int) (float64, error) {
+	h := store.HashAPIKey(e.key)
+	next := make(chan int, n)
+	for i := range n {
+		next <- i
+	}
+	close(next)
+	var (
+		mu   sync.Mutex
+		errs []error
+		ids  []string
+		wg   sync.WaitGroup
+	)
+	t0 := time.Now()
+	for range e.clients {
+		wg.Go(func() {
+			for range next {
+				id := "f" + randHex(19)
+				rec := store.SandboxRecord{ID: id, TeamID: "bench-floor", TemplateID: "base", State: store.StateKilled, CreatedAt: time.Now().UTC(), EndedAt: time.Now().UTC()}
+				_, _, err := e.st.LookupAPIKeyRev(ctx, h)
+				var rev int64
+				if err == nil {
+					rev, err = e.st.CreateSandbox(ctx, rec)
+				}
+				if err == nil {
+					rec.Reason = "floor"
+					_, err = e.st.UpdateSandbox(ctx, id, rev, rec)
+				}
+				mu.Lock()
+				if err != nil {
+					errs = append(errs, err)
+				} else {
+					ids = append(ids, id)
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	wall := time.Since(t0)
+	for _, id := range ids {
+		if err := e.st.DeleteSandbox(ctx, id, 0); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) > 0 {
+		return 0, fmt.Errorf("%d failed, first: %w", len(errs), errs[0])
+	}
+	return float64(n) / wall.Seconds(), nil
+}
+
+func randHex(n int) string {
+	b := make([]byte, (n+1)/2)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)[:n]
+}
+
 // loadClient spreads creates and kills over the control planes.
 type loadClient struct {
 	urls    []string
@@ -240,7 +316,8 @@ func (l *loadClient) do(ctx context.Context, method, url string, body []byte, wa
 
 // Round creates n sandboxes with l.clients clients (request i to control
 // plane i mod len(urls)), appending each create's latency to lat (when
-// set), then kills them all (untimed). It returns the creates per second.
+// set), then kills them all (untimed), each through the next control
+// plane (with two: the other replica, whose signature the worker checks). It returns the creates per second.
 func (l *loadClient) Round(ctx context.Context, n int, lat *[]time.Duration) (float64, error) {
 	body := []byte(`{"templateID":"base"}`)
 	ids := make([]string, n)
@@ -292,7 +369,7 @@ func (l *loadClient) Round(ctx context.Context, n int, lat *[]time.Duration) (fl
 				if ids[i] == "" {
 					continue
 				}
-				if _, err := l.do(ctx, "DELETE", l.urls[i%len(l.urls)]+"/sandboxes/"+ids[i], nil, http.StatusNoContent); err != nil {
+				if _, err := l.do(ctx, "DELETE", l.urls[(i+1)%len(l.urls)]+"/sandboxes/"+ids[i], nil, http.StatusNoContent); err != nil {
 					mu.Lock()
 					errs = append(errs, err)
 					mu.Unlock()
@@ -313,14 +390,15 @@ func fleetRows(rs []FleetResult) []Row {
 	var rows []Row
 	var one float64
 	for _, r := range rs {
-		base, rat := "-", "-"
+		floor := Median(r.Floors)
+		rows = append(rows, Row{fmt.Sprintf("fleet creates/s, %d workers, %d replica(s), %d clients, median of %d rounds", r.Workers, r.Replicas, r.Clients, len(r.Rates)),
+			fmt.Sprintf("%.0f", r.Median()), fmt.Sprintf("%.0f store floor", floor), ratio(r.Median(), floor), ">= 100/s", atLeast(r.Median(), 100)})
 		if r.Replicas == 1 {
 			one = r.Median()
 		} else if one > 0 {
-			base, rat = fmt.Sprintf("%.0f with 1 replica", one), ratio(r.Median(), one)
+			rows = append(rows, Row{fmt.Sprintf("fleet creates/s, %d replicas vs 1", r.Replicas), fmt.Sprintf("%.0f", r.Median()),
+				fmt.Sprintf("%.0f with 1 replica", one), ratio(r.Median(), one), "", NotJudged})
 		}
-		rows = append(rows, Row{fmt.Sprintf("fleet creates/s, %d workers, %d replica(s), %d clients, median of %d rounds", r.Workers, r.Replicas, r.Clients, len(r.Rates)),
-			fmt.Sprintf("%.0f", r.Median()), base, rat, ">= 100/s", atLeast(r.Median(), 100)})
 	}
 	for _, r := range rs {
 		s, l := ms(r.Schedule), ms(r.Latency)
@@ -338,12 +416,15 @@ func fleetNotes(rs []FleetResult) string {
 	var b strings.Builder
 	b.WriteString("fleet: internal/fleetsim workers (registered under leases, key bundle watched, every control call's capability verified by\n" +
 		"  node-api's ControlHandler; no sandboxes) on embedded etcd, all in this process on the same cores as the control plane(s).\n" +
-		"  Creates: POST /sandboxes (template base) with the API key, request i to replica i mod n; each round's sandboxes killed untimed.\n" +
-		"  Scheduling latency: the control plane's arrival-to-placement time of each create (space_api_schedule_seconds' samples).\n")
+		"  Creates: POST /sandboxes (template base) with the API key, request i to replica i mod n; each round's sandboxes killed untimed,\n" +
+		"  each through the next replica (with 2: not the one that created it).\n" +
+		"  Scheduling latency: the control plane's arrival-to-placement time of each create (space_api_schedule_seconds' samples).\n" +
+		"  Store floor (baseline, one round before each create round, same clients, same etcd): only the etcd operations a create waits\n" +
+		"  for in turn (API key lookup, record create, record update); ratio = the share of that floor the whole create path keeps.\n")
 	for _, r := range rs {
-		fmt.Fprintf(&b, "  %d replica(s): rounds %s creates/s; installs per worker %d..%d; control calls denied %d.\n"+
+		fmt.Fprintf(&b, "  %d replica(s): rounds %s creates/s (store floor %s); installs per worker %d..%d; control calls denied %d.\n"+
 			"    phases (median ms): %s\n",
-			r.Replicas, fmtRates(r.Rates), r.MinPerWorker, r.MaxPerWorker, r.Denied, formatPhases(r.Phases, append([]string{"api.schedule"}, createPhaseOrder...)))
+			r.Replicas, fmtRates(r.Rates), fmtRates(r.Floors), r.MinPerWorker, r.MaxPerWorker, r.Denied, formatPhases(r.Phases, append([]string{"api.schedule"}, createPhaseOrder...)))
 	}
 	return b.String()
 }

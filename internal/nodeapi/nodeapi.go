@@ -140,12 +140,6 @@ func (s *Server) Run(ctx context.Context) error {
 // Close stops serving at once.
 func (s *Server) Close() error { return s.srv.Close() }
 
-// authorizeControl checks the control capability of r against this
-// worker and route (AuthorizeControl).
-func (s *Server) authorizeControl(r *http.Request, route identity.Route) error {
-	return AuthorizeControl(s.ver, s.cfg.WorkerID, r, route)
-}
-
 // AuthorizeControl checks a control-plane call's capability: verified by
 // ver (signed by a key of the bundle it trusts), purpose control, for
 // worker and exactly route (the one the body names). Every refusal is an
