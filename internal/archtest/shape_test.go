@@ -59,8 +59,9 @@ var layer = map[string]int{
 	"internal/sbxmanager": 5, "internal/controlplane": 5, "internal/edge": 5,
 	// 6: the node API over sbx-manager.
 	"internal/nodeapi": 6,
-	// 7: a worker.
-	"internal/worker": 7,
+	// 7: a worker; a simulated fleet of them (node-api's control checks,
+	// no sandboxes).
+	"internal/worker": 7, "internal/fleetsim": 7,
 	// 8: a worker assembled from its parts (substrates, store adapters).
 	"internal/node": 8,
 	// 9: a whole single-machine SPACE.

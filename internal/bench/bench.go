@@ -74,6 +74,9 @@ type Config struct {
 	// EgressRounds rounds of the egress comparison (0: not measured;
 	// egress.go).
 	EgressRounds int
+	// Fleet sizes the simulated-fleet section (fleet.go): the control
+	// plane's creates/s and scheduling latency, 1 and 2 replicas.
+	Fleet FleetConfig
 	// Log receives progress (default stderr); platform logs at Error only.
 	Log io.Writer
 }
@@ -86,7 +89,7 @@ func DefaultConfig() Config {
 		CreateWarmup: 2, Creates: 50, RawEvery: 2, CreateClients: 8, CreatesPerClient: 10,
 		MemSandboxes: 10, MemSettle: 2 * time.Second,
 		VM:     VMConfig{Creates: 5, NSPerVM: 2, BootBudget: 100 * time.Second, Rounds: 5, Snapshots: 2, Moves: 3},
-		VMIdle: 50, IsoStarts: 40, IsoIdle: 10, Readopt: 100, EgressRounds: 5,
+		VMIdle: 50, IsoStarts: 40, IsoIdle: 10, Readopt: 100, EgressRounds: 5, Fleet: DefaultFleet(),
 	}
 }
 
@@ -98,7 +101,7 @@ func QuickConfig() Config {
 		CreateWarmup: 1, Creates: 5, RawEvery: 2, CreateClients: 8, CreatesPerClient: 2,
 		MemSandboxes: 2, MemSettle: 500 * time.Millisecond,
 		VM:     VMConfig{Creates: 1, NSPerVM: 1, Rounds: 1, Snapshots: 1, Moves: 1},
-		VMIdle: 2, IsoStarts: 3, IsoIdle: 2, Readopt: 3, EgressRounds: 1,
+		VMIdle: 2, IsoStarts: 3, IsoIdle: 2, Readopt: 3, EgressRounds: 1, Fleet: QuickFleet(),
 	}
 }
 
@@ -136,7 +139,10 @@ type Report struct {
 	// first result (codeinterp.go).
 	CI    CodeInterpResult
 	CIErr error
-	Took  time.Duration
+	// Fleet is the control plane against simulated workers (fleet.go).
+	Fleet    []FleetResult
+	FleetErr error
+	Took     time.Duration
 }
 
 // Run measures everything and writes the table and notes to out. A figure
@@ -145,12 +151,15 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	if cfg.Log == nil {
 		cfg.Log = os.Stderr
 	}
-	if cfg.BinDir == "" {
-		return errors.New("bench: BinDir (SPACE_BIN_DIR) is required: run make bench")
-	}
 	t0 := time.Now()
 	progress := func(format string, a ...any) {
 		fmt.Fprintf(cfg.Log, "[%5.1fs] %s\n", time.Since(t0).Seconds(), fmt.Sprintf(format, a...))
+	}
+	if cfg.Only == "fleet" { // fleet.go: no sandboxes, no binaries
+		return runFleetOnly(ctx, cfg, out, progress, t0)
+	}
+	if cfg.BinDir == "" {
+		return errors.New("bench: BinDir (SPACE_BIN_DIR) is required: run make bench")
 	}
 	var rep Report
 	// The creates' per-phase timings come from the platform's own debug
@@ -249,6 +258,9 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 		progress("egress: %d rounds of netprobe in a sandbox vs on the host", cfg.EgressRounds)
 		rep.Egress, rep.EgressErr = MeasureEgress(ctx, cfg.BinDir, platformDir(root, "egress"), cfg.EgressRounds, plog)
 	}
+	if len(cfg.Fleet.Replicas) > 0 {
+		rep.Fleet, rep.FleetErr = MeasureFleet(ctx, root, cfg.Fleet, cfg.Log, progress)
+	}
 	rep.Took = time.Since(t0)
 	progress("done")
 	fmt.Fprintln(out)
@@ -257,7 +269,7 @@ func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	}
 	fmt.Fprintln(out)
 	fmt.Fprint(out, rep.Notes())
-	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.IsoErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr, rep.ReadoptErr, rep.EgressErr, rep.TplErr, rep.CIErr)
+	return errors.Join(rep.CapErr, rep.ReadErr, rep.CreateErr, rep.MemErr, rep.SPErr, rep.IsoErr, rep.LifeErr, rep.VMErr, rep.VMIdleErr, rep.ReadoptErr, rep.EgressErr, rep.TplErr, rep.CIErr, rep.FleetErr)
 }
 
 // runEgressOnly measures only the egress path (-only egress).

@@ -6,6 +6,8 @@ import (
 	"crypto/ed25519"
 	"encoding/base64"
 	"encoding/json"
+	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -411,4 +413,49 @@ func TestMeasureReadopt(t *testing.T) {
 		t.Fatalf("%d of 3 sandboxes kept their execution across the restarts, want all (re-adopted)", res.SameGeneration)
 	}
 	t.Logf("%+v", res.Rows())
+}
+
+// BenchmarkFleetCreate is the control plane's create rate against 100
+// simulated workers (fleet.go), with 1 and 2 replicas: each op is one
+// sandbox created through the REST API by one of 16 parallel clients
+// (killed, untimed, after the loop). No root, no binaries:
+// go test -run '^$' -bench FleetCreate ./internal/bench
+func BenchmarkFleetCreate(b *testing.B) {
+	for _, replicas := range []int{1, 2} {
+		b.Run(fmt.Sprintf("replicas=%d", replicas), func(b *testing.B) {
+			ctx := context.Background()
+			e, err := StartFleet(ctx, b.TempDir(), 100, replicas, 16, io.Discard)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer e.Close()
+			if _, err := e.Round(ctx, 16, nil); err != nil { // warm-up
+				b.Fatal(err)
+			}
+			b.ResetTimer()
+			rate, err := e.Round(ctx, b.N, nil) // ns/op counts the kills too; creates/s does not
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.ReportMetric(rate, "creates/s")
+		})
+	}
+}
+
+// TestFleetSmall runs the fleet section small: both replica counts,
+// every create placed and verified, rows rendered.
+func TestFleetSmall(t *testing.T) {
+	rs, err := MeasureFleet(context.Background(), t.TempDir(), FleetConfig{Workers: 10, Clients: 4, Rounds: 2, Creates: 12, Replicas: []int{1, 2}},
+		io.Discard, func(string, ...any) {})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rs) != 2 || rs[1].Replicas != 2 || len(rs[0].Rates) != 2 || len(rs[0].Schedule) != 24 || rs[0].Denied != 0 {
+		t.Fatalf("results: %+v", rs)
+	}
+	rows := fleetRows(rs)
+	if len(rows) != 7 || rows[0].Target != ">= 100/s" || !strings.Contains(rows[0].Baseline, "store floor") ||
+		!strings.Contains(rows[2].Baseline, "with 1 replica") || len(rs[0].Floors) != 2 {
+		t.Fatalf("rows: %+v", rows)
+	}
 }

@@ -107,6 +107,10 @@ func (r *Report) Rows() []Row {
 	} else if len(r.Iso.Start[IsoAll]) > 0 {
 		rows = append(rows, r.Iso.rows()...)
 	}
+	rows = append(rows, fleetRows(r.Fleet)...)
+	if r.FleetErr != nil {
+		fail("fleet (simulated workers)", r.FleetErr)
+	}
 	return rows
 }
 
@@ -152,6 +156,9 @@ func (r *Report) Notes() string {
 	}
 	if r.VMIdleErr == nil && r.VMIdle.N > 0 {
 		b.WriteString(r.VMIdle.Notes())
+	}
+	if len(r.Fleet) > 0 {
+		b.WriteString(fleetNotes(r.Fleet))
 	}
 	return b.String()
 }

@@ -247,7 +247,7 @@ func (m *mover) keepSnapshot(r *store.SandboxRecord) { r.PausedSnapshot = m.snap
 // pickTarget returns the named target worker, or the scheduler's pick
 // among the workers of the sandbox's substrate other than exclude.
 func (m *mover) pickTarget(target string, exclude []string) (spacev1.Worker, error) {
-	ws, err := m.s.workersWithLoad(m.ctx, m.old.Substrate)
+	ws, err := m.s.workersWithLoad(m.ctx, m.old.Substrate, true)
 	if err != nil {
 		return spacev1.Worker{}, err
 	}

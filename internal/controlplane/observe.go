@@ -27,6 +27,8 @@ type observability struct {
 	durations    *prometheus.HistogramVec
 	capabilities *prometheus.CounterVec
 	reaps        prometheus.Counter
+	// schedule: a create's arrival to its placement decision.
+	schedule prometheus.Histogram
 }
 
 func newObservability() *observability {
@@ -45,8 +47,12 @@ func newObservability() *observability {
 		reaps: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "space_api_reaper_passes_total", Help: "Passes of the timeout reaper.",
 		}),
+		schedule: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "space_api_schedule_seconds", Help: "Scheduling latency: from a create request's arrival to its placement decision (first attempt's worker picked).",
+			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5},
+		}),
 	}
-	o.reg.MustRegister(o.requests, o.durations, o.capabilities, o.reaps)
+	o.reg.MustRegister(o.requests, o.durations, o.capabilities, o.reaps, o.schedule)
 	return o
 }
 
@@ -67,7 +73,7 @@ func (s *Server) observe(h http.Handler) http.Handler {
 		}
 		ctx, span := telemetry.ServerSpan(r, telemetry.ScopeControlPlane, "space-api "+r.Method, trust)
 		sw := &telemetry.StatusWriter{ResponseWriter: w}
-		r = r.WithContext(ctx)
+		r = r.WithContext(context.WithValue(ctx, arrivalKey{}, start))
 		h.ServeHTTP(sw, r)
 		route := r.Pattern
 		if route == "" {
@@ -82,6 +88,18 @@ func (s *Server) observe(h http.Handler) http.Handler {
 		}
 		telemetry.EndHTTP(span, code)
 	})
+}
+
+// arrivalKey keys a request's arrival time in its context (observe).
+type arrivalKey struct{}
+
+// arrival is when the request of ctx arrived (observe), or now when ctx is
+// not a request's.
+func arrival(ctx context.Context) time.Time {
+	if t, ok := ctx.Value(arrivalKey{}).(time.Time); ok {
+		return t
+	}
+	return time.Now()
 }
 
 // traceCapability starts the span of one capability issuance.

@@ -22,22 +22,53 @@ func (s *Server) newRoute(id string, gen uint64, workerID, substrate string) ide
 // workersWithLoad lists the registered workers that run substrate ("":
 // all of them), with their load: the larger of the worker's own report and
 // its placements as the store sees them (creating, running and moving
-// sandboxes), which may be ahead of the report.
-func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]spacev1.Worker, error) {
-	// The two reads are independent: the sandbox records are read while
-	// the workers are.
-	type listed struct {
-		entries []store.SandboxEntry
-		err     error
+// sandboxes: placedOn), which may be ahead of the report. Workers and
+// placements come from the watched view (placements.go) once it is in;
+// exact reads them from the store instead (every worker entry and every
+// sandbox record read and decoded).
+func (s *Server) workersWithLoad(ctx context.Context, substrate string, exact bool) ([]spacev1.Worker, error) {
+	ws, _, err := s.workersWithLoadFrom(ctx, substrate, exact)
+	return ws, err
+}
+
+// pick places one sandbox of substrate, not on a worker in exclude: the
+// scheduler's pick among the watched view, or, when that view has no
+// room for it (not delivered yet, or behind a worker that just
+// registered), among the workers and records read from the store now. A
+// failed pick wraps scheduler.ErrNoCapacity.
+func (s *Server) pick(ctx context.Context, substrate string, exclude []string) (spacev1.Worker, error) {
+	ws, viewed, err := s.workersWithLoadFrom(ctx, substrate, false)
+	if err == nil {
+		w, perr := s.sched.Pick(ws, exclude...)
+		if perr == nil || !viewed {
+			return w, perr
+		}
 	}
-	sbxs := make(chan listed, 1)
-	go func() {
-		e, err := s.st.ListSandboxes(ctx)
-		sbxs <- listed{e, err}
-	}()
-	all, err := s.st.ListWorkers(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("%w: worker registry: %v", errdefs.ErrUnavailable, err)
+	if !viewed {
+		return spacev1.Worker{}, err
+	}
+	if ws, err = s.workersWithLoad(ctx, substrate, true); err != nil {
+		return spacev1.Worker{}, err
+	}
+	return s.sched.Pick(ws, exclude...)
+}
+
+// workersWithLoadFrom is workersWithLoad, also saying whether the answer
+// came from the watched view.
+func (s *Server) workersWithLoadFrom(ctx context.Context, substrate string, exact bool) (_ []spacev1.Worker, viewed bool, _ error) {
+	var placedCh chan placedCount
+	cached, ok := s.placed.counts()
+	all, wok := s.placed.registered()
+	viewed = !exact && ok && wok
+	if !viewed {
+		// The two reads are independent: the sandbox records are read
+		// while the workers are.
+		placedCh = make(chan placedCount, 1)
+		go func() { placedCh <- s.listPlaced(ctx) }()
+		var err error
+		if all, err = s.st.ListWorkers(ctx); err != nil {
+			return nil, false, fmt.Errorf("%w: worker registry: %v", errdefs.ErrUnavailable, err)
+		}
 	}
 	var ws []spacev1.Worker
 	var why []string
@@ -50,28 +81,46 @@ func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]space
 	}
 	if len(all) > 0 && len(ws) == 0 {
 		if len(why) > 0 {
-			return nil, fmt.Errorf("%w: no registered worker runs the %s substrate (%s)", errdefs.ErrUnavailable, substrate, strings.Join(why, "; "))
+			return nil, viewed, fmt.Errorf("%w: no registered worker runs the %s substrate (%s)", errdefs.ErrUnavailable, substrate, strings.Join(why, "; "))
 		}
-		return nil, fmt.Errorf("%w: no registered worker runs the %s substrate", errdefs.ErrUnavailable, substrate)
+		return nil, viewed, fmt.Errorf("%w: no registered worker runs the %s substrate", errdefs.ErrUnavailable, substrate)
 	}
-	l := <-sbxs
-	entries, err := l.entries, l.err
-	if err != nil {
-		return nil, fmt.Errorf("%w: sandbox records: %v", errdefs.ErrUnavailable, err)
-	}
-	placed := map[string]int{}
-	for _, e := range entries {
-		if e.Record.State == store.StateCreating || e.Record.State == store.StateRunning || e.Record.State.Transitional() {
-			placed[e.Record.Route.WorkerID]++
+	placed := cached
+	if placedCh != nil {
+		l := <-placedCh
+		if l.err != nil {
+			return nil, false, fmt.Errorf("%w: sandbox records: %v", errdefs.ErrUnavailable, l.err)
 		}
-		if p := e.Record.PendingRoute; p != nil && !e.Record.State.Terminal() {
-			placed[p.WorkerID]++
-		}
+		placed = l.n
 	}
 	for i := range ws {
 		ws[i].Load = max(ws[i].Load, placed[ws[i].ID])
 	}
-	return ws, nil
+	return ws, viewed, nil
+}
+
+// placedCount is the per-worker placements listed from the records.
+type placedCount struct {
+	n   map[string]int
+	err error
+}
+
+// listPlaced counts the placements per worker from every sandbox record.
+func (s *Server) listPlaced(ctx context.Context) placedCount {
+	entries, err := s.st.ListSandboxes(ctx)
+	if err != nil {
+		return placedCount{err: err}
+	}
+	n := map[string]int{}
+	for _, e := range entries {
+		p := placedOn(e.Record)
+		for _, w := range []string{p.route, p.pending} {
+			if w != "" {
+				n[w]++
+			}
+		}
+	}
+	return placedCount{n: n}
 }
 
 // liveWorker returns the worker's node URL when it is registered now.

@@ -13,6 +13,7 @@ import (
 	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/netpolicy"
+	"github.com/spacesbx/space/internal/scheduler"
 	"github.com/spacesbx/space/internal/store"
 )
 
@@ -136,13 +137,16 @@ func containsNUL(s string) bool {
 // CreateTimingMsg is the message of the debug record a create logs with
 // its phases as durations: place (workers and their load read, pick),
 // record (the creating record written), install (the worker's answer),
-// commit (the running record written). make bench aggregates them.
+// commit (the running record written), and schedule (the request's
+// arrival to the placement decision of the first attempt, also the
+// space_api_schedule_seconds histogram). make bench aggregates them.
 const CreateTimingMsg = "create timing"
 
 // createSandbox places, records and installs a new sandbox. It runs to
 // completion even if ctx is cancelled (the client went away), so the
 // record never stays half-made.
 func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (store.SandboxRecord, error) {
+	arrived := arrival(ctx)
 	ctx = context.WithoutCancel(ctx)
 	now := s.now().UTC()
 	rec := store.SandboxRecord{
@@ -169,25 +173,26 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		return rec, err
 	}
 	var (
-		rev     int64
-		tried   []string
-		lastErr error
+		rev      int64
+		tried    []string
+		lastErr  error
+		schedule time.Duration
 	)
 	for attempt := 0; attempt < installAttempts; attempt++ {
 		t0 := time.Now()
-		ws, err := s.workersWithLoad(ctx, p.Spec.Substrate)
+		w, err := s.pick(ctx, p.Spec.Substrate, tried)
 		if err != nil {
-			lastErr = err
-			break
-		}
-		w, err := s.sched.Pick(ws, tried...)
-		if err != nil {
-			if lastErr == nil {
+			// No room after a failed install: the install's error says more.
+			if lastErr == nil || !errors.Is(err, scheduler.ErrNoCapacity) {
 				lastErr = err
 			}
 			break
 		}
 		tried = append(tried, w.ID)
+		if attempt == 0 {
+			schedule = time.Since(arrived)
+			s.obs.schedule.Observe(schedule.Seconds())
+		}
 		rec.Generation++
 		rec.Route = s.newRoute(rec.ID, rec.Generation, w.ID, p.Spec.Substrate)
 		rec.NodeURL = w.NodeURL
@@ -244,7 +249,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 			return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s was removed while starting", errdefs.ErrConflict, rec.ID)
 		}
 		log.Debug(CreateTimingMsg, "place", tPlace.Sub(t0), "record", tRecord.Sub(tPlace),
-			"install", tInstall.Sub(tRecord), "commit", time.Since(tInstall))
+			"install", tInstall.Sub(tRecord), "commit", time.Since(tInstall), "schedule", schedule)
 		log.Info("sandbox created", "template", rec.TemplateID, "end_at", rec.EndAt)
 		return rec, nil
 	}

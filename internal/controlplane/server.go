@@ -70,6 +70,10 @@ type Server struct {
 
 	// events records lifecycle events and delivers webhooks (events.go).
 	events *events.Service
+
+	// placed counts the sandboxes per worker for placement, from a watch
+	// of the records (placements.go).
+	placed *placements
 }
 
 // instanceTTL is how long a dead control plane's registration outlives it:
@@ -89,7 +93,8 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	}
 	deps = deps.withDefaults()
 	s := &Server{cfg: cfg, st: deps.Store, log: deps.Logger.With("component", "space-api"), now: deps.Clock,
-		sched: scheduler.New(scheduler.DefaultK, nil), snaps: deps.Snapshots, volumes: deps.Volumes, reaping: map[string]bool{}}
+		sched: scheduler.New(scheduler.DefaultK, nil), snaps: deps.Snapshots, volumes: deps.Volumes, reaping: map[string]bool{},
+		placed: newPlacements()}
 
 	adopted, err := adoptPendingKey(cfg.DataDir)
 	if err != nil {
@@ -143,8 +148,16 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.reapNow = make(chan struct{}, 1)
 	s.startTeamMetrics()
-	s.wg.Add(2)
+	s.wg.Add(4)
 	go s.reapLoop()
+	go func() {
+		defer s.wg.Done()
+		_ = s.st.WatchSandboxes(s.ctx, s.placed.apply)
+	}()
+	go func() {
+		defer s.wg.Done()
+		_ = s.st.WatchWorkers(s.ctx, s.placed.setWorkers)
+	}()
 	go func() {
 		defer s.wg.Done()
 		// A lost execution is recovered at once, not on the next tick.

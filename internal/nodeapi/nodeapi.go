@@ -140,14 +140,17 @@ func (s *Server) Run(ctx context.Context) error {
 // Close stops serving at once.
 func (s *Server) Close() error { return s.srv.Close() }
 
-// authorizeControl checks the control capability: signed by the control
-// plane, purpose control, for this worker and exactly the route in the body.
-func (s *Server) authorizeControl(r *http.Request, route identity.Route) error {
-	c, err := s.ver.Verify(r.Header.Get(spacev1.HeaderCapability), capability.PurposeControl)
+// AuthorizeControl checks a control-plane call's capability: verified by
+// ver (signed by a key of the bundle it trusts), purpose control, for
+// worker and exactly route (the one the body names). Every refusal is an
+// errdefs.ErrDenied. It is what node-api runs before any control call; a
+// simulated worker (internal/fleetsim) runs the same.
+func AuthorizeControl(ver *capability.Verifier, worker string, r *http.Request, route identity.Route) error {
+	c, err := ver.Verify(r.Header.Get(spacev1.HeaderCapability), capability.PurposeControl)
 	if err != nil {
 		return fmt.Errorf("%w: control capability: %v", errdefs.ErrDenied, err)
 	}
-	if c.WorkerID != s.cfg.WorkerID {
+	if c.WorkerID != worker {
 		return fmt.Errorf("%w: control capability is for worker %q", errdefs.ErrDenied, c.WorkerID)
 	}
 	if c.Route != route {
@@ -178,23 +181,35 @@ func decode(r *http.Request, v any) error {
 	return nil
 }
 
-// control serves one control-plane call: decode the body (a T), authorize
-// the control capability for exactly the route the body names, run do.
-// A nil result is answered 204 No Content, anything else as JSON.
+// control serves one control-plane call on this worker (ControlHandler,
+// observed by node-api's series).
 func control[T any](s *Server, route func(*T) identity.Route, do func(context.Context, *T) (any, error)) http.HandlerFunc {
+	return ControlHandler(s.ver, s.cfg.WorkerID, route, do, s.obs.controlDone)
+}
+
+// ControlHandler serves one control-plane call the way node-api does:
+// decode the body (a T; unknown fields and bodies over MaxControlBody are
+// refused), authorize the control capability for worker and exactly the
+// route the body names (AuthorizeControl), run do. A nil result is
+// answered 204 No Content, anything else as JSON; errors through
+// WriteError. done, when set, is told how each call that got to do went.
+func ControlHandler[T any](ver *capability.Verifier, worker string, route func(*T) identity.Route,
+	do func(context.Context, *T) (any, error), done func(r *http.Request, start time.Time, err error)) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		var req T
 		if err := decode(r, &req); err != nil {
 			WriteError(w, err)
 			return
 		}
-		if err := s.authorizeControl(r, route(&req)); err != nil {
+		if err := AuthorizeControl(ver, worker, r, route(&req)); err != nil {
 			WriteError(w, err)
 			return
 		}
 		start := time.Now()
 		resp, err := do(r.Context(), &req)
-		s.obs.controlDone(r, start, err)
+		if done != nil {
+			done(r, start, err)
+		}
 		if err != nil {
 			WriteError(w, err)
 			return
