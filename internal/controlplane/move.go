@@ -157,6 +157,9 @@ type mover struct {
 	started       time.Time           // when its install began
 	processesKept bool
 	lost          bool // the old execution's processes are gone (pauseOld found it lost)                // the target restored the whole state (InstallResponse)
+	// requireGone, when set, is the old worker, which must still be
+	// unregistered when the new route is published (workerloss.go).
+	requireGone string
 }
 
 func (s *Server) newMover(ctx context.Context, rec store.SandboxRecord, op *store.LifecycleOp) *mover {
@@ -318,8 +321,14 @@ func (m *mover) installTarget(w spacev1.Worker) (spacev1.InstallResponse, error)
 func (m *mover) publish(w spacev1.Worker, resp spacev1.InstallResponse, timeout time.Duration, autoPause *bool) error {
 	s := m.s
 	now := s.now().UTC()
+	finish := s.finishOp
+	if m.requireGone != "" {
+		finish = func(ctx context.Context, id string, op *store.LifecycleOp, fn func(*store.SandboxRecord)) (store.SandboxRecord, error) {
+			return s.finishOpWhileGone(ctx, id, op, m.requireGone, fn)
+		}
+	}
 	var err error
-	m.rec, err = s.finishOp(m.ctx, m.id, m.op, func(r *store.SandboxRecord) {
+	m.rec, err = finish(m.ctx, m.id, m.op, func(r *store.SandboxRecord) {
 		r.Route = m.next
 		r.PendingRoute = nil
 		r.PausedSnapshot = ""

@@ -27,6 +27,9 @@ type observability struct {
 	durations    *prometheus.HistogramVec
 	capabilities *prometheus.CounterVec
 	reaps        prometheus.Counter
+	// workerLossRecoveries counts sandboxes of lost workers brought back
+	// elsewhere (workerloss.go).
+	workerLossRecoveries prometheus.Counter
 }
 
 func newObservability() *observability {
@@ -45,8 +48,11 @@ func newObservability() *observability {
 		reaps: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "space_api_reaper_passes_total", Help: "Passes of the timeout reaper.",
 		}),
+		workerLossRecoveries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_api_worker_loss_recoveries_total", Help: "Running sandboxes of lost workers brought back on another worker as new executions.",
+		}),
 	}
-	o.reg.MustRegister(o.requests, o.durations, o.capabilities, o.reaps)
+	o.reg.MustRegister(o.requests, o.durations, o.capabilities, o.reaps, o.workerLossRecoveries)
 	return o
 }
 
