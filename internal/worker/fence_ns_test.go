@@ -81,7 +81,11 @@ func (r *leasedRegistrar) renew(fresh bool) {
 	}
 }
 
-func (r *leasedRegistrar) registered() bool { r.mu.Lock(); defer r.mu.Unlock(); return r.onRenew != nil }
+func (r *leasedRegistrar) registered() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.onRenew != nil
+}
 
 // keepAlive renews every 200 ms until the returned stop is called (the
 // partition).
