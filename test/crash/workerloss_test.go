@@ -136,15 +136,17 @@ func TestWorkerLossRecoveredOnAnotherWorker(t *testing.T) {
 	// n1 comes back on its data dir: it retires the replaced execution
 	// before serving, and the sandbox stays on n2.
 	n1b := launch("n1")
+	// This start's lines (the log is appended to): from its start report,
+	// logged before it registers.
+	thisRun := func() string { lg := n1b.Log(); return lg[strings.LastIndex(lg, "executions on record at start"):] }
 	deadline := time.Now().Add(30 * time.Second)
-	for !strings.Contains(n1b.Log(), "control plane's view applied") {
+	for !strings.Contains(thisRun(), "control plane's view applied") {
 		if time.Now().After(deadline) {
-			t.Fatalf("restarted n1 never applied the control plane's view:\n%s", n1b.Log())
+			t.Fatalf("restarted n1 never applied the control plane's view:\n%s", thisRun())
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	lg := n1b.Log()
-	run2 := lg[strings.LastIndex(lg, "key bundle installed"):] // this start's lines (the log is appended to)
+	run2 := thisRun()
 	retiredAt, appliedAt := -1, strings.Index(run2, "control plane's view applied")
 	for _, line := range strings.SplitAfter(run2, "\n") {
 		if strings.Contains(line, s.ID) && strings.Contains(line, "retired") {
