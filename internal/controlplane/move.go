@@ -238,6 +238,14 @@ func (m *mover) snapshotOld() error {
 		_, err := m.s.node.snapshot(m.ctx, m.oldURL, m.old, m.snapID)
 		return err
 	}
+	if m.snapID == "" && !m.alive && m.s.workerLost(m.old.WorkerID) {
+		// Gone past the grace: its files are taken as lost with it
+		// (workerloss.go).
+		m.snapID = m.s.recoverySnapshot(m.ctx, m.rec)
+		m.log.Warn("the paused sandbox's worker is lost and no snapshot of its pause exists; restoring its last snapshot, else its template",
+			"snapshot", m.snapID)
+		return nil
+	}
 	if m.snapID == "" {
 		return fmt.Errorf("%w: worker %s is gone and the paused execution has no snapshot; retry when the worker is back", errdefs.ErrUnavailable, m.old.WorkerID)
 	}

@@ -38,8 +38,9 @@ type workerLoss struct {
 
 // recoverLostWorkers starts, for every running sandbox whose worker has
 // been unregistered past the grace, its recovery on another worker (one
-// at a time per sandbox, on the reaper's pool). Paused sandboxes need
-// nothing: their snapshot is in the shared store and a resume places them.
+// at a time per sandbox, on the reaper's pool). Paused sandboxes are left
+// paused: a resume places them, from the snapshot of their pause, else
+// (the worker being lost) as a running one would be recovered.
 func (s *Server) recoverLostWorkers(ctx context.Context, sem chan struct{}, entries []store.SandboxEntry) {
 	ws, err := s.st.ListWorkers(ctx)
 	if err != nil {
@@ -166,6 +167,18 @@ func (s *Server) recoverFromLostWorker(ctx context.Context, id string, lost iden
 		s.log.Debug("dropping a lost-execution marker failed", "sandbox", id, "err", err)
 	}
 	return nil
+}
+
+// workerLost reports whether the reaper has found worker unregistered
+// for at least the grace: a paused sandbox of it is then resumed elsewhere
+// from its last snapshot, or its template, instead of waiting for the
+// worker's files (move.go snapshotOld).
+func (s *Server) workerLost(worker string) bool {
+	wl := &s.workerLoss
+	wl.mu.Lock()
+	defer wl.mu.Unlock()
+	since, ok := wl.goneSince[worker]
+	return ok && s.now().Sub(since) >= s.cfg.WorkerLossGrace
 }
 
 // recoverySnapshot is the snapshot a sandbox of a lost worker is restored

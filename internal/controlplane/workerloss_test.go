@@ -209,3 +209,28 @@ func TestMutateSandboxWhileWorkerGone(t *testing.T) {
 		t.Fatal("write lost")
 	}
 }
+
+// A paused sandbox of a lost worker stays paused; its resume waits for
+// the worker's files within the grace (503) and, past it, places the
+// sandbox on another worker from its last snapshot, else its template.
+func TestWorkerLossPausedSandboxResumesElsewhere(t *testing.T) {
+	e, _, _, lg, reg1, _, paused := lossEnv(t, true)
+	before := e.record(paused)
+	reg1.Close()
+	e.reapPasses(2)
+	expectError(t, e.api("POST", "/sandboxes/"+paused+"/resume", map[string]any{"timeout": 60}), 503)
+	e.clock.Advance(testGrace + time.Second)
+	e.reapPasses(3)
+	if r := e.record(paused); r.State != store.StatePaused || r.Route != before.Route {
+		t.Fatalf("paused sandbox recovered without a resume: %s %v", r.State, r.Route)
+	}
+	lg.reset()
+	if r := e.api("POST", "/sandboxes/"+paused+"/resume", map[string]any{"timeout": 60}); r.Code != 201 {
+		t.Fatalf("resume past the grace: %d %s", r.Code, r.Body)
+	}
+	r := e.record(paused)
+	if r.State != store.StateRunning || r.Route.WorkerID != "w2" || r.Route.Generation != before.Route.Generation+1 {
+		t.Fatalf("resumed as %s %v", r.State, r.Route)
+	}
+	expectEvents(t, lg.all(), "w2 install g2 restore=false published=false")
+}
