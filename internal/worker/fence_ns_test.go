@@ -293,6 +293,8 @@ func TestFencedWorkerServesNothingAndRetiresBeforeServing(t *testing.T) {
 		{spacev1.NodePathTeardown, spacev1.TeardownRequest{Route: r1}, r1},
 		{spacev1.NodePathMetrics, spacev1.LifecycleRequest{Route: r1}, r1},
 		{spacev1.NodePathNetwork, spacev1.NetworkRequest{Route: r1}, r1},
+		{spacev1.NodePathMetricsRange, spacev1.LifecycleRequest{Route: r1}, r1},
+		{spacev1.NodePathAgentLog, spacev1.LifecycleRequest{Route: r1}, r1},
 	} {
 		if s := e.control(a, c.path, c.r, c.body, nil); s != http.StatusServiceUnavailable {
 			t.Fatalf("%s while fenced: %d, want 503", c.path, s)
