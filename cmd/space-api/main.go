@@ -29,6 +29,7 @@ func main() {
 	edgeKey := flag.String("edge-key", "", "space-edge service key (default $SPACE_EDGE_KEY)")
 	domain := flag.String("domain", controlplane.DefaultDomain, "domain reported to E2B clients, who build https://<port>-<id>.<domain>: the edge's sandbox domain with its HTTPS port unless 443 (e.g. localhost:3443)")
 	sandboxURL := flag.String("sandbox-url", "", "the edge's URL, where template builds reach their build sandboxes (empty: builds disabled)")
+	workerLossGrace := flag.Duration("worker-loss-grace", controlplane.DefaultWorkerLossGrace, "how long a worker's registration must be gone before its running sandboxes are recovered on other workers (new executions from their last snapshot, else their template); keep it above the workers' --lease-ttl")
 	webhookAllowPrivate := flag.Bool("webhook-allow-private", false, "let webhook URLs reach loopback, private and link-local addresses (tests, closed labs)")
 	logOpts := logsetup.Flags(flag.CommandLine, logsetup.Options{Format: os.Getenv(logsetup.EnvFormat), Level: os.Getenv(logsetup.EnvLevel)})
 	// Observability (docs/OPERATIONS.md).
@@ -55,6 +56,7 @@ func main() {
 	}
 	cfg := controlplane.Config{Addr: *addr, DataDir: *dataDir, BootstrapAPIKey: *apiKey, EdgeKey: *edgeKey, Domain: *domain, SandboxURL: *sandboxURL}
 	cfg.WebhookAllowPrivate = *webhookAllowPrivate
+	cfg.WorkerLossGrace = *workerLossGrace
 	traceCfg.ServiceName = "space-api"
 	if err := run(log, *etcd, cfg, *metricsAddr, *traceCfg); err != nil {
 		fmt.Fprintln(os.Stderr, "space-api:", err)

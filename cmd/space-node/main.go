@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/logsetup"
@@ -51,6 +52,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	fs.Func("insecure-registry", "a registry (host:port) templates may pull images from over plain HTTP or on a private address (repeatable)", func(s string) error { insecure = append(insecure, s); return nil })
 	baseImage := fs.String("base-image", node.BaseImageAuto, "the base template's root file system: auto (the Debian image when make base-image built it, else the host's /usr), build (build it first if missing), off (the host's /usr)")
 	keep := fs.Bool("keep-sandboxes", true, "leave the sandboxes running when space-node stops (SIGTERM); the next start on the same --data-dir re-adopts them. false: stop them")
+	leaseTTL := fs.Duration("lease-ttl", 10*time.Second, "registration lease in etcd: a worker whose renewals go unanswered stops serving a quarter of it before the lease can expire, and serves again once it has retired what the control plane replaced meanwhile (keep space-api's --worker-loss-grace above it)")
 	vmAccel := fs.String("vm-accel", "", "force the microvm accelerator, kvm or tcg (default: probe kvm, then tcg)")
 	volRoot := fs.String("volume-root", "", "directory of the team volumes' disk images (default <data-dir>/volumes; mount shared storage such as NFS here so a volume follows its sandboxes to other workers)")
 	volMB := fs.Int64("volume-size-mb", volume.DefaultSize>>20, "quota of each new team volume in MiB (a sparse image: the host pays for what is written)")
@@ -69,6 +71,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	eg, err := egressFlags.Resolve()
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)
+		return 2
+	}
+	if *leaseTTL < 2*time.Second {
+		fmt.Fprintln(stderr, "space-node: --lease-ttl must be at least 2s")
 		return 2
 	}
 	if *capacity <= 0 {
@@ -107,7 +113,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		DataDir: *dataDir, SnapshotDir: *snapDir, BinDir: *binDir, Capacity: *capacity,
 		VMKernelDir: *vmKernel, VMRequired: true, VMAccel: *vmAccel,
 		NSNoUserNamespaces: *noUserNS, NSNoDiskQuota: *noQuota, BaseImage: *baseImage, InsecureRegistries: insecure, KeepSandboxesOnExit: *keep, Egress: eg, Logger: log, Log: *logOpts,
-		VolumeRoot: *volRoot, VolumeSizeBytes: *volMB << 20, Tracing: *traceCfg,
+		VolumeRoot: *volRoot, VolumeSizeBytes: *volMB << 20, Tracing: *traceCfg, LeaseTTL: *leaseTTL,
 	})
 	if err != nil {
 		fmt.Fprintf(stderr, "space-node: %v\n", err)

@@ -27,6 +27,8 @@ const (
 	DefaultNodeTimeout    = 30 * time.Second
 	DefaultReapInterval   = time.Second
 	DefaultTombstoneTTL   = time.Hour
+	// DefaultWorkerLossGrace is Config.WorkerLossGrace's default.
+	DefaultWorkerLossGrace = 30 * time.Second
 	// MaxAuthorization bounds AuthorizedUntil of a capability response.
 	MaxAuthorization = 10 * time.Minute
 	// MaxBodyBytes bounds every request body.
@@ -130,6 +132,13 @@ type Config struct {
 	// stay readable (executions history) before they are purged (1 h).
 	ReapInterval time.Duration
 	TombstoneTTL time.Duration
+	// WorkerLossGrace is how long a worker's registration must have been
+	// gone before its running sandboxes are recovered on other workers as
+	// new executions (workerloss.go; default 30 s, above the workers'
+	// 10 s lease TTL: a worker fences itself before its lease can expire,
+	// so it serves nothing by then). Counted by the reaper from the pass
+	// that first finds the worker gone.
+	WorkerLossGrace time.Duration
 	// KeyPropagation is how long a key rotation waits between publishing
 	// the new verification key and signing with it (default 2 s; negative:
 	// no wait).
@@ -207,6 +216,7 @@ func (c Config) withDefaults() Config {
 	c.NodeTimeout = cmp.Or(c.NodeTimeout, DefaultNodeTimeout)
 	c.ReapInterval = cmp.Or(c.ReapInterval, DefaultReapInterval)
 	c.TombstoneTTL = cmp.Or(c.TombstoneTTL, DefaultTombstoneTTL)
+	c.WorkerLossGrace = cmp.Or(c.WorkerLossGrace, DefaultWorkerLossGrace)
 	c.KeyPropagation = cmp.Or(c.KeyPropagation, DefaultKeyPropagation)
 	c.TeamMetricsInterval = cmp.Or(c.TeamMetricsInterval, DefaultTeamMetricsInterval)
 	c.TeamMetricsRetention = cmp.Or(c.TeamMetricsRetention, DefaultTeamMetricsRetention)
@@ -247,7 +257,7 @@ func (c Config) Validate() error {
 		return fmt.Errorf("controlplane config: timeouts must be at least 1 s")
 	case defTimeout > maxTimeout:
 		return fmt.Errorf("controlplane config: default timeout %s above max %s", defTimeout, maxTimeout)
-	case c.InstallTimeout < 0 || c.NodeTimeout < 0 || c.ReapInterval < 0 || c.TombstoneTTL < 0:
+	case c.InstallTimeout < 0 || c.NodeTimeout < 0 || c.ReapInterval < 0 || c.TombstoneTTL < 0 || c.WorkerLossGrace < 0:
 		return fmt.Errorf("controlplane config: negative duration")
 	}
 	for name, t := range c.templates() {

@@ -157,6 +157,9 @@ type mover struct {
 	started       time.Time           // when its install began
 	processesKept bool
 	lost          bool // the old execution's processes are gone (pauseOld found it lost)                // the target restored the whole state (InstallResponse)
+	// requireGone, when set, is the old worker, which must still be
+	// unregistered when the new route is published (workerloss.go).
+	requireGone string
 }
 
 func (s *Server) newMover(ctx context.Context, rec store.SandboxRecord, op *store.LifecycleOp) *mover {
@@ -234,6 +237,14 @@ func (m *mover) snapshotOld() error {
 		m.snapID = newSnapshotID()
 		_, err := m.s.node.snapshot(m.ctx, m.oldURL, m.old, m.snapID)
 		return err
+	}
+	if m.snapID == "" && !m.alive && m.s.workerLost(m.old.WorkerID) {
+		// Gone past the grace: its files are taken as lost with it
+		// (workerloss.go).
+		m.snapID = m.s.recoverySnapshot(m.ctx, m.rec)
+		m.log.Warn("the paused sandbox's worker is lost and no snapshot of its pause exists; restoring its last snapshot, else its template",
+			"snapshot", m.snapID)
+		return nil
 	}
 	if m.snapID == "" {
 		return fmt.Errorf("%w: worker %s is gone and the paused execution has no snapshot; retry when the worker is back", errdefs.ErrUnavailable, m.old.WorkerID)
@@ -318,8 +329,14 @@ func (m *mover) installTarget(w spacev1.Worker) (spacev1.InstallResponse, error)
 func (m *mover) publish(w spacev1.Worker, resp spacev1.InstallResponse, timeout time.Duration, autoPause *bool) error {
 	s := m.s
 	now := s.now().UTC()
+	finish := s.finishOp
+	if m.requireGone != "" {
+		finish = func(ctx context.Context, id string, op *store.LifecycleOp, fn func(*store.SandboxRecord)) (store.SandboxRecord, error) {
+			return s.finishOpWhileGone(ctx, id, op, m.requireGone, fn)
+		}
+	}
 	var err error
-	m.rec, err = s.finishOp(m.ctx, m.id, m.op, func(r *store.SandboxRecord) {
+	m.rec, err = finish(m.ctx, m.id, m.op, func(r *store.SandboxRecord) {
 		r.Route = m.next
 		r.PendingRoute = nil
 		r.PausedSnapshot = ""

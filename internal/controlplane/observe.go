@@ -29,6 +29,9 @@ type observability struct {
 	reaps        prometheus.Counter
 	// schedule: a create's arrival to its placement decision.
 	schedule prometheus.Histogram
+	// workerLossRecoveries counts sandboxes of lost workers brought back
+	// elsewhere (workerloss.go).
+	workerLossRecoveries prometheus.Counter
 }
 
 func newObservability() *observability {
@@ -51,8 +54,11 @@ func newObservability() *observability {
 			Name: "space_api_schedule_seconds", Help: "Scheduling latency: from a create request's arrival to its placement decision (first attempt's worker picked).",
 			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5},
 		}),
+		workerLossRecoveries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_api_worker_loss_recoveries_total", Help: "Running sandboxes of lost workers brought back on another worker as new executions.",
+		}),
 	}
-	o.reg.MustRegister(o.requests, o.durations, o.capabilities, o.reaps, o.schedule)
+	o.reg.MustRegister(o.requests, o.durations, o.capabilities, o.reaps, o.schedule, o.workerLossRecoveries)
 	return o
 }
 

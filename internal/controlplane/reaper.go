@@ -50,6 +50,7 @@ func (s *Server) reapOnce(sem chan struct{}) {
 	staleCreate := 2*s.cfg.InstallTimeout + 30*time.Second
 	lost := s.lostExecutions(ctx, entries)
 	orphaned := s.orphans(ctx, entries)
+	s.recoverLostWorkers(ctx, sem, entries)
 	for _, e := range entries {
 		r := e.Record
 		switch {

@@ -50,6 +50,8 @@ type Server struct {
 
 	reapMu  sync.Mutex
 	reaping map[string]bool
+	// workerLoss: workers found unregistered (workerloss.go).
+	workerLoss workerLoss
 
 	// instance names this control plane's lifecycle operations
 	// (LifecycleOp.Owner); reg keeps it registered while it runs, so an

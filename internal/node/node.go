@@ -16,6 +16,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
@@ -91,6 +92,11 @@ type Config struct {
 	// Capacity is how many sandboxes the scheduler places on each worker
 	// (worker.Config.Capacity). Default 100.
 	Capacity int
+	// LeaseTTL is each worker's registration lease
+	// (worker.Config.LeaseTTL; default 10 s). A worker whose renewals go
+	// unanswered fences itself a quarter of it before the lease can
+	// expire; keep the control plane's worker-loss grace above it.
+	LeaseTTL time.Duration
 	// DefaultLimits apply to sandboxes (zero: substrate defaults).
 	DefaultLimits spacev1.Limits
 	// KeepSandboxesOnExit leaves the workers' sandboxes running when
@@ -445,7 +451,7 @@ func (h *Host) NewWorker(wc WorkerConfig, d WorkerDeps) (*worker.Worker, error) 
 		}
 	}
 	w, err := worker.New(worker.Config{
-		ID: wc.ID, Addr: wc.Addr, StateDir: wc.StateDir, Capacity: cfg.Capacity, Logger: cfg.Logger,
+		ID: wc.ID, Addr: wc.Addr, StateDir: wc.StateDir, Capacity: cfg.Capacity, Logger: cfg.Logger, LeaseTTL: cfg.LeaseTTL,
 		KeepSandboxesOnExit: cfg.KeepSandboxesOnExit,
 		Manager: sbxmanager.Config{
 			SpacedHostPath: filepath.Join(cfg.BinDir, "spaced-host"), AgentPath: filepath.Join(cfg.BinDir, "spaced-guest"),

@@ -14,6 +14,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -114,7 +115,24 @@ func (s *Server) Handler() http.Handler {
 	})
 	mux.Handle("GET /space/node/v1/metrics", promhttp.HandlerFor(s.cfg.Gatherer, promhttp.HandlerOpts{}))
 	mux.Handle("/", s.mgr)
-	return s.traced(mux)
+	return s.traced(s.unlessFenced(mux))
+}
+
+// unlessFenced refuses the control plane's calls about executions while
+// the worker is fenced (sbxmanager.Manager.Fence): 503 Unavailable, so no
+// lifecycle operation runs on a worker whose lease may have lapsed. Retire
+// still runs (it only narrows what is served); health, metrics and the
+// data plane (which sbx-manager refuses by itself) pass.
+func (s *Server) unlessFenced(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost && strings.HasPrefix(r.URL.Path, spacev1.NodePathInstall) && r.URL.Path != spacev1.NodePathRetire {
+			if err := s.mgr.FencedError(); err != nil {
+				WriteError(w, err)
+				return
+			}
+		}
+		next.ServeHTTP(w, r)
+	})
 }
 
 // Run serves until ctx ends, then shuts down within a bounded time.

@@ -408,9 +408,9 @@ func (m *Manager) serveServicePort(w http.ResponseWriter, r *http.Request) {
 		m.writeError(w, pausedError(ad.Claims.SandboxID)) // never into a frozen guest
 		return
 	}
-	ctx, release, ok := act.leaseContext(r.Context())
+	ctx, _, release, ok := act.leaseContext(r.Context(), m.fence.epoch())
 	if !ok {
-		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")
+		m.refuseEnded(w)
 		return
 	}
 	defer release()

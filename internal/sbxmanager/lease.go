@@ -53,8 +53,8 @@ type leaseWriter struct {
 	env envelope.Splitter
 }
 
-func newLeaseWriter(w http.ResponseWriter, r *http.Request, act *activation) *leaseWriter {
-	lw := &leaseWriter{w: w, lease: act.ctx, route: act.route, tx: &act.use.txBytes}
+func newLeaseWriter(w http.ResponseWriter, r *http.Request, act *activation, lease context.Context) *leaseWriter {
+	lw := &leaseWriter{w: w, lease: lease, route: act.route, tx: &act.use.txBytes}
 	if ct := r.Header.Get("Content-Type"); strings.HasPrefix(ct, "application/connect+") {
 		lw.reqConnect = ct
 	}

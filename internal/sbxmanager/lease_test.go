@@ -76,7 +76,7 @@ func TestLeaseWriterUnit(t *testing.T) {
 	cancel()
 	rec := httptest.NewRecorder()
 	req := httptest.NewRequest("GET", "/files", nil)
-	lw := newLeaseWriter(rec, req, act)
+	lw := newLeaseWriter(rec, req, act, act.ctx)
 	func() {
 		defer lw.finish()
 		writeTestError(lw, fmt.Errorf("%w: sandbox bridge: context canceled", errdefs.ErrUnavailable))
@@ -90,7 +90,7 @@ func TestLeaseWriterUnit(t *testing.T) {
 	var cancel2 context.CancelFunc
 	act2.ctx, cancel2 = context.WithCancel(context.Background())
 	rec = httptest.NewRecorder()
-	lw = newLeaseWriter(rec, req, act2)
+	lw = newLeaseWriter(rec, req, act2, act2.ctx)
 	panicked := func() (p any) {
 		defer func() { p = recover() }()
 		defer lw.finish()
@@ -105,7 +105,7 @@ func TestLeaseWriterUnit(t *testing.T) {
 	}
 	// Other panics propagate untouched.
 	rec = httptest.NewRecorder()
-	lw = newLeaseWriter(rec, req, act2)
+	lw = newLeaseWriter(rec, req, act2, act2.ctx)
 	p := func() (p any) {
 		defer func() { p = recover() }()
 		defer lw.finish()

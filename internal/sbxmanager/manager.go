@@ -201,6 +201,9 @@ type Manager struct {
 	// lock is the state directory's flock (lockStateDir).
 	lock *os.File
 
+	// fence is the serving epoch (fence.go).
+	fence *fence
+
 	mu      sync.RWMutex
 	records map[string]record
 	active  map[string]*activation
@@ -306,7 +309,7 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 	m := &Manager{
 		cfg: cfg, subs: subs, ver: deps.Verifier, snaps: deps.Snapshots, store: st, audit: audit,
 		metrics: newMetrics(cfg.Registerer), log: cfg.Logger.With("worker", cfg.WorkerID),
-		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{},
+		records: recs, active: map[string]*activation{}, installing: map[string]*sync.Mutex{}, fence: newFence(),
 		writeError: deps.WriteError, onLost: deps.OnLost, lock: lock, egress: deps.Egress, images: deps.Images,
 	}
 	if cfg.Registerer != nil {

@@ -22,6 +22,11 @@ type metrics struct {
 	bridgeRejects prometheus.Counter
 	bridgeChecks  *prometheus.CounterVec
 	activations   prometheus.Gauge
+	// fenced is 1 while the worker is fenced (fence.go);
+	// fencedRefusals counts the data-plane requests refused meanwhile.
+	fenced         prometheus.Gauge
+	fences         prometheus.Counter
+	fencedRefusals prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -38,9 +43,18 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		activations: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "space_node_activations", Help: "Running activations.",
 		}),
+		fenced: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "space_node_fenced", Help: "1 while the worker is fenced (its registration lease may have lapsed): it serves nothing.",
+		}),
+		fences: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_node_fences_total", Help: "Times the worker fenced itself (its registration lease renewals went unanswered past the deadline).",
+		}),
+		fencedRefusals: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_node_fenced_refusals_total", Help: "Data-plane requests refused (RefreshRoute) because the worker was fenced.",
+		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.decisions, m.bridgeRejects, m.bridgeChecks, m.activations)
+		reg.MustRegister(m.decisions, m.bridgeRejects, m.bridgeChecks, m.activations, m.fenced, m.fences, m.fencedRefusals)
 	}
 	return m
 }

@@ -25,6 +25,10 @@ import (
 // /filesystem.Filesystem/...) for every sandbox on this worker, routed by
 // the capability's sandbox. Nothing is forwarded before admission.
 func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if m.fence.epoch().Err() != nil {
+		m.refuseFenced(w) // serves nothing for any sandbox, before admission
+		return
+	}
 	if isServicePort(r) {
 		m.serveServicePort(w, r) // admitted here, then again at netgtw
 		return
@@ -70,10 +74,11 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		m.writeError(w, awaitingViewError(sandbox))
 		return
 	}
-	// Replaced, retired or torn down since admission: the lease has ended.
-	ctx, release, ok := act.leaseContext(r.Context())
+	// Replaced, retired or torn down since admission, or the worker
+	// fenced: the lease has ended.
+	ctx, lease, release, ok := act.leaseContext(r.Context(), m.fence.epoch())
 	if !ok {
-		writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")
+		m.refuseEnded(w)
 		return
 	}
 	defer release()
@@ -102,23 +107,37 @@ func (m *Manager) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		r.Body = countingBody{r.Body, &act.use.rxBytes}
 	}
 	// A lease that ends mid-response ends it with "execution replaced".
-	lw := newLeaseWriter(w, r, act)
+	lw := newLeaseWriter(w, r, act, lease)
 	defer lw.finish()
 	act.proxy.ServeHTTP(lw, r.WithContext(ctx))
 }
 
-// leaseContext derives a request context that ends with the activation's
-// lease, so replacing the execution cuts the request and any stream it
-// opens. ok is false when the lease has already ended.
-func (a *activation) leaseContext(parent context.Context) (ctx context.Context, release func(), ok bool) {
+// leaseContext derives a request context that ends with the request's
+// lease, so replacing the execution (or fencing the worker: epoch, the
+// manager's serving epoch, ends) cuts the request and any stream it opens.
+// lease is the lease itself (it ends with the activation's or the epoch).
+// ok is false when the lease has already ended.
+func (a *activation) leaseContext(parent, epoch context.Context) (ctx, lease context.Context, release func(), ok bool) {
+	lease, lcancel := context.WithCancel(a.ctx)
+	stopEpoch := context.AfterFunc(epoch, lcancel)
 	ctx, cancel := context.WithCancel(parent)
-	stop := context.AfterFunc(a.ctx, cancel)
-	release = func() { stop(); cancel() }
-	if a.ctx.Err() != nil {
+	stop := context.AfterFunc(lease, cancel)
+	release = func() { stop(); cancel(); stopEpoch(); lcancel() }
+	if a.ctx.Err() != nil || epoch.Err() != nil {
 		release()
-		return nil, nil, false
+		return nil, nil, nil, false
 	}
-	return ctx, release, true
+	return ctx, lease, release, true
+}
+
+// refuseEnded answers a request whose lease ended between admission and
+// forwarding: the worker was fenced meanwhile, or the execution replaced.
+func (m *Manager) refuseEnded(w http.ResponseWriter) {
+	if m.fence.epoch().Err() != nil {
+		m.refuseFenced(w)
+		return
+	}
+	writeOutcome(w, http.StatusMisdirectedRequest, spacev1.OutcomeRefreshRoute, "execution replaced")
 }
 
 // startPath starts a command; Pause waits a little for these to finish.

@@ -30,7 +30,7 @@ func (s *Store) RegisterControlPlane(ctx context.Context, id string, ttl time.Du
 		ID    string    `json:"id"`
 		Since time.Time `json:"since"`
 	}{id, time.Now().UTC()})
-	return s.register(ctx, controlPlanesPrefix+id, b, spacev1.Worker{}, ttl, s.log.With("control_plane", id))
+	return s.register(ctx, controlPlanesPrefix+id, b, spacev1.Worker{}, ttl, s.log.With("control_plane", id), nil)
 }
 
 // ControlPlanes returns the ids of the registered (live) control plane

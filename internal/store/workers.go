@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"sort"
@@ -10,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/spacesbx/space/api/spacev1"
@@ -34,6 +36,8 @@ type Registration struct {
 	w     spacev1.Worker // a worker's entry (Update)
 	val   []byte         // the entry as stored
 	lease clientv3.LeaseID
+	// onRenew is told about every grant and answered renewal (nil: none).
+	onRenew func(LeaseRenewal)
 
 	ctx       context.Context
 	cancel    context.CancelFunc
@@ -58,6 +62,16 @@ func validateWorker(w spacev1.Worker) error {
 // keeps the lease alive until the Registration is closed. Since defaults to
 // now when zero.
 func (s *Store) RegisterWorker(ctx context.Context, w spacev1.Worker, ttl time.Duration) (*Registration, error) {
+	return s.RegisterWorkerObserved(ctx, w, ttl, nil)
+}
+
+// RegisterWorkerObserved is RegisterWorker telling onRenew (when non-nil)
+// about every grant and every answered keep-alive of the lease, with the
+// time its request was sent (LeaseRenewal): what a worker needs to know
+// when its lease may have lapsed (LeaseDeadline). onRenew runs on the
+// registration's goroutine (the first call within this call) and must
+// not block.
+func (s *Store) RegisterWorkerObserved(ctx context.Context, w spacev1.Worker, ttl time.Duration, onRenew func(LeaseRenewal)) (*Registration, error) {
 	if err := validateWorker(w); err != nil {
 		return nil, fmt.Errorf("store: register worker: %w", err)
 	}
@@ -68,32 +82,33 @@ func (s *Store) RegisterWorker(ctx context.Context, w spacev1.Worker, ttl time.D
 		w.Since = time.Now().UTC()
 	}
 	b, _ := json.Marshal(w)
-	return s.register(ctx, workerKey(w.ID), b, w, ttl, s.log.With("worker", w.ID))
+	return s.register(ctx, workerKey(w.ID), b, w, ttl, s.log.With("worker", w.ID), onRenew)
 }
 
 // register puts val under key with a lease of ttl kept alive by the
 // returned Registration.
-func (s *Store) register(ctx context.Context, key string, val []byte, w spacev1.Worker, ttl time.Duration, log *slog.Logger) (*Registration, error) {
+func (s *Store) register(ctx context.Context, key string, val []byte, w spacev1.Worker, ttl time.Duration, log *slog.Logger,
+	onRenew func(LeaseRenewal)) (*Registration, error) {
 	rctx, cancel := context.WithCancel(context.Background())
 	r := &Registration{
 		s: s, ttl: ttl, w: w, key: key, val: val, ctx: rctx, cancel: cancel, done: make(chan struct{}),
-		log: log,
+		log: log, onRenew: onRenew,
 	}
-	ch, err := r.register(ctx)
-	if err != nil {
+	if err := r.register(ctx); err != nil {
 		cancel()
 		return nil, err
 	}
-	go r.run(ch)
+	go r.run()
 	return r, nil
 }
 
-// register grants a lease, puts the entry and starts keep-alives.
-func (r *Registration) register(ctx context.Context) (<-chan *clientv3.LeaseKeepAliveResponse, error) {
+// register grants a lease and puts the entry under it.
+func (r *Registration) register(ctx context.Context) error {
 	secs := int64((r.ttl + time.Second - 1) / time.Second)
+	sent := time.Now()
 	g, err := r.s.cli.Grant(ctx, secs)
 	if err != nil {
-		return nil, wrapErr("grant registration lease", err)
+		return wrapErr("grant registration lease", err)
 	}
 	r.mu.Lock()
 	val := r.val
@@ -101,43 +116,63 @@ func (r *Registration) register(ctx context.Context) (<-chan *clientv3.LeaseKeep
 	r.mu.Unlock()
 	if _, err := r.s.cli.Put(ctx, r.key, string(val), clientv3.WithLease(g.ID)); err != nil {
 		r.revoke(g.ID)
-		return nil, wrapErr("put registration", err)
+		return wrapErr("put registration", err)
 	}
-	ch, err := r.s.cli.KeepAlive(r.ctx, g.ID)
-	if err != nil {
-		r.revoke(g.ID)
-		return nil, wrapErr("keep registration lease alive", err)
-	}
-	return ch, nil
+	r.renewed(LeaseRenewal{Lease: int64(g.ID), Sent: sent, TTL: time.Duration(g.TTL) * time.Second, Fresh: true})
+	return nil
 }
 
-func (r *Registration) run(ch <-chan *clientv3.LeaseKeepAliveResponse) {
+// run renews the lease every third of its TTL (KeepAliveOnce, so that the
+// send time of each answered renewal is known) and registers again when
+// etcd says the lease is gone. A renewal etcd does not answer is retried
+// sooner, so a worker cut off from etcd renews as soon as it is back.
+func (r *Registration) run() {
 	defer close(r.done)
+	every := max(r.ttl/3, 100*time.Millisecond)
 	retry := newBackOff(200 * time.Millisecond)
+	wait := every
 	for {
-		for range ch { //nolint:revive // drain keep-alive responses
-		}
-		if r.ctx.Err() != nil {
+		if !sleepCtx(r.ctx, wait) {
 			return
+		}
+		r.mu.Lock()
+		lease := r.lease
+		r.mu.Unlock()
+		sent := time.Now()
+		ctx, cancel := context.WithTimeout(r.ctx, every)
+		resp, err := r.s.cli.KeepAliveOnce(ctx, lease)
+		cancel()
+		switch {
+		case r.ctx.Err() != nil:
+			return
+		case err == nil:
+			wait = every
+			r.renewed(LeaseRenewal{Lease: int64(lease), Sent: sent, TTL: time.Duration(resp.TTL) * time.Second})
+			continue
+		case !errors.Is(err, rpctypes.ErrLeaseNotFound):
+			r.log.Debug("registration lease renewal unanswered; retrying", "err", err)
+			wait = min(every, 500*time.Millisecond)
+			continue
 		}
 		r.log.Warn("registration lease lost; registering again")
 		retry.Reset()
 		for {
-			if !sleepCtx(r.ctx, retry.NextBackOff()) {
-				return
-			}
 			ctx, cancel := context.WithTimeout(r.ctx, r.ttl+5*time.Second)
-			var err error
-			ch, err = r.register(ctx)
+			err := r.register(ctx)
 			cancel()
 			if err == nil {
+				r.log.Info("registered again under a new lease")
 				break
 			}
 			if r.ctx.Err() != nil {
 				return
 			}
 			r.log.Warn("registration failed; retrying", "err", err)
+			if !sleepCtx(r.ctx, retry.NextBackOff()) {
+				return
+			}
 		}
+		wait = every
 	}
 }
 

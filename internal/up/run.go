@@ -44,6 +44,7 @@ func Run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	fs.BoolVar(&cfg.NSNoDiskQuota, "no-disk-quota", false, "keep ns sandboxes' writable layers in plain directories (no per-sandbox disk quota)")
 	fs.StringVar(&cfg.VolumeRoot, "volume-root", "", "directory of the team volumes' disk images (default <data-dir>/volumes; shared storage such as NFS lets a volume follow its sandboxes to other hosts)")
 	volMB := fs.Int64("volume-size-mb", volume.DefaultSize>>20, "quota of each new team volume in MiB (a sparse image: the host pays for what is written)")
+	fs.DurationVar(&cfg.WorkerLossGrace, "worker-loss-grace", controlplane.DefaultWorkerLossGrace, "how long a worker's registration must be gone before its running sandboxes are recovered on other workers (new executions from their last snapshot, else their template); keep it above the workers' lease TTL (10s)")
 	etcd := fs.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
 	egressFlags := node.EgressFlags(fs)
 	teamDeny := fs.String("egress-deny-teams", "", "comma-separated team ids whose sandboxes never get a way out (their network options that would open one are refused)")

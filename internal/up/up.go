@@ -122,6 +122,10 @@ type Config struct {
 	Egress node.EgressConfig
 	// EgressLimits are per-team limits (controlplane.Config.EgressLimits).
 	EgressLimits map[string]controlplane.EgressLimit
+	// WorkerLossGrace is controlplane.Config.WorkerLossGrace (default
+	// 30 s): how long a worker stays unregistered before its running
+	// sandboxes are recovered on other workers.
+	WorkerLossGrace time.Duration
 	// WebhookAllowPrivate: controlplane.Config.WebhookAllowPrivate (events).
 	WebhookAllowPrivate bool
 	// Logger defaults to slog.Default(); `space up` builds it with
@@ -360,6 +364,7 @@ func Start(ctx context.Context, cfg Config) (_ *Platform, err error) {
 		EdgeKey: edgeKey, Domain: p.SandboxDomain, DefaultEnvdVersion: guest.EnvdVersion, EgressLimits: cfg.EgressLimits,
 		SandboxURL:          p.SandboxURL,
 		WebhookAllowPrivate: cfg.WebhookAllowPrivate, // events
+		WorkerLossGrace:     cfg.WorkerLossGrace,
 		Templates: map[string]controlplane.Template{
 			"base": controlplane.DefaultTemplate, "base-vm": controlplane.DefaultVMTemplate,
 			ns.TemplateBaseHost:            controlplane.DefaultTemplate,

@@ -53,6 +53,14 @@ type Config struct {
 	Capacity int
 	// LeaseTTL is the registration lease. Default 10s.
 	LeaseTTL time.Duration
+	// FenceMargin is how long before its lease could expire in etcd the
+	// worker stops serving when renewals go unanswered: it fences itself
+	// at (send time of the last answered renewal + LeaseTTL −
+	// FenceMargin) (fence.go). Default LeaseTTL/4; must stay below
+	// LeaseTTL/2 (renewals go out every LeaseTTL/3). Fencing needs a
+	// Deps.Registrar that is a LeasedRegistrar and Deps.Sandboxes that is
+	// a SandboxLister.
+	FenceMargin time.Duration
 	// BundleWait bounds waiting for the first key bundle. Default 15s.
 	BundleWait time.Duration
 	// KeepSandboxesOnExit leaves the sandboxes running when the worker
@@ -80,6 +88,9 @@ func (c Config) withDefaults() Config {
 	if c.LeaseTTL <= 0 {
 		c.LeaseTTL = 10 * time.Second
 	}
+	if c.FenceMargin <= 0 {
+		c.FenceMargin = c.LeaseTTL / 4
+	}
 	if c.BundleWait <= 0 {
 		c.BundleWait = 15 * time.Second
 	}
@@ -93,6 +104,9 @@ func (c Config) withDefaults() Config {
 func (c Config) Validate() error {
 	if c.ID == "" || c.StateDir == "" {
 		return fmt.Errorf("worker: %w: id and state dir are required", errdefs.ErrInvalid)
+	}
+	if c.LeaseTTL > 0 && c.FenceMargin >= c.LeaseTTL/2 {
+		return fmt.Errorf("worker: %w: fence margin %s must be below half the lease ttl %s", errdefs.ErrInvalid, c.FenceMargin, c.LeaseTTL)
 	}
 	return nil
 }
@@ -354,10 +368,16 @@ func (w *Worker) Run(ctx context.Context) error {
 		return nil
 	}
 	unavailable, accels := w.mgr.SubstrateStatus()
-	reg, err := w.deps.Registrar.RegisterWorker(ctx, spacev1.Worker{
+	var f *fencer
+	if _, ok := w.deps.Sandboxes.(SandboxLister); ok {
+		f = newFencer(w)
+		wg.Add(1)
+		go func() { defer wg.Done(); f.run(ctx) }()
+	}
+	reg, err := w.register(ctx, spacev1.Worker{
 		ID: w.cfg.ID, NodeURL: w.URL(), State: "ready", Capacity: w.cfg.Capacity, Since: time.Now().UTC(),
 		Substrates: w.mgr.Substrates(), Unavailable: unavailable, Accelerators: accels,
-	}, w.cfg.LeaseTTL)
+	}, f)
 	if err != nil {
 		return fmt.Errorf("worker %s: register: %w", w.cfg.ID, err)
 	}
