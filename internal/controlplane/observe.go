@@ -27,6 +27,15 @@ type observability struct {
 	durations    *prometheus.HistogramVec
 	capabilities *prometheus.CounterVec
 	reaps        prometheus.Counter
+	// leader is 1 while this replica leads the control-plane election
+	// (runs the singletons), leaderChanges counts its wins and losses.
+	leader        prometheus.Gauge
+	leaderChanges *prometheus.CounterVec
+	// placementRetries counts placements re-picked because another one
+	// on the same worker committed first (store.ErrPlacementMoved).
+	placementRetries prometheus.Counter
+	// keyRotations counts rotations completed by this replica.
+	keyRotations prometheus.Counter
 }
 
 func newObservability() *observability {
@@ -45,8 +54,20 @@ func newObservability() *observability {
 		reaps: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "space_api_reaper_passes_total", Help: "Passes of the timeout reaper.",
 		}),
+		leader: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "space_api_leader", Help: "1 while this replica leads the control-plane election and runs the singletons (reaper, rotation completion).",
+		}),
+		leaderChanges: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_api_leader_transitions_total", Help: "Leadership won (event=won) and ended (event=lost) by this replica.",
+		}, []string{"event"}),
+		placementRetries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_api_placement_retries_total", Help: "Placements picked again because another placement on the same worker committed first.",
+		}),
+		keyRotations: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_api_key_rotations_total", Help: "Signing-key rotations this replica completed.",
+		}),
 	}
-	o.reg.MustRegister(o.requests, o.durations, o.capabilities, o.reaps)
+	o.reg.MustRegister(o.requests, o.durations, o.capabilities, o.reaps, o.leader, o.leaderChanges, o.placementRetries, o.keyRotations)
 	return o
 }
 

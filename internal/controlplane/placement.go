@@ -22,22 +22,28 @@ func (s *Server) newRoute(id string, gen uint64, workerID, substrate string) ide
 // workersWithLoad lists the registered workers that run substrate ("":
 // all of them), with their load: the larger of the worker's own report and
 // its placements as the store sees them (creating, running and moving
-// sandboxes), which may be ahead of the report.
-func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]spacev1.Worker, error) {
+// sandboxes), which may be ahead of the report. It also returns every
+// worker's placement revision at the listing: a placement on a worker
+// commits only with the guard placementOf builds from it, so two
+// decisions made from the same load (concurrent creates, on one control
+// plane or on two) cannot both commit (store.Placement).
+func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]spacev1.Worker, map[string]int64, error) {
 	// The two reads are independent: the sandbox records are read while
 	// the workers are.
 	type listed struct {
 		entries []store.SandboxEntry
+		revs    map[string]int64
 		err     error
 	}
 	sbxs := make(chan listed, 1)
 	go func() {
-		e, err := s.st.ListSandboxes(ctx)
-		sbxs <- listed{e, err}
+		e, revs, err := s.st.PlacementView(ctx)
+		sbxs <- listed{e, revs, err}
 	}()
 	all, err := s.st.ListWorkers(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("%w: worker registry: %v", errdefs.ErrUnavailable, err)
+		<-sbxs
+		return nil, nil, fmt.Errorf("%w: worker registry: %v", errdefs.ErrUnavailable, err)
 	}
 	var ws []spacev1.Worker
 	var why []string
@@ -49,15 +55,16 @@ func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]space
 		}
 	}
 	if len(all) > 0 && len(ws) == 0 {
+		<-sbxs
 		if len(why) > 0 {
-			return nil, fmt.Errorf("%w: no registered worker runs the %s substrate (%s)", errdefs.ErrUnavailable, substrate, strings.Join(why, "; "))
+			return nil, nil, fmt.Errorf("%w: no registered worker runs the %s substrate (%s)", errdefs.ErrUnavailable, substrate, strings.Join(why, "; "))
 		}
-		return nil, fmt.Errorf("%w: no registered worker runs the %s substrate", errdefs.ErrUnavailable, substrate)
+		return nil, nil, fmt.Errorf("%w: no registered worker runs the %s substrate", errdefs.ErrUnavailable, substrate)
 	}
 	l := <-sbxs
 	entries, err := l.entries, l.err
 	if err != nil {
-		return nil, fmt.Errorf("%w: sandbox records: %v", errdefs.ErrUnavailable, err)
+		return nil, nil, fmt.Errorf("%w: sandbox records: %v", errdefs.ErrUnavailable, err)
 	}
 	placed := map[string]int{}
 	for _, e := range entries {
@@ -71,8 +78,17 @@ func (s *Server) workersWithLoad(ctx context.Context, substrate string) ([]space
 	for i := range ws {
 		ws[i].Load = max(ws[i].Load, placed[ws[i].ID])
 	}
-	return ws, nil
+	return ws, l.revs, nil
 }
+
+// placementOf is the guard of a placement on worker as read in revs.
+func placementOf(revs map[string]int64, worker string) store.Placement {
+	return store.Placement{WorkerID: worker, Rev: revs[worker]}
+}
+
+// maxPlacementRetries bounds the re-reads of one placement whose worker
+// took another placement meanwhile.
+const maxPlacementRetries = 32
 
 // liveWorker returns the worker's node URL when it is registered now.
 func (s *Server) liveWorker(ctx context.Context, id string) (string, bool) {

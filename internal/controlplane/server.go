@@ -2,13 +2,13 @@ package controlplane
 
 import (
 	"context"
-	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/spacesbx/space/internal/capability"
@@ -50,6 +50,9 @@ type Server struct {
 
 	reapMu  sync.Mutex
 	reaping map[string]bool
+	// leading is true while this replica leads the control-plane
+	// election and runs the singletons (leader.go).
+	leading atomic.Bool
 
 	// instance names this control plane's lifecycle operations
 	// (LifecycleOp.Owner); reg keeps it registered while it runs, so an
@@ -76,9 +79,10 @@ type Server struct {
 // its operations in flight are released that long after it died.
 const instanceTTL = 5 * time.Second
 
-// New loads (or creates) the signing key, publishes its verification key in
-// the store's bundle, stores the bootstrap API key's hash and starts the
-// timeout loop. It does not listen: call Run, or serve Handler yourself.
+// New loads the replicas' shared signing key from the store (storing one
+// first when it has none), publishes its verification key in the store's
+// bundle, stores the bootstrap API key's hash and campaigns for the
+// control-plane leadership (leader.go). It does not listen: call Run, or serve Handler yourself.
 func New(cfg Config, deps Deps) (*Server, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -91,28 +95,22 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	s := &Server{cfg: cfg, st: deps.Store, log: deps.Logger.With("component", "space-api"), now: deps.Clock,
 		sched: scheduler.New(scheduler.DefaultK, nil), snaps: deps.Snapshots, volumes: deps.Volumes, reaping: map[string]bool{}}
 
-	adopted, err := adoptPendingKey(cfg.DataDir)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	sk, err := loadSigningKey(ctx, s.st, cfg.DataDir, s.now())
 	if err != nil {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
-	priv, created, err := loadOrCreateSigningKey(cfg.DataDir)
-	if err != nil {
-		return nil, fmt.Errorf("controlplane: %w", err)
-	}
-	pub := priv.Public().(ed25519.PublicKey)
-	kid := KeyID(pub)
-	sg, err := capability.NewSigner(kid, priv)
+	sg, err := capability.NewSigner(sk.kid, sk.priv)
 	if err != nil {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
 	s.signer = newRotatingSigner(sg)
 	s.node = &nodeClient{http: tracedClient(deps.HTTPClient), signer: s.signer, now: s.now, installTimeout: cfg.InstallTimeout, callTimeout: cfg.NodeTimeout}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if s.bundle, err = s.publishStartKey(ctx, adopted, kid, pub); err != nil {
+	if s.bundle, err = s.publishStartKey(ctx, sk); err != nil {
 		return nil, fmt.Errorf("controlplane: publish verification key: %w", err)
 	}
-	s.log.Info("signing key ready", "kid", kid, "created", created, "bundle_revision", s.bundle.Revision)
+	s.log.Info("signing key ready", "kid", sk.kid, "origin", sk.origin, "bundle_revision", s.bundle.Revision)
 
 	s.apiKey = cfg.BootstrapAPIKey
 	if s.apiKey == "" {
@@ -144,17 +142,8 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	s.reapNow = make(chan struct{}, 1)
 	s.startTeamMetrics()
 	s.wg.Add(2)
-	go s.reapLoop()
-	go func() {
-		defer s.wg.Done()
-		// A lost execution is recovered at once, not on the next tick.
-		_ = s.st.WatchLost(s.ctx, func() {
-			select {
-			case s.reapNow <- struct{}{}:
-			default:
-			}
-		})
-	}()
+	go s.runLeader()
+	go s.watchSigningKey()
 	return s, nil
 }
 
