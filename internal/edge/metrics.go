@@ -12,13 +12,13 @@ import (
 )
 
 type metrics struct {
-	reg         *prometheus.Registry
-	requests    *prometheus.CounterVec
-	repairs     *prometheus.CounterVec
-	denies      *prometheus.CounterVec
-	retries     prometheus.Counter
-	renewals    prometheus.Counter
-	capFetches  *prometheus.CounterVec
+	reg        *prometheus.Registry
+	requests   *prometheus.CounterVec
+	repairs    *prometheus.CounterVec
+	denies     *prometheus.CounterVec
+	retries    prometheus.Counter
+	renewals   prometheus.Counter
+	capFetches *prometheus.CounterVec
 	// cpFailovers counts control-plane calls moved to another replica.
 	cpFailovers prometheus.Counter
 	reattaches  *prometheus.CounterVec
