@@ -269,3 +269,38 @@ func writeKeyFile(dir, name string, priv ed25519.PrivateKey) error {
 	}
 	return os.WriteFile(filepath.Join(dir, name), pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), 0o600)
 }
+
+// A stored key that does not parse, or whose id is not its key's, stops
+// the replica (it is never replaced by another); so does a key file left
+// in the data dir that others may read.
+func TestBadSigningKeyRefused(t *testing.T) {
+	_, priv, _ := ed25519.GenerateKey(rand.Reader)
+	der, _ := x509.MarshalPKCS8PrivateKey(priv)
+	for name, k := range map[string]store.SigningKey{
+		"junk":     {ID: "ed25519-0000000000000000", PKCS8: []byte("junk")},
+		"wrong id": {ID: "ed25519-0000000000000000", PKCS8: der},
+	} {
+		st := openStore(t)
+		if _, _, err := st.InitSigningKey(context.Background(), k); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := New(Config{DataDir: t.TempDir()}, Deps{Store: st, Logger: quiet()}); err == nil {
+			t.Fatalf("%s: stored key accepted", name)
+		}
+		if got, _ := st.GetSigningKey(context.Background()); got.ID != k.ID {
+			t.Fatalf("%s: stored key replaced", name)
+		}
+	}
+	st := openStore(t)
+	dir := t.TempDir()
+	if err := writeKeyFile(dir, SigningKeyFile, priv); err != nil {
+		t.Fatal(err)
+	}
+	_ = os.Chmod(filepath.Join(dir, SigningKeyFile), 0o644)
+	if _, err := New(Config{DataDir: dir}, Deps{Store: st, Logger: quiet()}); err == nil {
+		t.Fatal("world-readable key file migrated")
+	}
+	if _, err := st.GetSigningKey(context.Background()); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("a key was stored: %v", err)
+	}
+}
