@@ -21,12 +21,13 @@ import (
 
 func main() {
 	addr := flag.String("addr", controlplane.DefaultAddr, "listen address")
-	dataDir := flag.String("data-dir", "/var/lib/space/api", "signing key and embedded etcd data")
+	dataDir := flag.String("data-dir", "/var/lib/space/api", "embedded etcd data and template build files (a signing.key left here by an older release is migrated into etcd once)")
 	etcd := flag.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
 	apiKey := flag.String("api-key", os.Getenv("SPACE_API_KEY"), "bootstrap API key e2b_<40 hex> (env SPACE_API_KEY; generated if empty)")
 	edgeKey := flag.String("edge-key", os.Getenv("SPACE_EDGE_KEY"), "space-edge service key (env SPACE_EDGE_KEY)")
 	domain := flag.String("domain", controlplane.DefaultDomain, "domain reported to E2B clients, who build https://<port>-<id>.<domain>: the edge's sandbox domain with its HTTPS port unless 443 (e.g. localhost:3443)")
 	sandboxURL := flag.String("sandbox-url", "", "the edge's URL, where template builds reach their build sandboxes (empty: builds disabled)")
+	leaderTTL := flag.Duration("leader-ttl", controlplane.DefaultLeaderTTL, "lease of the control-plane election: with several space-api replicas on one etcd, a crashed leader's singletons (reaper, rotation completion) move to another within it")
 	webhookAllowPrivate := flag.Bool("webhook-allow-private", false, "let webhook URLs reach loopback, private and link-local addresses (tests, closed labs)")
 	logOpts := logsetup.Flags(flag.CommandLine, logsetup.Options{Format: os.Getenv(logsetup.EnvFormat), Level: os.Getenv(logsetup.EnvLevel)})
 	// Observability (docs/OPERATIONS.md).
@@ -47,6 +48,7 @@ func main() {
 	}
 	cfg := controlplane.Config{Addr: *addr, DataDir: *dataDir, BootstrapAPIKey: *apiKey, EdgeKey: *edgeKey, Domain: *domain, SandboxURL: *sandboxURL}
 	cfg.WebhookAllowPrivate = *webhookAllowPrivate
+	cfg.LeaderTTL = *leaderTTL
 	traceCfg.ServiceName = "space-api"
 	if err := run(log, *etcd, cfg, *metricsAddr, *traceCfg); err != nil {
 		fmt.Fprintln(os.Stderr, "space-api:", err)
