@@ -14,6 +14,7 @@ import (
 
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/crashpoint"
 	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
@@ -127,6 +128,7 @@ func (s *Server) RotateKey(ctx context.Context) (spacev1.RotateResponse, error) 
 	if err != nil {
 		return spacev1.RotateResponse{}, fmt.Errorf("%w: begin rotation: %v", errdefs.ErrUnavailable, err)
 	}
+	crashpoint.Hit(crashpoint.RotateBegun)
 	return s.carryOutRotation(ctx, rot, rev, true)
 }
 
@@ -148,6 +150,7 @@ func (s *Server) carryOutRotation(ctx context.Context, rot store.Rotation, rev i
 	}
 	s.log.Info("key rotation: bundle published", "kid", rot.Key.ID, "previous_kid", rot.PreviousID,
 		"previous_not_after", rot.PreviousNotAfter, "bundle_revision", b.Revision)
+	crashpoint.Hit(crashpoint.RotatePublished)
 	if d := time.Until(rot.SignAfter); d > 0 {
 		if !wait {
 			return spacev1.RotateResponse{}, errRotationPending
