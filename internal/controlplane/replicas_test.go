@@ -278,3 +278,45 @@ func TestReplicasConcurrentCreatesRespectCapacity(t *testing.T) {
 		}
 	}
 }
+
+// Replicas starting together on an empty store agree on one key, and
+// the bundle holds only it.
+func TestReplicasStartTogetherShareOneKey(t *testing.T) {
+	st := openStore(t)
+	clk := &fakeClock{t: time.Now()}
+	es := make([]*env, 3)
+	var wg sync.WaitGroup
+	for i := range es {
+		es[i] = &env{t: t, st: st, dir: t.TempDir(), clock: clk}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			srv, err := New(Config{DataDir: es[i].dir, EdgeKey: edgeKey, LeaderTTL: time.Second}, Deps{Store: st, Logger: quiet(), Clock: clk.Now})
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			es[i].srv = srv
+		}()
+	}
+	wg.Wait()
+	for _, e := range es {
+		if e.srv != nil {
+			t.Cleanup(func() { e.srv.Close() })
+		}
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+	kid := es[0].srv.KeyID()
+	for _, e := range es[1:] {
+		if e.srv.KeyID() != kid {
+			t.Fatalf("replicas disagree: %s vs %s", e.srv.KeyID(), kid)
+		}
+	}
+	b, _ := st.GetBundle(context.Background())
+	if len(b.Keys) != 1 || b.Keys[0].ID != kid {
+		t.Fatalf("bundle %+v", b)
+	}
+	waitFor(t, func() bool { return len(leaders(es...)) == 1 })
+}
