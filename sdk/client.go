@@ -15,10 +15,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
 	"strconv"
 	"strings"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/spacesbx/space/api/e2bapi"
@@ -27,7 +30,12 @@ import (
 // Config configures a Client.
 type Config struct {
 	// APIURL is the control plane's base URL (E2B_API_URL), e.g.
-	// "http://127.0.0.1:3000".
+	// "http://127.0.0.1:3000", or several replicas' comma-separated: a call
+	// goes to the replica that answered last and, when that one is down,
+	// to the next (any call whose connection was refused; a GET, HEAD or
+	// DELETE also on another transport error or a 502/503/504 answer; a
+	// POST or PATCH never after it may have reached a replica, so nothing
+	// is done twice).
 	APIURL string
 	// SandboxURL is the data-plane edge's base URL (E2B_SANDBOX_URL), e.g.
 	// "http://127.0.0.1:3001". Needed only for sandbox operations.
@@ -49,19 +57,30 @@ type Config struct {
 type Client struct {
 	cfg  Config
 	http *http.Client
+	// apis are APIURL's replicas; pref the one to try first.
+	apis []string
+	pref atomic.Int32
 }
 
 // New returns a client for cfg.
 func New(cfg Config) (*Client, error) {
-	cfg.APIURL = strings.TrimRight(cfg.APIURL, "/")
-	cfg.SandboxURL = strings.TrimRight(cfg.SandboxURL, "/")
-	for name, v := range map[string]string{"APIURL": cfg.APIURL, "SandboxURL": cfg.SandboxURL} {
-		if v == "" {
-			continue
+	var apis []string
+	for _, a := range strings.Split(cfg.APIURL, ",") {
+		if a = strings.TrimRight(strings.TrimSpace(a), "/"); a != "" {
+			apis = append(apis, a)
 		}
-		u, err := url.Parse(v)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			return nil, fmt.Errorf("sdk: %s %q is not an http(s) URL", name, v)
+	}
+	cfg.APIURL = strings.Join(apis, ",")
+	cfg.SandboxURL = strings.TrimRight(cfg.SandboxURL, "/")
+	for name, vs := range map[string][]string{"APIURL": apis, "SandboxURL": {cfg.SandboxURL}} {
+		for _, v := range vs {
+			if v == "" {
+				continue
+			}
+			u, err := url.Parse(v)
+			if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+				return nil, fmt.Errorf("sdk: %s %q is not an http(s) URL", name, v)
+			}
 		}
 	}
 	if cfg.APIURL == "" && cfg.SandboxURL == "" {
@@ -71,7 +90,7 @@ func New(cfg Config) (*Client, error) {
 	if hc == nil {
 		hc = &http.Client{}
 	}
-	return &Client{cfg: cfg, http: hc}, nil
+	return &Client{cfg: cfg, http: hc, apis: apis}, nil
 }
 
 // CreateOptions are the options of CreateSandbox.
@@ -283,6 +302,67 @@ func checkID(id string) error {
 	return nil
 }
 
+// send sends one control-plane call, failing over between the APIURL
+// replicas (see Config.APIURL).
+func (c *Client) send(ctx context.Context, method, path string, data []byte, hasBody bool) (*http.Response, error) {
+	idempotent := method == http.MethodGet || method == http.MethodHead || method == http.MethodDelete
+	n := len(c.apis)
+	first := int(c.pref.Load())
+	var lastErr error
+	for i := range n {
+		idx := (first + i) % n
+		var body io.Reader
+		if hasBody {
+			body = bytes.NewReader(data)
+		}
+		req, err := http.NewRequestWithContext(ctx, method, c.apis[idx]+path, body)
+		if err != nil {
+			return nil, err
+		}
+		if hasBody {
+			req.Header.Set("Content-Type", "application/json")
+		}
+		req.Header.Set("Accept", "application/json")
+		if c.cfg.APIKey != "" {
+			req.Header.Set("X-API-Key", c.cfg.APIKey)
+		} else if c.cfg.AccessToken != "" {
+			req.Header.Set("Authorization", "Bearer "+c.cfg.AccessToken)
+		}
+		if c.cfg.TeamID != "" {
+			req.Header.Set("X-Team-ID", c.cfg.TeamID)
+		}
+		res, err := c.http.Do(req)
+		last := i == n-1
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			lastErr = fmt.Errorf("%w: %v", ErrUnavailable, err)
+			if last || !(idempotent || refused(err)) {
+				return nil, lastErr
+			}
+			continue
+		}
+		down := res.StatusCode == http.StatusBadGateway || res.StatusCode == http.StatusServiceUnavailable || res.StatusCode == http.StatusGatewayTimeout
+		if !down || !idempotent || last {
+			if i > 0 && !down {
+				c.pref.Store(int32(idx))
+			}
+			return res, nil
+		}
+		_, _ = io.Copy(io.Discard, io.LimitReader(res.Body, maxRESTResponse))
+		res.Body.Close()
+	}
+	return nil, lastErr
+}
+
+// refused reports whether err is a connection that was never made (the
+// request reached nobody).
+func refused(err error) bool {
+	var op *net.OpError
+	return errors.Is(err, syscall.ECONNREFUSED) || (errors.As(err, &op) && op.Op == "dial")
+}
+
 // maxRESTResponse bounds a control-plane answer.
 const maxRESTResponse = 32 << 20
 
@@ -290,36 +370,17 @@ func (c *Client) rest(ctx context.Context, method, path string, in, out any, hdr
 	if c.cfg.APIURL == "" {
 		return errors.New("sdk: APIURL is not configured")
 	}
-	var body io.Reader
+	var data []byte
 	if in != nil {
 		b, err := json.Marshal(in)
 		if err != nil {
 			return err
 		}
-		body = bytes.NewReader(b)
+		data = b
 	}
-	req, err := http.NewRequestWithContext(ctx, method, c.cfg.APIURL+path, body)
+	res, err := c.send(ctx, method, path, data, in != nil)
 	if err != nil {
 		return err
-	}
-	if in != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	req.Header.Set("Accept", "application/json")
-	if c.cfg.APIKey != "" {
-		req.Header.Set("X-API-Key", c.cfg.APIKey)
-	} else if c.cfg.AccessToken != "" {
-		req.Header.Set("Authorization", "Bearer "+c.cfg.AccessToken)
-	}
-	if c.cfg.TeamID != "" {
-		req.Header.Set("X-Team-ID", c.cfg.TeamID)
-	}
-	res, err := c.http.Do(req)
-	if err != nil {
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		return fmt.Errorf("%w: %v", ErrUnavailable, err)
 	}
 	defer res.Body.Close()
 	if res.StatusCode < 200 || res.StatusCode > 299 {

@@ -21,7 +21,7 @@ import (
 
 func main() {
 	addr := flag.String("addr", controlplane.DefaultAddr, "listen address")
-	dataDir := flag.String("data-dir", "/var/lib/space/api", "signing key and embedded etcd data")
+	dataDir := flag.String("data-dir", "/var/lib/space/api", "embedded etcd data and template build files (a signing.key left here by an older release is migrated into etcd once)")
 	etcd := flag.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
 	// Keys default to empty and are read from the environment after
 	// parsing: an environment default would be printed by -h.
@@ -30,6 +30,7 @@ func main() {
 	domain := flag.String("domain", controlplane.DefaultDomain, "domain reported to E2B clients, who build https://<port>-<id>.<domain>: the edge's sandbox domain with its HTTPS port unless 443 (e.g. localhost:3443)")
 	sandboxURL := flag.String("sandbox-url", "", "the edge's URL, where template builds reach their build sandboxes (empty: builds disabled)")
 	workerLossGrace := flag.Duration("worker-loss-grace", controlplane.DefaultWorkerLossGrace, "how long a worker's registration must be gone before its running sandboxes are recovered on other workers (new executions from their last snapshot, else their template); keep it above the workers' --lease-ttl")
+	leaderTTL := flag.Duration("leader-ttl", controlplane.DefaultLeaderTTL, "lease of the control-plane election: with several space-api replicas on one etcd, a crashed leader's singletons (reaper, rotation completion) move to another within it")
 	webhookAllowPrivate := flag.Bool("webhook-allow-private", false, "let webhook URLs reach loopback, private and link-local addresses (tests, closed labs)")
 	logOpts := logsetup.Flags(flag.CommandLine, logsetup.Options{Format: os.Getenv(logsetup.EnvFormat), Level: os.Getenv(logsetup.EnvLevel)})
 	// Observability (docs/OPERATIONS.md).
@@ -57,6 +58,7 @@ func main() {
 	cfg := controlplane.Config{Addr: *addr, DataDir: *dataDir, BootstrapAPIKey: *apiKey, EdgeKey: *edgeKey, Domain: *domain, SandboxURL: *sandboxURL}
 	cfg.WebhookAllowPrivate = *webhookAllowPrivate
 	cfg.WorkerLossGrace = *workerLossGrace
+	cfg.LeaderTTL = *leaderTTL
 	traceCfg.ServiceName = "space-api"
 	if err := run(log, *etcd, cfg, *metricsAddr, *traceCfg); err != nil {
 		fmt.Fprintln(os.Stderr, "space-api:", err)

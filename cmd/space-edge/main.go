@@ -19,7 +19,7 @@ import (
 func main() {
 	fs := flag.NewFlagSet("space-edge", flag.ExitOnError)
 	addr := fs.String("addr", envOr("SPACE_EDGE_ADDR", edge.DefaultAddr), "listen address")
-	cp := fs.String("control-plane", os.Getenv("SPACE_API_URL"), "control plane base URL (env SPACE_API_URL)")
+	cp := fs.String("control-plane", os.Getenv("SPACE_API_URL"), "control plane base URL, or several replicas' comma-separated (tried in turn when one is down) (env SPACE_API_URL)")
 	domain := fs.String("domain", envOr("SPACE_DOMAIN", edge.DefaultDomain), "public sandbox domain for <port>-<sandbox>.<domain> hosts")
 	tlsAddr := fs.String("tls-addr", "", "HTTPS listen address for https://<port>-<sandbox>.<domain> (empty: none; the plain listener stays)")
 	tlsCert := fs.String("tls-cert", "", "PEM certificate (chain) for *.<domain>")

@@ -29,6 +29,8 @@ const (
 	DefaultTombstoneTTL   = time.Hour
 	// DefaultWorkerLossGrace is Config.WorkerLossGrace's default.
 	DefaultWorkerLossGrace = 30 * time.Second
+	// DefaultLeaderTTL is Config.LeaderTTL's default.
+	DefaultLeaderTTL = 5 * time.Second
 	// MaxAuthorization bounds AuthorizedUntil of a capability response.
 	MaxAuthorization = 10 * time.Minute
 	// MaxBodyBytes bounds every request body.
@@ -85,7 +87,9 @@ var CodeInterpreterVMTemplate = Template{CPUCount: 2, MemoryMB: 1024, Substrate:
 type Config struct {
 	// Addr is the listen address of Run (default 127.0.0.1:3000).
 	Addr string
-	// DataDir holds signing.key (mode 0600, created if missing). Required.
+	// DataDir is this replica's own directory (template build files). A
+	// signing.key left there by a release that kept the key per replica
+	// is migrated into the store once (keys.go). Required.
 	DataDir string
 	// BootstrapAPIKey is an admin key of team BootstrapTeamID, stored (by
 	// hash) at start. Form "e2b_" + 40 hex. Generated when empty: read it
@@ -143,6 +147,12 @@ type Config struct {
 	// the new verification key and signing with it (default 2 s; negative:
 	// no wait).
 	KeyPropagation time.Duration
+	// LeaderTTL is the lease of the control-plane election (default 5 s,
+	// at least 1 s, whole seconds): every replica serves the API, the
+	// elected one also runs the singletons (the reaper and what it calls,
+	// completing an interrupted key rotation); a crashed leader is
+	// replaced within LeaderTTL, one that shuts down at once.
+	LeaderTTL time.Duration
 	// EgressLimits are per-team limits on what a sandbox's network
 	// options may open (by team id; teams not listed have none). The
 	// operator's default policy itself (--egress allow|deny) is the
@@ -218,6 +228,7 @@ func (c Config) withDefaults() Config {
 	c.TombstoneTTL = cmp.Or(c.TombstoneTTL, DefaultTombstoneTTL)
 	c.WorkerLossGrace = cmp.Or(c.WorkerLossGrace, DefaultWorkerLossGrace)
 	c.KeyPropagation = cmp.Or(c.KeyPropagation, DefaultKeyPropagation)
+	c.LeaderTTL = cmp.Or(c.LeaderTTL, DefaultLeaderTTL)
 	c.TeamMetricsInterval = cmp.Or(c.TeamMetricsInterval, DefaultTeamMetricsInterval)
 	c.TeamMetricsRetention = cmp.Or(c.TeamMetricsRetention, DefaultTeamMetricsRetention)
 	return c
@@ -257,8 +268,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("controlplane config: timeouts must be at least 1 s")
 	case defTimeout > maxTimeout:
 		return fmt.Errorf("controlplane config: default timeout %s above max %s", defTimeout, maxTimeout)
-	case c.InstallTimeout < 0 || c.NodeTimeout < 0 || c.ReapInterval < 0 || c.TombstoneTTL < 0 || c.WorkerLossGrace < 0:
+	case c.InstallTimeout < 0 || c.NodeTimeout < 0 || c.ReapInterval < 0 || c.TombstoneTTL < 0 || c.WorkerLossGrace < 0 || c.LeaderTTL < 0:
 		return fmt.Errorf("controlplane config: negative duration")
+	case c.LeaderTTL != 0 && c.LeaderTTL < store.MinElectionTTL:
+		return fmt.Errorf("controlplane config: leader ttl %s below %s", c.LeaderTTL, store.MinElectionTTL)
 	}
 	for name, t := range c.templates() {
 		if name == "" || t.CPUCount < 0 || t.MemoryMB < 0 || t.DiskSizeMB < 0 {

@@ -2,6 +2,8 @@ package controlplane
 
 import (
 	"context"
+	"crypto/ed25519"
+	"crypto/rand"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -464,11 +466,12 @@ func TestRestart(t *testing.T) {
 	e.clock.Advance(11 * time.Second)
 	waitFor(t, func() bool { return e.api("GET", "/sandboxes/"+sb.SandboxID, nil).Code == 404 })
 
-	// A second control plane (own data dir) adds its key and keeps ours.
+	// A second control plane (own data dir) shares the stored key: the
+	// bundle does not change.
 	e2 := newEnv(t, st, nil)
 	b3, _ := st.GetBundle(context.Background())
-	if b3.Revision != b2.Revision+1 || len(b3.Keys) != 2 || e2.srv.KeyID() == kid {
-		t.Fatalf("second signer: rev %d keys %d", b3.Revision, len(b3.Keys))
+	if b3.Revision != b2.Revision || len(b3.Keys) != 1 || e2.srv.KeyID() != kid {
+		t.Fatalf("second replica: rev %d keys %d kid %s want %s", b3.Revision, len(b3.Keys), e2.srv.KeyID(), kid)
 	}
 }
 
@@ -486,25 +489,29 @@ func TestConfigAndKeyFile(t *testing.T) {
 		t.Fatal("default above max accepted")
 	}
 	dir := t.TempDir()
-	priv, created, err := loadOrCreateSigningKey(dir)
-	if err != nil || !created {
+	if _, err := readKeyFile(filepath.Join(dir, SigningKeyFile)); !os.IsNotExist(err) {
+		t.Fatalf("missing key file: %v", err)
+	}
+	_, priv, _ := ed25519.GenerateKey(rand.Reader)
+	if err := writeKeyFile(dir, SigningKeyFile, priv); err != nil {
 		t.Fatal(err)
 	}
-	fi, _ := os.Stat(filepath.Join(dir, SigningKeyFile))
-	if fi.Mode().Perm() != 0o600 {
-		t.Fatalf("key mode %v", fi.Mode().Perm())
-	}
-	again, created, err := loadOrCreateSigningKey(dir)
-	if err != nil || created || !again.Equal(priv) {
-		t.Fatalf("reload: %v %v", created, err)
+	if again, err := readKeyFile(filepath.Join(dir, SigningKeyFile)); err != nil || !again.Equal(priv) {
+		t.Fatalf("reload: %v", err)
 	}
 	_ = os.Chmod(filepath.Join(dir, SigningKeyFile), 0o644)
-	if _, _, err := loadOrCreateSigningKey(dir); err == nil {
+	if _, err := readKeyFile(filepath.Join(dir, SigningKeyFile)); err == nil {
 		t.Fatal("world-readable key accepted")
 	}
 	_ = os.WriteFile(filepath.Join(dir, SigningKeyFile), []byte("junk"), 0o600)
-	if _, _, err := loadOrCreateSigningKey(dir); err == nil {
+	if _, err := readKeyFile(filepath.Join(dir, SigningKeyFile)); err == nil {
 		t.Fatal("junk key accepted")
+	}
+	if err := (Config{DataDir: "x", LeaderTTL: 500 * time.Millisecond}).Validate(); err == nil {
+		t.Fatal("leader ttl below 1 s accepted")
+	}
+	if err := (Config{DataDir: "x", LeaderTTL: -time.Second}).Validate(); err == nil {
+		t.Fatal("negative leader ttl accepted")
 	}
 	seen := map[string]bool{}
 	for i := 0; i < 1000; i++ {

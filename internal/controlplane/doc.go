@@ -21,6 +21,9 @@
 //     access tokens (docs/API.md); openapi.go serves api/openapi's document,
 //     which openapi*_test.go hold the routes, handlers and types to.
 //   - capabilities.go: capability requests; keys.go and rotate.go: the
-//     signing key and its rotation; inspect.go: the /space/v1 reads.
-//   - reaper.go: the loop that acts on timeouts and stuck records.
+//     signing key every replica shares through the store and its
+//     cluster-wide rotation; inspect.go: the /space/v1 reads.
+//   - reaper.go: the loop that acts on timeouts and stuck records;
+//     leader.go runs it (and every other singleton) only on the replica
+//     that leads the control-plane election.
 package controlplane

@@ -33,7 +33,7 @@ func (s *Server) handleWorkers(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, fmt.Errorf("%w: listing workers needs an admin key of the bootstrap team", errdefs.ErrDenied))
 		return
 	}
-	ws, err := s.workersWithLoad(r.Context(), "", true)
+	ws, _, err := s.workersWithLoad(r.Context(), "", true)
 	if err != nil {
 		s.writeError(w, r, err)
 		return

@@ -15,12 +15,13 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/spacesbx/space/internal/atomicfile"
 	"github.com/spacesbx/space/internal/capability"
+	"github.com/spacesbx/space/internal/errdefs"
 	"github.com/spacesbx/space/internal/store"
 )
 
-// SigningKeyFile is the name of the signing key in Config.DataDir.
+// SigningKeyFile is the name of the signing key a release that kept it per
+// replica left in Config.DataDir; it is migrated into the store once.
 const SigningKeyFile = "signing.key"
 
 // KeyID derives a signing key's id from its public key.
@@ -29,62 +30,117 @@ func KeyID(pub ed25519.PublicKey) string {
 	return "ed25519-" + hex.EncodeToString(sum[:8])
 }
 
-// loadOrCreateSigningKey reads dir/signing.key (PKCS#8 PEM), creating it
-// with mode 0600 when missing. A key file readable by group or others is
-// refused.
-func loadOrCreateSigningKey(dir string) (ed25519.PrivateKey, bool, error) {
-	path := filepath.Join(dir, SigningKeyFile)
-	b, err := os.ReadFile(path)
-	if errors.Is(err, os.ErrNotExist) {
-		priv, err := createSigningKey(dir, path)
-		return priv, true, err
-	}
-	if err != nil {
-		return nil, false, fmt.Errorf("signing key: %w", err)
-	}
-	fi, err := os.Stat(path)
-	if err != nil {
-		return nil, false, fmt.Errorf("signing key: %w", err)
-	}
-	if fi.Mode().Perm()&0o077 != 0 {
-		return nil, false, fmt.Errorf("signing key %s: mode %v is readable by others; want 0600", path, fi.Mode().Perm())
-	}
-	blk, _ := pem.Decode(b)
-	if blk == nil || blk.Type != "PRIVATE KEY" {
-		return nil, false, fmt.Errorf("signing key %s: not a PEM private key", path)
-	}
-	k, err := x509.ParsePKCS8PrivateKey(blk.Bytes)
-	if err != nil {
-		return nil, false, fmt.Errorf("signing key %s: %w", path, err)
-	}
-	priv, ok := k.(ed25519.PrivateKey)
-	if !ok {
-		return nil, false, fmt.Errorf("signing key %s: not an Ed25519 key", path)
-	}
-	return priv, false, nil
+// The signing key is shared by every control plane replica through the
+// store (store.GetSigningKey): any replica signs, and its capabilities
+// verify everywhere. The first replica to start stores it with a
+// compare-and-swap, so replicas starting together agree on one key; an
+// install whose control plane kept DataDir/signing.key keeps that key (it
+// is migrated: copied into the store when the store has none, and
+// signing.key.next, a rotation that release had interrupted, wins over
+// it). The files are not read again afterwards.
+
+// startKey is the signing key a replica starts with.
+type startKey struct {
+	priv ed25519.PrivateKey
+	kid  string
+	// origin: "store" (another replica or an earlier start stored it),
+	// "created", "migrated" (DataDir/signing.key) or "migrated-pending"
+	// (DataDir/signing.key.next: published as a rotation).
+	origin string
 }
 
-func createSigningKey(dir, path string) (ed25519.PrivateKey, error) {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("signing key: %w", err)
+// loadSigningKey returns the store's signing key, storing one first when
+// the store has none.
+func loadSigningKey(ctx context.Context, st *store.Store, dir string, now time.Time) (startKey, error) {
+	k, err := st.GetSigningKey(ctx)
+	if err == nil {
+		return decodeStoredKey(k, "store")
+	}
+	if !errors.Is(err, errdefs.ErrNotFound) {
+		return startKey{}, fmt.Errorf("signing key: %w", err)
+	}
+	cand, err := localOrNewKey(dir)
+	if err != nil {
+		return startKey{}, err
+	}
+	der, err := x509.MarshalPKCS8PrivateKey(cand.priv)
+	if err != nil {
+		return startKey{}, fmt.Errorf("signing key: %w", err)
+	}
+	got, ours, err := st.InitSigningKey(ctx, store.SigningKey{ID: cand.kid, PKCS8: der, Created: now.UTC()})
+	if err != nil {
+		return startKey{}, fmt.Errorf("signing key: %w", err)
+	}
+	if ours {
+		return cand, nil
+	}
+	return decodeStoredKey(got, "store") // another replica stored one first
+}
+
+func decodeStoredKey(k store.SigningKey, origin string) (startKey, error) {
+	priv, err := parseKey(k.PKCS8)
+	if err != nil {
+		return startKey{}, fmt.Errorf("signing key %s in the store: %w", k.ID, err)
+	}
+	if kid := KeyID(priv.Public().(ed25519.PublicKey)); kid != k.ID {
+		return startKey{}, fmt.Errorf("signing key in the store: id %s does not match its key (%s)", k.ID, kid)
+	}
+	return startKey{priv: priv, kid: k.ID, origin: origin}, nil
+}
+
+// localOrNewKey is the key a replica offers when the store has none: the
+// one a per-replica release left in dir, else a new one.
+func localOrNewKey(dir string) (startKey, error) {
+	for _, f := range []struct{ name, origin string }{{nextKeyFile, "migrated-pending"}, {SigningKeyFile, "migrated"}} {
+		priv, err := readKeyFile(filepath.Join(dir, f.name))
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return startKey{}, err
+		}
+		return startKey{priv: priv, kid: KeyID(priv.Public().(ed25519.PublicKey)), origin: f.origin}, nil
 	}
 	_, priv, err := ed25519.GenerateKey(rand.Reader)
 	if err != nil {
-		return nil, fmt.Errorf("signing key: %w", err)
+		return startKey{}, fmt.Errorf("signing key: %w", err)
 	}
-	der, err := x509.MarshalPKCS8PrivateKey(priv)
+	return startKey{priv: priv, kid: KeyID(priv.Public().(ed25519.PublicKey)), origin: "created"}, nil
+}
+
+// readKeyFile reads a PKCS#8 PEM Ed25519 key; a file readable by group or
+// others is refused.
+func readKeyFile(path string) (ed25519.PrivateKey, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return nil, err
+	}
+	if fi.Mode().Perm()&0o077 != 0 {
+		return nil, fmt.Errorf("signing key %s: mode %v is readable by others; want 0600", path, fi.Mode().Perm())
+	}
+	b, err := os.ReadFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("signing key: %w", err)
 	}
-	data := pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der})
-	// Linked into place, never renamed over: an existing key (a concurrent
-	// start) is never overwritten.
-	if err := atomicfile.Create(path, data, 0o600); err != nil {
-		if errors.Is(err, os.ErrExist) {
-			priv, _, err := loadOrCreateSigningKey(dir)
-			return priv, err
-		}
-		return nil, fmt.Errorf("signing key: %w", err)
+	blk, _ := pem.Decode(b)
+	if blk == nil || blk.Type != "PRIVATE KEY" {
+		return nil, fmt.Errorf("signing key %s: not a PEM private key", path)
+	}
+	priv, err := parseKey(blk.Bytes)
+	if err != nil {
+		return nil, fmt.Errorf("signing key %s: %w", path, err)
+	}
+	return priv, nil
+}
+
+func parseKey(der []byte) (ed25519.PrivateKey, error) {
+	k, err := x509.ParsePKCS8PrivateKey(der)
+	if err != nil {
+		return nil, err
+	}
+	priv, ok := k.(ed25519.PrivateKey)
+	if !ok {
+		return nil, errors.New("not an Ed25519 key")
 	}
 	return priv, nil
 }

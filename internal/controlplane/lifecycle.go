@@ -111,6 +111,38 @@ func (s *Server) stepOp(ctx context.Context, id string, op *store.LifecycleOp, f
 	return rec, err
 }
 
+// stepOpPlaced is stepOp for a step that places an execution on
+// p.WorkerID: store.ErrPlacementMoved when another placement on that
+// worker committed since p was read.
+func (s *Server) stepOpPlaced(ctx context.Context, id string, op *store.LifecycleOp, p store.Placement, fn func(*store.SandboxRecord) error) (store.SandboxRecord, error) {
+	for range 8 {
+		r, rev, err := s.st.GetSandbox(ctx, id)
+		if errors.Is(err, errdefs.ErrNotFound) {
+			return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s was removed", errOpLost, id)
+		}
+		if err != nil {
+			return store.SandboxRecord{}, err
+		}
+		if r.Op == nil || r.Op.ID != op.ID {
+			return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s is %s now", errOpLost, id, r.State)
+		}
+		if err := fn(&r); err != nil {
+			return store.SandboxRecord{}, err
+		}
+		_, err = s.st.UpdateSandboxPlaced(ctx, id, rev, r, p)
+		if err == nil {
+			return r, nil
+		}
+		if errors.Is(err, errdefs.ErrNotFound) {
+			return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s was removed", errOpLost, id)
+		}
+		if errors.Is(err, store.ErrPlacementMoved) || !errors.Is(err, errdefs.ErrConflict) {
+			return store.SandboxRecord{}, err
+		}
+	}
+	return store.SandboxRecord{}, fmt.Errorf("%w: sandbox %s: too much contention", errdefs.ErrConflict, id)
+}
+
 // finishOp applies fn (which sets the stable state) and releases the record.
 func (s *Server) finishOp(ctx context.Context, id string, op *store.LifecycleOp, fn func(*store.SandboxRecord)) (store.SandboxRecord, error) {
 	rec, err := s.stepOp(ctx, id, op, func(r *store.SandboxRecord) error {

@@ -115,7 +115,7 @@ func (s *Server) move(ctx context.Context, rec store.SandboxRecord, op *store.Li
 	if err != nil {
 		return m.giveUp(err, m.keepSnapshot)
 	}
-	if err := m.reserve(w); err != nil {
+	if w, err = m.reserve(w, target, exclude); err != nil {
 		return m.giveUp(err, nil)
 	}
 	crashpoint.Hit(crashpoint.MoveReserved)
@@ -160,6 +160,8 @@ type mover struct {
 	// requireGone, when set, is the old worker, which must still be
 	// unregistered when the new route is published (workerloss.go).
 	requireGone string
+	// placements are the workers' placement revisions pickTarget read.
+	placements map[string]int64
 }
 
 func (s *Server) newMover(ctx context.Context, rec store.SandboxRecord, op *store.LifecycleOp) *mover {
@@ -258,7 +260,8 @@ func (m *mover) keepSnapshot(r *store.SandboxRecord) { r.PausedSnapshot = m.snap
 // pickTarget returns the named target worker, or the scheduler's pick
 // among the workers of the sandbox's substrate other than exclude.
 func (m *mover) pickTarget(target string, exclude []string) (spacev1.Worker, error) {
-	ws, err := m.s.workersWithLoad(m.ctx, m.old.Substrate, true)
+	ws, revs, err := m.s.workersWithLoad(m.ctx, m.old.Substrate, true)
+	m.placements = revs
 	if err != nil {
 		return spacev1.Worker{}, err
 	}
@@ -279,10 +282,26 @@ func (m *mover) pickTarget(target string, exclude []string) (spacev1.Worker, err
 }
 
 // reserve bumps the generation and records the new route on w as pending,
-// while the record still holds the old route.
-func (m *mover) reserve(w spacev1.Worker) error {
+// while the record still holds the old route. The write is guarded by w's
+// placements as pickTarget read them: when another placement on w
+// committed meanwhile, the target is picked again (it returns the worker
+// reserved on).
+func (m *mover) reserve(w spacev1.Worker, target string, exclude []string) (spacev1.Worker, error) {
+	for range maxPlacementRetries {
+		err := m.reserveOn(w)
+		if !errors.Is(err, store.ErrPlacementMoved) {
+			return w, err
+		}
+		if w, err = m.pickTarget(target, exclude); err != nil {
+			return w, err
+		}
+	}
+	return w, fmt.Errorf("%w: placements on the workers kept moving; retry", errdefs.ErrUnavailable)
+}
+
+func (m *mover) reserveOn(w spacev1.Worker) error {
 	var err error
-	m.rec, err = m.s.stepOp(m.ctx, m.id, m.op, func(r *store.SandboxRecord) error {
+	m.rec, err = m.s.stepOpPlaced(m.ctx, m.id, m.op, placementOf(m.placements, w.ID), func(r *store.SandboxRecord) error {
 		if r.Route != m.old {
 			return fmt.Errorf("%w: sandbox %s route moved", errOpLost, m.id)
 		}

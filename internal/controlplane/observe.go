@@ -32,6 +32,15 @@ type observability struct {
 	// workerLossRecoveries counts sandboxes of lost workers brought back
 	// elsewhere (workerloss.go).
 	workerLossRecoveries prometheus.Counter
+	// leader is 1 while this replica leads the control-plane election
+	// (runs the singletons), leaderChanges counts its wins and losses.
+	leader        prometheus.Gauge
+	leaderChanges *prometheus.CounterVec
+	// placementRetries counts placements re-picked because another one
+	// on the same worker committed first (store.ErrPlacementMoved).
+	placementRetries prometheus.Counter
+	// keyRotations counts rotations completed by this replica.
+	keyRotations prometheus.Counter
 }
 
 func newObservability() *observability {
@@ -57,8 +66,20 @@ func newObservability() *observability {
 		workerLossRecoveries: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "space_api_worker_loss_recoveries_total", Help: "Running sandboxes of lost workers brought back on another worker as new executions.",
 		}),
+		leader: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "space_api_leader", Help: "1 while this replica leads the control-plane election and runs the singletons (reaper, rotation completion).",
+		}),
+		leaderChanges: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "space_api_leader_transitions_total", Help: "Leadership won (event=won) and ended (event=lost) by this replica.",
+		}, []string{"event"}),
+		placementRetries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_api_placement_retries_total", Help: "Placements picked again because another placement on the same worker committed first.",
+		}),
+		keyRotations: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "space_api_key_rotations_total", Help: "Signing-key rotations this replica completed.",
+		}),
 	}
-	o.reg.MustRegister(o.requests, o.durations, o.capabilities, o.reaps, o.schedule, o.workerLossRecoveries)
+	o.reg.MustRegister(o.requests, o.durations, o.capabilities, o.reaps, o.schedule, o.workerLossRecoveries, o.leader, o.leaderChanges, o.placementRetries, o.keyRotations)
 	return o
 }
 

@@ -22,52 +22,78 @@ func (s *Server) newRoute(id string, gen uint64, workerID, substrate string) ide
 // workersWithLoad lists the registered workers that run substrate ("":
 // all of them), with their load: the larger of the worker's own report and
 // its placements as the store sees them (creating, running and moving
-// sandboxes: placedOn), which may be ahead of the report. Workers and
-// placements come from the watched view (placements.go) once it is in;
-// exact reads them from the store instead (every worker entry and every
-// sandbox record read and decoded).
-func (s *Server) workersWithLoad(ctx context.Context, substrate string, exact bool) ([]spacev1.Worker, error) {
-	ws, _, err := s.workersWithLoadFrom(ctx, substrate, exact)
-	return ws, err
+// sandboxes: placedOn), which may be ahead of the report. It also returns,
+// per worker, the revision its load was read at: a placement on a worker
+// commits only with the guard placementOf builds from it (the worker's
+// placement key has not moved after that revision), so two decisions
+// made from the same load (concurrent creates, on one control plane or on
+// two) cannot both commit (store.Placement).
+//
+// Workers and placements come from the watched view (placements.go) once
+// it is in; exact reads them from the store instead (every worker entry
+// and every sandbox record read and decoded, at one revision).
+func (s *Server) workersWithLoad(ctx context.Context, substrate string, exact bool) ([]spacev1.Worker, map[string]int64, error) {
+	ws, revs, _, err := s.workersWithLoadFrom(ctx, substrate, exact)
+	return ws, revs, err
 }
 
 // pick places one sandbox of substrate, not on a worker in exclude: the
 // scheduler's pick among the watched view, or, when that view has no
 // room for it (not delivered yet, or behind a worker that just
-// registered), among the workers and records read from the store now. A
+// registered) or exact is set, among the workers and records read from
+// the store now. It returns the placement guard for the worker picked. A
 // failed pick wraps scheduler.ErrNoCapacity.
-func (s *Server) pick(ctx context.Context, substrate string, exclude []string) (spacev1.Worker, error) {
-	ws, viewed, err := s.workersWithLoadFrom(ctx, substrate, false)
+func (s *Server) pick(ctx context.Context, substrate string, exclude []string, exact bool) (spacev1.Worker, store.Placement, error) {
+	ws, revs, viewed, err := s.workersWithLoadFrom(ctx, substrate, exact)
 	if err == nil {
 		w, perr := s.sched.Pick(ws, exclude...)
 		if perr == nil || !viewed {
-			return w, perr
+			return w, placementOf(revs, w.ID), perr
 		}
 	}
 	if !viewed {
-		return spacev1.Worker{}, err
+		return spacev1.Worker{}, store.Placement{}, err
 	}
-	if ws, err = s.workersWithLoad(ctx, substrate, true); err != nil {
-		return spacev1.Worker{}, err
+	if ws, revs, err = s.workersWithLoad(ctx, substrate, true); err != nil {
+		return spacev1.Worker{}, store.Placement{}, err
 	}
-	return s.sched.Pick(ws, exclude...)
+	w, err := s.sched.Pick(ws, exclude...)
+	return w, placementOf(revs, w.ID), err
 }
 
 // workersWithLoadFrom is workersWithLoad, also saying whether the answer
 // came from the watched view.
-func (s *Server) workersWithLoadFrom(ctx context.Context, substrate string, exact bool) (_ []spacev1.Worker, viewed bool, _ error) {
-	var placedCh chan placedCount
-	cached, ok := s.placed.counts()
+func (s *Server) workersWithLoadFrom(ctx context.Context, substrate string, exact bool) (_ []spacev1.Worker, _ map[string]int64, viewed bool, _ error) {
+	type listed struct {
+		n    map[string]int
+		revs map[string]int64
+		err  error
+	}
+	var sbxs chan listed
+	cached, viewRev, ok := s.placed.counts()
 	all, wok := s.placed.registered()
 	viewed = !exact && ok && wok
 	if !viewed {
 		// The two reads are independent: the sandbox records are read
 		// while the workers are.
-		placedCh = make(chan placedCount, 1)
-		go func() { placedCh <- s.listPlaced(ctx) }()
+		sbxs = make(chan listed, 1)
+		go func() {
+			entries, revs, err := s.st.PlacementView(ctx)
+			n := map[string]int{}
+			for _, e := range entries {
+				p := placedOn(e.Record)
+				for _, w := range []string{p.route, p.pending} {
+					if w != "" {
+						n[w]++
+					}
+				}
+			}
+			sbxs <- listed{n, revs, err}
+		}()
 		var err error
 		if all, err = s.st.ListWorkers(ctx); err != nil {
-			return nil, false, fmt.Errorf("%w: worker registry: %v", errdefs.ErrUnavailable, err)
+			<-sbxs
+			return nil, nil, false, fmt.Errorf("%w: worker registry: %v", errdefs.ErrUnavailable, err)
 		}
 	}
 	var ws []spacev1.Worker
@@ -80,48 +106,42 @@ func (s *Server) workersWithLoadFrom(ctx context.Context, substrate string, exac
 		}
 	}
 	if len(all) > 0 && len(ws) == 0 {
+		if sbxs != nil {
+			<-sbxs
+		}
 		if len(why) > 0 {
-			return nil, viewed, fmt.Errorf("%w: no registered worker runs the %s substrate (%s)", errdefs.ErrUnavailable, substrate, strings.Join(why, "; "))
+			return nil, nil, viewed, fmt.Errorf("%w: no registered worker runs the %s substrate (%s)", errdefs.ErrUnavailable, substrate, strings.Join(why, "; "))
 		}
-		return nil, viewed, fmt.Errorf("%w: no registered worker runs the %s substrate", errdefs.ErrUnavailable, substrate)
+		return nil, nil, viewed, fmt.Errorf("%w: no registered worker runs the %s substrate", errdefs.ErrUnavailable, substrate)
 	}
-	placed := cached
-	if placedCh != nil {
-		l := <-placedCh
+	placed, revs := cached, map[string]int64{}
+	if sbxs != nil {
+		l := <-sbxs
 		if l.err != nil {
-			return nil, false, fmt.Errorf("%w: sandbox records: %v", errdefs.ErrUnavailable, l.err)
+			return nil, nil, false, fmt.Errorf("%w: sandbox records: %v", errdefs.ErrUnavailable, l.err)
 		}
-		placed = l.n
+		placed, revs = l.n, l.revs
+	} else {
+		// The view counts every placement up to viewRev: a worker's
+		// guard is that revision.
+		for _, w := range ws {
+			revs[w.ID] = viewRev
+		}
 	}
 	for i := range ws {
 		ws[i].Load = max(ws[i].Load, placed[ws[i].ID])
 	}
-	return ws, viewed, nil
+	return ws, revs, viewed, nil
 }
 
-// placedCount is the per-worker placements listed from the records.
-type placedCount struct {
-	n   map[string]int
-	err error
+// placementOf is the guard of a placement on worker as read in revs.
+func placementOf(revs map[string]int64, worker string) store.Placement {
+	return store.Placement{WorkerID: worker, Rev: revs[worker]}
 }
 
-// listPlaced counts the placements per worker from every sandbox record.
-func (s *Server) listPlaced(ctx context.Context) placedCount {
-	entries, err := s.st.ListSandboxes(ctx)
-	if err != nil {
-		return placedCount{err: err}
-	}
-	n := map[string]int{}
-	for _, e := range entries {
-		p := placedOn(e.Record)
-		for _, w := range []string{p.route, p.pending} {
-			if w != "" {
-				n[w]++
-			}
-		}
-	}
-	return placedCount{n: n}
-}
+// maxPlacementRetries bounds the re-reads of one placement whose worker
+// took another placement meanwhile.
+const maxPlacementRetries = 32
 
 // liveWorker returns the worker's node URL when it is registered now.
 func (s *Server) liveWorker(ctx context.Context, id string) (string, bool) {

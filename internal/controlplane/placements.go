@@ -22,9 +22,15 @@ import (
 // and is retried on another).
 type placements struct {
 	mu    sync.Mutex
-	ready bool              // the first full listing is in
-	by    map[string]placed // sandbox id -> what it counts
-	n     map[string]int    // worker id -> sandboxes counted
+	ready bool // the first full listing is in
+	// rev is the revision through which every record event has been
+	// applied: the view's counts are those of the store at rev. An
+	// event at revision r proves every earlier revision delivered, not
+	// every event of r (one transaction may write several records), so
+	// rev trails it by one until the next event or listing.
+	rev int64
+	by  map[string]placed // sandbox id -> what it counts
+	n   map[string]int    // worker id -> sandboxes counted
 	// workers is the last list the workers' watch delivered (nil: none
 	// yet).
 	workers []spacev1.Worker
@@ -79,7 +85,11 @@ func (p *placements) apply(ev store.SandboxEvent) {
 	defer p.mu.Unlock()
 	if ev.Synced {
 		p.ready = true
+		p.rev = max(p.rev, ev.Revision)
 		return
+	}
+	if ev.Revision-1 > p.rev {
+		p.rev = ev.Revision - 1
 	}
 	id := ev.Record.ID
 	old := p.by[id]
@@ -107,17 +117,17 @@ func (p *placements) add(pl placed, d int) {
 	}
 }
 
-// counts returns a copy of the per-worker counts, or false until the
-// first full listing is in.
-func (p *placements) counts() (map[string]int, bool) {
+// counts returns a copy of the per-worker counts and the revision they
+// are complete through, or false until the first full listing is in.
+func (p *placements) counts() (map[string]int, int64, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if !p.ready {
-		return nil, false
+		return nil, 0, false
 	}
 	out := make(map[string]int, len(p.n))
 	for w, n := range p.n {
 		out[w] = n
 	}
-	return out, true
+	return out, p.rev, true
 }

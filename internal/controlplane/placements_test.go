@@ -23,7 +23,7 @@ func TestPlacementsFollowRecords(t *testing.T) {
 		return store.SandboxEvent{Record: r}
 	}
 	p.apply(rec("a", store.StateRunning, "w1", ""))
-	if _, ok := p.counts(); ok {
+	if _, _, ok := p.counts(); ok {
 		t.Fatal("counts offered before the first full listing")
 	}
 	if _, ok := p.registered(); ok {
@@ -35,7 +35,7 @@ func TestPlacementsFollowRecords(t *testing.T) {
 	p.apply(rec("d", store.StatePaused, "w1", ""))
 	p.apply(rec("e", store.StateKilled, "w2", ""))
 	want := map[string]int{"w1": 2, "w2": 2}
-	if got, _ := p.counts(); !maps.Equal(got, want) {
+	if got, _, _ := p.counts(); !maps.Equal(got, want) {
 		t.Fatalf("counts %v, want %v", got, want)
 	}
 	p.apply(rec("c", store.StateRunning, "w2", "")) // the move committed
@@ -43,7 +43,7 @@ func TestPlacementsFollowRecords(t *testing.T) {
 	p.apply(store.SandboxEvent{Deleted: true, Record: store.SandboxRecord{ID: "b"}})
 	p.apply(store.SandboxEvent{Deleted: true, Record: store.SandboxRecord{ID: "zz"}}) // never seen
 	want = map[string]int{"w2": 1}
-	if got, _ := p.counts(); !maps.Equal(got, want) {
+	if got, _, _ := p.counts(); !maps.Equal(got, want) {
 		t.Fatalf("counts %v, want %v", got, want)
 	}
 	p.setWorkers(nil)
@@ -55,5 +55,33 @@ func TestPlacementsFollowRecords(t *testing.T) {
 	ws[0].ID = "changed"
 	if again, _ := p.registered(); again[0].ID != "w1" {
 		t.Fatal("registered shares its slice with the caller")
+	}
+}
+
+// The view's revision is one through which every event has been applied:
+// the listing's, then one less than the latest event's (a transaction at
+// that revision may write records still to come).
+func TestPlacementsRevision(t *testing.T) {
+	p := newPlacements()
+	ev := func(id string, rev int64) store.SandboxEvent {
+		return store.SandboxEvent{Revision: rev, Record: store.SandboxRecord{ID: id, State: store.StateRunning,
+			Route: identity.Route{SandboxID: id, WorkerID: "w1"}}}
+	}
+	p.apply(ev("a", 5))
+	p.apply(store.SandboxEvent{Synced: true, Revision: 7})
+	if _, rev, ok := p.counts(); !ok || rev != 7 {
+		t.Fatalf("after the listing: rev %d ok %v, want 7", rev, ok)
+	}
+	p.apply(ev("b", 9))
+	if n, rev, _ := p.counts(); rev != 8 || n["w1"] != 2 {
+		t.Fatalf("after an event at 9: rev %d counts %v, want 8", rev, n)
+	}
+	p.apply(ev("c", 9)) // the same transaction
+	if _, rev, _ := p.counts(); rev != 8 {
+		t.Fatalf("a second event at 9: rev %d, want 8", rev)
+	}
+	p.apply(ev("d", 12))
+	if _, rev, _ := p.counts(); rev != 11 {
+		t.Fatalf("after an event at 12: rev %d, want 11", rev)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/spacesbx/space/internal/errdefs"
@@ -14,20 +15,31 @@ import (
 // maxConcurrentKills bounds the reaper's teardowns in flight.
 const maxConcurrentKills = 8
 
+// reapPool runs the reaper's steps of one leadership: at most
+// maxConcurrentKills at once, all ended by ctx (the leadership's) and
+// waited for before the leadership is given up.
+type reapPool struct {
+	ctx   context.Context
+	slots chan struct{}
+	wg    sync.WaitGroup
+}
+
 // reapLoop kills sandboxes whose timeout passed (pauses those created with
 // autoPause), releases records whose lifecycle operation overran its
-// deadline, fails records stuck in creating (a crashed create), and purges
-// old tombstones. It works from the
-// store only, so a restarted (or another) control plane resumes it.
-func (s *Server) reapLoop() {
-	defer s.wg.Done()
+// deadline, fails records stuck in creating (a crashed create), purges
+// old tombstones and completes an interrupted key rotation. It works from
+// the store only, so a restarted (or another) control plane resumes it.
+// It runs only while this replica leads (leader.go), until ctx (the
+// leadership) ends; it returns once every step it started has.
+func (s *Server) reapLoop(ctx context.Context) {
 	t := time.NewTicker(s.cfg.ReapInterval)
 	defer t.Stop()
-	sem := make(chan struct{}, maxConcurrentKills)
+	sem := &reapPool{ctx: ctx, slots: make(chan struct{}, maxConcurrentKills)}
+	defer sem.wg.Wait()
 	for {
 		s.reapOnce(sem)
 		select {
-		case <-s.ctx.Done():
+		case <-ctx.Done():
 			return
 		case <-t.C:
 		case <-s.reapNow:
@@ -35,13 +47,16 @@ func (s *Server) reapLoop() {
 	}
 }
 
-func (s *Server) reapOnce(sem chan struct{}) {
+// reapOnce is one pass of the reaper: every singleton of the control
+// plane runs from here (only on the leader).
+func (s *Server) reapOnce(sem *reapPool) {
 	s.obs.reaps.Inc()
-	ctx, cancel := context.WithTimeout(s.ctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(sem.ctx, 30*time.Second)
 	defer cancel()
+	s.completeRotation(ctx)
 	entries, err := s.st.ListSandboxes(ctx)
 	if err != nil {
-		if s.ctx.Err() == nil {
+		if sem.ctx.Err() == nil {
 			s.log.Warn("reaper: listing sandboxes failed", "err", err)
 		}
 		return
@@ -84,13 +99,13 @@ func (s *Server) reapOnce(sem chan struct{}) {
 
 // spawnKill kills sandbox id for reason once check accepts its current
 // record (the reaper's reading may be stale).
-func (s *Server) spawnKill(sem chan struct{}, id, reason string, check func(store.SandboxRecord) error) {
+func (s *Server) spawnKill(sem *reapPool, id, reason string, check func(store.SandboxRecord) error) {
 	s.spawnReap(sem, id, "kill", func(ctx context.Context) error { return s.killSandbox(ctx, id, "", reason, check) })
 }
 
 // spawnAutoPause pauses a running sandbox whose timeout passed and which was
 // created with autoPause (instead of killing it).
-func (s *Server) spawnAutoPause(sem chan struct{}, id string) {
+func (s *Server) spawnAutoPause(sem *reapPool, id string) {
 	s.spawnReap(sem, id, "lifecycle step", func(ctx context.Context) error {
 		return s.pauseSandbox(ctx, id, "", func(cur store.SandboxRecord) error {
 			if cur.EndAt.After(s.now()) || !cur.AutoPause {
@@ -109,7 +124,7 @@ func (s *Server) spawnAutoPause(sem chan struct{}, id string) {
 func (s *Server) lostExecutions(ctx context.Context, entries []store.SandboxEntry) map[string]bool {
 	routes, err := s.st.ListLost(ctx)
 	if err != nil || len(routes) == 0 {
-		if err != nil && s.ctx.Err() == nil {
+		if err != nil && ctx.Err() == nil {
 			s.log.Warn("reaper: listing lost executions failed", "err", err)
 		}
 		return nil
@@ -151,7 +166,7 @@ func (s *Server) lostExecutions(ctx context.Context, entries []store.SandboxEntr
 // processes died with its worker: a move (a new execution with the files
 // restored from the old worker's disk; the scheduler may pick the same
 // worker), keeping its timeout. The marker goes once the move succeeded.
-func (s *Server) spawnRecoverLost(sem chan struct{}, id string, lost identity.Route) {
+func (s *Server) spawnRecoverLost(sem *reapPool, id string, lost identity.Route) {
 	s.spawnReap(sem, id, "recovery of a lost execution", func(ctx context.Context) error {
 		rec, op, err := s.beginOp(ctx, id, "", opMigrate, store.StateMigrating, "", func(r store.SandboxRecord) error {
 			if r.Route != lost || r.State != store.StateRunning {
@@ -176,7 +191,7 @@ func (s *Server) spawnRecoverLost(sem chan struct{}, id string, lost identity.Ro
 
 // spawnRecover releases a record held by an operation past its deadline,
 // or by one whose control plane died.
-func (s *Server) spawnRecover(sem chan struct{}, id, opID string, orphaned bool) {
+func (s *Server) spawnRecover(sem *reapPool, id, opID string, orphaned bool) {
 	s.spawnReap(sem, id, "lifecycle step", func(ctx context.Context) error { return s.recoverOp(ctx, id, opID, orphaned) })
 }
 
@@ -215,7 +230,7 @@ func (s *Server) orphans(ctx context.Context, entries []store.SandboxEntry) map[
 // spawnReap runs fn for sandbox id on the reaper's pool (sem), at most
 // once at a time per sandbox; a refusal (the record changed since the
 // reaper read it) is logged as a skipped step.
-func (s *Server) spawnReap(sem chan struct{}, id, step string, fn func(context.Context) error) {
+func (s *Server) spawnReap(sem *reapPool, id, step string, fn func(context.Context) error) {
 	s.reapMu.Lock()
 	if s.reaping[id] {
 		s.reapMu.Unlock()
@@ -229,16 +244,16 @@ func (s *Server) spawnReap(sem chan struct{}, id, step string, fn func(context.C
 		s.reapMu.Unlock()
 	}
 	select {
-	case sem <- struct{}{}:
-	case <-s.ctx.Done():
+	case sem.slots <- struct{}{}:
+	case <-sem.ctx.Done():
 		release()
 		return
 	}
-	s.wg.Add(1)
+	sem.wg.Add(1)
 	go func() {
-		defer s.wg.Done()
-		defer func() { <-sem; release() }()
-		if err := fn(s.ctx); err != nil {
+		defer sem.wg.Done()
+		defer func() { <-sem.slots; release() }()
+		if err := fn(sem.ctx); err != nil {
 			s.log.Debug("reaper: "+step+" skipped", "sandbox", id, "err", err)
 		}
 	}()

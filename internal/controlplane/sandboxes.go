@@ -180,7 +180,7 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 	)
 	for attempt := 0; attempt < installAttempts; attempt++ {
 		t0 := time.Now()
-		w, err := s.pick(ctx, p.Spec.Substrate, tried)
+		w, tPlace, err := s.placeCreate(ctx, &rec, &rev, p.Spec.Substrate, tried)
 		if err != nil {
 			// No room after a failed install: the install's error says more.
 			if lastErr == nil || !errors.Is(err, scheduler.ErrNoCapacity) {
@@ -190,29 +190,16 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		}
 		tried = append(tried, w.ID)
 		if attempt == 0 {
-			schedule = time.Since(arrived)
+			schedule = tPlace.Sub(arrived)
 			s.obs.schedule.Observe(schedule.Seconds())
 		}
-		rec.Generation++
-		rec.Route = s.newRoute(rec.ID, rec.Generation, w.ID, p.Spec.Substrate)
-		rec.NodeURL = w.NodeURL
-		tPlace := time.Now()
 		if attempt == 0 {
-			rev, err = s.st.CreateSandbox(ctx, rec)
-			if err == nil {
-				// The record names the volumes now: a delete from here on
-				// sees it (volumes.go).
-				if verr := s.checkVolumesLive(ctx, rec); verr != nil {
-					lastErr = verr
-					break
-				}
+			// The record names the volumes now: a delete from here on
+			// sees it (volumes.go).
+			if verr := s.checkVolumesLive(ctx, rec); verr != nil {
+				lastErr = verr
+				break
 			}
-		} else {
-			rev, err = s.st.UpdateSandbox(ctx, rec.ID, rev, rec)
-		}
-		if err != nil {
-			lastErr = err
-			break
 		}
 		crashpoint.Hit(crashpoint.CreateRecorded)
 		log := s.log.With("sandbox", rec.ID, "generation", rec.Route.Generation, "worker", w.ID)
@@ -265,6 +252,44 @@ func (s *Server) createSandbox(ctx context.Context, c caller, p createParams) (s
 		lastErr = fmt.Errorf("%w: sandbox could not be placed", errdefs.ErrUnavailable)
 	}
 	return store.SandboxRecord{}, fmt.Errorf("create sandbox: %w", lastErr)
+}
+
+// placeCreate picks a worker for a create and writes the record (rev 0:
+// creates it; else moves it to a new generation there), guarded by the
+// worker's placements as read with its load: when another placement on
+// the picked worker committed meanwhile it reads and picks again. It
+// returns the worker and when the pick was made.
+func (s *Server) placeCreate(ctx context.Context, rec *store.SandboxRecord, rev *int64, substrate string, tried []string) (spacev1.Worker, time.Time, error) {
+	for try := range maxPlacementRetries {
+		// The watched view first; after a guard refused it, the store's
+		// own view (the watch may not have delivered the placement that
+		// moved the guard yet).
+		w, guard, err := s.pick(ctx, substrate, tried, try > 0)
+		if err != nil {
+			return spacev1.Worker{}, time.Time{}, err
+		}
+		tPlace := time.Now()
+		next := *rec
+		next.Generation++
+		next.Route = s.newRoute(next.ID, next.Generation, w.ID, substrate)
+		next.NodeURL = w.NodeURL
+		var nrev int64
+		if *rev == 0 {
+			nrev, err = s.st.CreateSandboxPlaced(ctx, next, guard)
+		} else {
+			nrev, err = s.st.UpdateSandboxPlaced(ctx, next.ID, *rev, next, guard)
+		}
+		if errors.Is(err, store.ErrPlacementMoved) {
+			s.obs.placementRetries.Inc()
+			continue
+		}
+		if err != nil {
+			return spacev1.Worker{}, time.Time{}, err
+		}
+		*rec, *rev = next, nrev
+		return w, tPlace, nil
+	}
+	return spacev1.Worker{}, time.Time{}, fmt.Errorf("%w: placements on the workers kept moving; retry", errdefs.ErrUnavailable)
 }
 
 // visible reports whether an E2B route shows the record: an owner's,

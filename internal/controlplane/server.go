@@ -2,13 +2,13 @@ package controlplane
 
 import (
 	"context"
-	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/spacesbx/space/internal/capability"
@@ -52,6 +52,9 @@ type Server struct {
 	reaping map[string]bool
 	// workerLoss: workers found unregistered (workerloss.go).
 	workerLoss workerLoss
+	// leading is true while this replica leads the control-plane
+	// election and runs the singletons (leader.go).
+	leading atomic.Bool
 
 	// instance names this control plane's lifecycle operations
 	// (LifecycleOp.Owner); reg keeps it registered while it runs, so an
@@ -82,9 +85,10 @@ type Server struct {
 // its operations in flight are released that long after it died.
 const instanceTTL = 5 * time.Second
 
-// New loads (or creates) the signing key, publishes its verification key in
-// the store's bundle, stores the bootstrap API key's hash and starts the
-// timeout loop. It does not listen: call Run, or serve Handler yourself.
+// New loads the replicas' shared signing key from the store (storing one
+// first when it has none), publishes its verification key in the store's
+// bundle, stores the bootstrap API key's hash and campaigns for the
+// control-plane leadership (leader.go). It does not listen: call Run, or serve Handler yourself.
 func New(cfg Config, deps Deps) (*Server, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -98,28 +102,22 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		sched: scheduler.New(scheduler.DefaultK, nil), snaps: deps.Snapshots, volumes: deps.Volumes, reaping: map[string]bool{},
 		placed: newPlacements()}
 
-	adopted, err := adoptPendingKey(cfg.DataDir)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	sk, err := loadSigningKey(ctx, s.st, cfg.DataDir, s.now())
 	if err != nil {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
-	priv, created, err := loadOrCreateSigningKey(cfg.DataDir)
-	if err != nil {
-		return nil, fmt.Errorf("controlplane: %w", err)
-	}
-	pub := priv.Public().(ed25519.PublicKey)
-	kid := KeyID(pub)
-	sg, err := capability.NewSigner(kid, priv)
+	sg, err := capability.NewSigner(sk.kid, sk.priv)
 	if err != nil {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
 	s.signer = newRotatingSigner(sg)
 	s.node = &nodeClient{http: tracedClient(deps.HTTPClient), signer: s.signer, now: s.now, installTimeout: cfg.InstallTimeout, callTimeout: cfg.NodeTimeout}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if s.bundle, err = s.publishStartKey(ctx, adopted, kid, pub); err != nil {
+	if s.bundle, err = s.publishStartKey(ctx, sk); err != nil {
 		return nil, fmt.Errorf("controlplane: publish verification key: %w", err)
 	}
-	s.log.Info("signing key ready", "kid", kid, "created", created, "bundle_revision", s.bundle.Revision)
+	s.log.Info("signing key ready", "kid", sk.kid, "origin", sk.origin, "bundle_revision", s.bundle.Revision)
 
 	s.apiKey = cfg.BootstrapAPIKey
 	if s.apiKey == "" {
@@ -151,7 +149,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	s.reapNow = make(chan struct{}, 1)
 	s.startTeamMetrics()
 	s.wg.Add(4)
-	go s.reapLoop()
+	go s.runLeader()
+	go s.watchSigningKey()
+	// The placement view: every replica's creates read it.
 	go func() {
 		defer s.wg.Done()
 		_ = s.st.WatchSandboxes(s.ctx, s.placed.apply)
@@ -159,16 +159,6 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	go func() {
 		defer s.wg.Done()
 		_ = s.st.WatchWorkers(s.ctx, s.placed.setWorkers)
-	}()
-	go func() {
-		defer s.wg.Done()
-		// A lost execution is recovered at once, not on the next tick.
-		_ = s.st.WatchLost(s.ctx, func() {
-			select {
-			case s.reapNow <- struct{}{}:
-			default:
-			}
-		})
 	}()
 	return s, nil
 }

@@ -41,7 +41,7 @@ type workerLoss struct {
 // at a time per sandbox, on the reaper's pool). Paused sandboxes are left
 // paused: a resume places them, from the snapshot of their pause, else
 // (the worker being lost) as a running one would be recovered.
-func (s *Server) recoverLostWorkers(ctx context.Context, sem chan struct{}, entries []store.SandboxEntry) {
+func (s *Server) recoverLostWorkers(ctx context.Context, sem *reapPool, entries []store.SandboxEntry) {
 	ws, err := s.st.ListWorkers(ctx)
 	if err != nil {
 		if s.ctx.Err() == nil {
@@ -94,7 +94,7 @@ func (s *Server) recoverLostWorkers(ctx context.Context, sem chan struct{}, entr
 
 // spawnRecoverFromLostWorker brings sandbox id, running as lost on an
 // unregistered worker, back on another worker.
-func (s *Server) spawnRecoverFromLostWorker(sem chan struct{}, id string, lost identity.Route) {
+func (s *Server) spawnRecoverFromLostWorker(sem *reapPool, id string, lost identity.Route) {
 	s.spawnReap(sem, id, "recovery from a lost worker", func(ctx context.Context) error {
 		err := s.recoverFromLostWorker(ctx, id, lost)
 		if err != nil && !errors.Is(err, errdefs.ErrConflict) {
@@ -132,7 +132,7 @@ func (s *Server) recoverFromLostWorker(ctx context.Context, id string, lost iden
 		_, _, err = m.giveUp(fmt.Errorf("no other worker can take it: %w", err), nil)
 		return err
 	}
-	if err := m.reserve(w); err != nil {
+	if w, err = m.reserve(w, "", []string{lost.WorkerID}); err != nil {
 		_, _, err = m.giveUp(err, nil)
 		return err
 	}

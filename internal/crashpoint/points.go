@@ -33,6 +33,12 @@ const (
 	// SnapshotArchived: the worker stored the archive, the snapshot is
 	// not recorded and the sandbox is not thawed.
 	SnapshotArchived = "controlplane.snapshot.archived"
+	// RotateBegun: a key rotation is recorded in the store (its new key,
+	// this replica its owner), the bundle does not hold the new key.
+	RotateBegun = "controlplane.rotate.begun"
+	// RotatePublished: the bundle holds the new key, the rotation is not
+	// committed (nobody signs with it).
+	RotatePublished = "controlplane.rotate.published"
 
 	// Worker (internal/sbxmanager).
 
@@ -87,6 +93,8 @@ var Points = []Point{
 	{KillMarked, "controlplane.killSandbox: after the killed record, before the worker teardown"},
 	{TeardownStopped, "sbxmanager.Teardown: after the activation stopped, before the record delete"},
 	{SnapshotArchived, "controlplane.snapshotSandbox: after the worker stored the archive, before thaw and snapshot record"},
+	{RotateBegun, "controlplane.RotateKey: after the rotation record, before the bundle holds the new key"},
+	{RotatePublished, "controlplane.carryOutRotation: after the bundle is published, before the commit"},
 	{ArchiveEntry, "snapshot.Archive: after each entry written (mid-archive)"},
 	{PutWritten, "snapshot.Local.Put: after the content is written, before fsync and rename"},
 	{RestoreEntry, "snapshot.Restore: after each entry restored (mid-restore)"},

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
-	"net/url"
 	"strings"
 	"time"
 )
@@ -69,7 +68,9 @@ type Config struct {
 	// provides it). The plain listener (Addr) keeps serving.
 	TLS *tls.Config
 	// ControlPlaneURL is the base URL of space-api (required), e.g.
-	// "http://127.0.0.1:3000".
+	// "http://127.0.0.1:3000", or several replicas' comma-separated
+	// ("http://10.0.0.1:3000,http://10.0.0.2:3000"): the edge fails over
+	// to the next when one cannot answer (controlplanes.go).
 	ControlPlaneURL string
 	// EdgeKey is the edge's service key for the control plane (required).
 	// It is sent as X-API-Key on capability requests and never logged.
@@ -204,7 +205,7 @@ func (cfg Config) withDefaults() Config {
 	if cfg.ReattachWindow == 0 {
 		cfg.ReattachWindow = DefaultReattachWindow
 	}
-	cfg.ControlPlaneURL = strings.TrimRight(cfg.ControlPlaneURL, "/")
+	cfg.ControlPlaneURL = strings.Join(controlPlaneURLs(cfg.ControlPlaneURL), ",")
 	return cfg
 }
 
@@ -212,10 +213,8 @@ func (cfg Config) withDefaults() Config {
 // has a default is valid (New applies the defaults first).
 func (cfg Config) Validate() error {
 	var errs []error
-	if cfg.ControlPlaneURL == "" {
-		errs = append(errs, errors.New("edge: ControlPlaneURL is required"))
-	} else if u, err := url.Parse(cfg.ControlPlaneURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		errs = append(errs, fmt.Errorf("edge: ControlPlaneURL %q is not an http(s) URL", cfg.ControlPlaneURL))
+	if err := validControlPlaneURLs(cfg.ControlPlaneURL); err != nil {
+		errs = append(errs, err)
 	}
 	if cfg.EdgeKey == "" {
 		errs = append(errs, errors.New("edge: EdgeKey is required"))

@@ -46,25 +46,27 @@ func (e *Edge) doFetch(ctx context.Context, t target, callerToken string, repair
 		Protocol: t.protocol,
 		Repair:   repair,
 	})
-	u := e.cfg.ControlPlaneURL + "/space/v1/sandboxes/" + url.PathEscape(t.sandbox) + "/capabilities"
+	path := "/space/v1/sandboxes/" + url.PathEscape(t.sandbox) + "/capabilities"
 	if !repair && callerToken == "" && t.sig.signature != "" {
-		u += "?" + t.sig.query().Encode()
+		path += "?" + t.sig.query().Encode()
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, bytes.NewReader(body))
-	if err != nil {
-		return nil, fmt.Errorf("edge: building capability request: %w", err)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set(spacev1.HeaderAPIKey, e.cfg.EdgeKey)
-	telemetry.Inject(ctx, req.Header) // the capability's issuance joins this request's trace
-	if !repair && callerToken != "" {
-		if t.purpose == capability.PurposeServicePort {
-			req.Header.Set(HeaderTrafficAccessToken, callerToken)
-		} else {
-			req.Header.Set(spacev1.HeaderAccessToken, callerToken)
+	res, err := e.cpDo(ctx, func(base string) (*http.Request, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+path, bytes.NewReader(body))
+		if err != nil {
+			return nil, fmt.Errorf("edge: building capability request: %w", err)
 		}
-	}
-	res, err := e.cfg.ControlPlaneClient.Do(req)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set(spacev1.HeaderAPIKey, e.cfg.EdgeKey)
+		telemetry.Inject(ctx, req.Header) // the capability's issuance joins this request's trace
+		if !repair && callerToken != "" {
+			if t.purpose == capability.PurposeServicePort {
+				req.Header.Set(HeaderTrafficAccessToken, callerToken)
+			} else {
+				req.Header.Set(spacev1.HeaderAccessToken, callerToken)
+			}
+		}
+		return req, nil
+	})
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
@@ -165,13 +167,15 @@ func (e *Edge) signedSandbox(ctx context.Context, sig fileSignature) (string, er
 	}
 	ctx, cancel := context.WithTimeout(ctx, e.cpTimeout())
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.cfg.ControlPlaneURL+spacev1.PathSignedFilesSandbox+"?"+sig.query().Encode(), nil)
-	if err != nil {
-		return "", fmt.Errorf("edge: building signed-URL request: %w", err)
-	}
-	req.Header.Set(spacev1.HeaderAPIKey, e.cfg.EdgeKey)
-	telemetry.Inject(ctx, req.Header) // the capability's issuance joins this request's trace
-	res, err := e.cfg.ControlPlaneClient.Do(req)
+	res, err := e.cpDo(ctx, func(base string) (*http.Request, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+spacev1.PathSignedFilesSandbox+"?"+sig.query().Encode(), nil)
+		if err != nil {
+			return nil, fmt.Errorf("edge: building signed-URL request: %w", err)
+		}
+		req.Header.Set(spacev1.HeaderAPIKey, e.cfg.EdgeKey)
+		telemetry.Inject(ctx, req.Header) // the capability's issuance joins this request's trace
+		return req, nil
+	})
 	if err != nil {
 		if ctx.Err() != nil {
 			return "", ctx.Err()

@@ -56,6 +56,7 @@ import (
 // Edge is a space-edge instance. It is safe for concurrent use.
 type Edge struct {
 	cfg     Config
+	cps     *controlPlanes
 	log     *slog.Logger
 	metrics *metrics
 	proxy   *httputil.ReverseProxy
@@ -100,6 +101,7 @@ func New(cfg Config) (*Edge, error) {
 	}
 	e.signed, _ = simplelru.NewLRU[string, string](signedCacheSize, nil)
 	e.budget.max = cfg.BufferedBodyBudget
+	e.cps = &controlPlanes{urls: controlPlaneURLs(cfg.ControlPlaneURL)}
 	e.proxy = &httputil.ReverseProxy{
 		Rewrite:        e.rewrite,
 		Transport:      &forwarder{e: e},

@@ -12,13 +12,15 @@ import (
 )
 
 type metrics struct {
-	reg         *prometheus.Registry
-	requests    *prometheus.CounterVec
-	repairs     *prometheus.CounterVec
-	denies      *prometheus.CounterVec
-	retries     prometheus.Counter
-	renewals    prometheus.Counter
-	capFetches  *prometheus.CounterVec
+	reg        *prometheus.Registry
+	requests   *prometheus.CounterVec
+	repairs    *prometheus.CounterVec
+	denies     *prometheus.CounterVec
+	retries    prometheus.Counter
+	renewals   prometheus.Counter
+	capFetches *prometheus.CounterVec
+	// cpFailovers counts control-plane calls moved to another replica.
+	cpFailovers prometheus.Counter
 	reattaches  *prometheus.CounterVec
 	heldBytes   prometheus.Gauge
 	bodyRejects *prometheus.CounterVec
@@ -57,6 +59,10 @@ func newMetrics() *metrics {
 		Name: "space_edge_body_rejections_total",
 		Help: "Request bodies refused or cut, by reason (budget: no budget left; timeout: stalled or too slow).",
 	}, []string{"reason"})
+	m.cpFailovers = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "space_edge_control_plane_failovers_total", Help: "Control-plane calls sent to another replica because one could not answer.",
+	})
+	m.reg.MustRegister(m.cpFailovers)
 	m.reg.MustRegister(m.requests, m.repairs, m.denies, m.retries, m.renewals, m.capFetches, m.reattaches, m.heldBytes, m.bodyRejects)
 	return m
 }

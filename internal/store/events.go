@@ -14,7 +14,6 @@ import (
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.etcd.io/etcd/client/v3/concurrency"
 
 	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/internal/errdefs"
@@ -43,10 +42,6 @@ const (
 	eventLeaderPrefix   = eventsPrefix + "leader"
 )
 
-// ErrNotLeader: a write guarded by a Leadership found it lost. It is an
-// errdefs.ErrConflict.
-var ErrNotLeader = errdefs.Message(errdefs.ErrConflict, "events leadership lost")
-
 // ErrCompacted: the history a watch asked for was compacted away; the
 // caller resyncs from a listing. It is an errdefs.ErrUnavailable.
 var ErrCompacted = errdefs.Message(errdefs.ErrUnavailable, "history compacted")
@@ -74,52 +69,11 @@ func validTeam(team string) error {
 func eventLogKey(team, seq, sbx string) string { return eventLogPrefix + team + "/" + seq + "/" + sbx }
 func eventSbxKey(team, sbx, seq string) string { return eventSbxPrefix + team + "/" + sbx + "/" + seq }
 
-// Leadership is this process's turn as the events leader: the only one
-// recording events and delivering webhooks. Writes guarded by it fail with
-// ErrNotLeader once another process holds the election.
-type Leadership struct {
-	sess *concurrency.Session
-	el   *concurrency.Election
-	key  string
-	rev  int64
-}
-
 // CampaignEvents blocks until this process (named id) leads the events
-// election or ctx ends. The leadership lasts while the process keeps its
-// etcd lease (ttl): a crashed leader is replaced within ttl.
+// election or ctx ends (Campaign on the events election, whose key stays
+// under /space/events/leader).
 func (s *Store) CampaignEvents(ctx context.Context, id string, ttl time.Duration) (*Leadership, error) {
-	secs := int(ttl / time.Second)
-	if secs < 1 {
-		secs = 1
-	}
-	sess, err := concurrency.NewSession(s.cli, concurrency.WithTTL(secs), concurrency.WithContext(context.WithoutCancel(ctx)))
-	if err != nil {
-		return nil, wrapErr("events session", err)
-	}
-	el := concurrency.NewElection(sess, eventLeaderPrefix)
-	if err := el.Campaign(ctx, id); err != nil {
-		_ = sess.Close()
-		return nil, wrapErr("events campaign", err)
-	}
-	return &Leadership{sess: sess, el: el, key: el.Key(), rev: el.Rev()}, nil
-}
-
-// Done is closed when the leadership's lease is lost.
-func (l *Leadership) Done() <-chan struct{} { return l.sess.Done() }
-
-// Close resigns and ends the lease (another process takes over at once).
-func (l *Leadership) Close() error {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	err := l.el.Resign(ctx)
-	if cerr := l.sess.Close(); err == nil {
-		err = cerr
-	}
-	return err
-}
-
-func (l *Leadership) cmp() clientv3.Cmp {
-	return clientv3.Compare(clientv3.CreateRevision(l.key), "=", l.rev)
+	return s.campaign(ctx, eventLeaderPrefix, id, ttl)
 }
 
 // EventState is what the recorder resumes from: the last recorded

@@ -31,6 +31,7 @@ const (
 	opMigrate  = "migrate"  // A to the other worker
 	opKill     = "kill"     // A
 	opSnapshot = "snapshot" // A
+	opRotate   = "rotate"   // the signing key
 )
 
 // scenario is one crash: the point, its hit count and the operation that
@@ -63,6 +64,8 @@ var scenarios = []scenario{
 	{point: crashpoint.KillMarked, nth: 2, op: opKill},
 	{point: crashpoint.TeardownStopped, nth: 2, op: opKill, short: true},
 	{point: crashpoint.SnapshotArchived, nth: 1, op: opSnapshot},
+	{point: crashpoint.RotateBegun, nth: 1, op: opRotate},
+	{point: crashpoint.RotatePublished, nth: 1, op: opRotate, short: true},
 	{point: crashpoint.ArchiveEntry, nth: 3, op: opSnapshot, short: true, entries: true},
 	{point: crashpoint.PutWritten, nth: 1, op: opSnapshot},
 }
@@ -305,6 +308,8 @@ func operate(ctx context.Context, p *testenv.Platform, c *sdk.Client, op string,
 		return err
 	case opSnapshot:
 		code = rest(ctx, p, http.MethodPost, "/sandboxes/"+a.id+"/snapshots", map[string]string{}, nil)
+	case opRotate:
+		code = rest(ctx, p, http.MethodPost, "/space/v1/keys/rotate", nil, nil)
 	}
 	if code >= 200 && code < 300 {
 		return nil
@@ -471,6 +476,11 @@ func afterRestart(ctx context.Context, t *testing.T, p2 *testenv.Platform, op st
 		}
 		t.Logf("sandbox %s (%s) after the restart: %v", s.id, s.role, r)
 	}
+	if op == opRotate {
+		for _, v := range rotationCompleted(ctx, p2) {
+			violation("%s", v)
+		}
+	}
 	for _, l := range settled(func() []string { return h.leaks(currentRoutes(ctx, p2, live)) }) {
 		violation("leak after the restart: %s", l)
 	}
@@ -497,4 +507,29 @@ func afterRestart(ctx context.Context, t *testing.T, p2 *testenv.Platform, op st
 		t.Logf("warnings and errors after the restart:\n%s", strings.Join(notable, "\n"))
 	}
 	return violations
+}
+
+// rotationCompleted checks that the rotation the crash cut off does not
+// block rotations for good: the restarted control plane completes it (its
+// leader takes it over once the dead instance's registration lapsed, or a
+// rotate request does), so a rotate answers 200 within a minute (409
+// while one is in progress). The sandboxes served meanwhile (checked by
+// afterRestart) with capabilities of whatever key was current.
+func rotationCompleted(ctx context.Context, p *testenv.Platform) []string {
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		var out spacev1.RotateResponse
+		code := rest(ctx, p, http.MethodPost, "/space/v1/keys/rotate", nil, &out)
+		switch {
+		case code == http.StatusOK && out.PreviousKeyID != "" && len(out.Keys) >= 2:
+			return nil
+		case code == http.StatusOK:
+			return []string{fmt.Sprintf("rotation after the restart answered %+v", out)}
+		case code != http.StatusConflict:
+			return []string{fmt.Sprintf("rotation after the restart: status %d", code)}
+		case time.Now().After(deadline):
+			return []string{"the interrupted key rotation was not completed within 60 s (rotate still answers 409)"}
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
 }
