@@ -91,7 +91,7 @@ func (c *Client) restStatus(ctx context.Context, method, path string, in, out an
 	}
 	hc := *c.http
 	hc.Transport = statusRecorder{rt, status}
-	return (&Client{cfg: c.cfg, http: &hc}).rest(ctx, method, path, in, out, hdr)
+	return (&Client{cfg: c.cfg, http: &hc, apis: c.apis}).rest(ctx, method, path, in, out, hdr)
 }
 
 type statusRecorder struct {

@@ -307,6 +307,9 @@ func checkID(id string) error {
 func (c *Client) send(ctx context.Context, method, path string, data []byte, hasBody bool) (*http.Response, error) {
 	idempotent := method == http.MethodGet || method == http.MethodHead || method == http.MethodDelete
 	n := len(c.apis)
+	if n == 0 {
+		return nil, errors.New("sdk: APIURL is not configured")
+	}
 	first := int(c.pref.Load())
 	var lastErr error
 	for i := range n {

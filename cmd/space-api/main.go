@@ -21,7 +21,8 @@ import (
 
 func main() {
 	addr := flag.String("addr", controlplane.DefaultAddr, "listen address")
-	dataDir := flag.String("data-dir", "/var/lib/space/api", "embedded etcd data and template build files (a signing.key left here by an older release is migrated into etcd once)")
+	dataDir := flag.String("data-dir", "/var/lib/space/api", "embedded etcd data and, without --template-files-dir, template build files (a signing.key left here by an older release is migrated into etcd once)")
+	filesDir := flag.String("template-files-dir", "", "files uploaded for template builds (default <data-dir>/template-files); with several replicas, storage they all mount (an upload reaches one replica, its build may run on another)")
 	etcd := flag.String("etcd-endpoints", "", "comma-separated external etcd endpoints (default: embedded etcd)")
 	// Keys default to empty and are read from the environment after
 	// parsing: an environment default would be printed by -h.
@@ -55,7 +56,7 @@ func main() {
 		}
 		log.Warn("crash point armed: this process kills itself there (crash-point tests only)", "point", spec)
 	}
-	cfg := controlplane.Config{Addr: *addr, DataDir: *dataDir, BootstrapAPIKey: *apiKey, EdgeKey: *edgeKey, Domain: *domain, SandboxURL: *sandboxURL}
+	cfg := controlplane.Config{Addr: *addr, DataDir: *dataDir, TemplateFilesDir: *filesDir, BootstrapAPIKey: *apiKey, EdgeKey: *edgeKey, Domain: *domain, SandboxURL: *sandboxURL}
 	cfg.WebhookAllowPrivate = *webhookAllowPrivate
 	cfg.WorkerLossGrace = *workerLossGrace
 	cfg.LeaderTTL = *leaderTTL

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"path/filepath"
 	"regexp"
 	"time"
 
@@ -91,6 +92,11 @@ type Config struct {
 	// signing.key left there by a release that kept the key per replica
 	// is migrated into the store once (keys.go). Required.
 	DataDir string
+	// TemplateFilesDir keeps the files uploaded for template builds (by
+	// team and hash). With several replicas it must be storage they all
+	// mount (NFS or the like): an upload reaches one replica, the build
+	// that copies it may run on another. Default DataDir/template-files.
+	TemplateFilesDir string
 	// BootstrapAPIKey is an admin key of team BootstrapTeamID, stored (by
 	// hash) at start. Form "e2b_" + 40 hex. Generated when empty: read it
 	// back with Server.BootstrapAPIKey.
@@ -213,6 +219,9 @@ type Deps struct {
 // caller's Templates map is not modified.
 func (c Config) withDefaults() Config {
 	c.Addr = cmp.Or(c.Addr, DefaultAddr)
+	if c.TemplateFilesDir == "" && c.DataDir != "" {
+		c.TemplateFilesDir = filepath.Join(c.DataDir, "template-files")
+	}
 	c.BootstrapTeamID = cmp.Or(c.BootstrapTeamID, DefaultTeamID)
 	c.Domain = cmp.Or(c.Domain, DefaultDomain)
 	c.BuildConcurrency = cmp.Or(c.BuildConcurrency, 2)

@@ -3,12 +3,15 @@ package controlplane
 import (
 	"context"
 	"fmt"
+	"net/url"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/spacesbx/space/api/e2bapi"
 	"github.com/spacesbx/space/api/spacev1"
 	"github.com/spacesbx/space/internal/capability"
 	"github.com/spacesbx/space/internal/store"
@@ -321,4 +324,54 @@ func TestReplicasStartTogetherShareOneKey(t *testing.T) {
 		t.Fatalf("bundle %+v", b)
 	}
 	waitFor(t, func() bool { return len(leaders(es...)) == 1 })
+}
+
+// A template-file upload link one replica signs is accepted by another,
+// and with a shared TemplateFilesDir the files uploaded through one are
+// present for a build started through the other. A replica whose files
+// directory is its own does not see them (the reason the directory must
+// be shared).
+func TestReplicasShareTemplateUploads(t *testing.T) {
+	st := openStore(t)
+	clk := &fakeClock{t: time.Now()}
+	shared := t.TempDir()
+	r1 := replica(t, st, clk, func(c *Config) { c.TemplateFilesDir = shared })
+	r2 := replica(t, st, clk, func(c *Config) { c.TemplateFilesDir = shared })
+	r3 := replica(t, st, clk, nil) // files under its own data dir
+
+	r := r1.api("POST", "/v3/templates", map[string]any{"name": "shared-files"})
+	var req e2bapi.TemplateRequestResponseV3
+	r.decode(t, &req)
+	if r.Code != 202 {
+		t.Fatalf("request build: %d %s", r.Code, r.Body)
+	}
+	r = r1.api("GET", "/templates/"+req.TemplateID+"/files/"+filesHash, nil)
+	var link e2bapi.TemplateBuildFileUpload
+	r.decode(t, &link)
+	if r.Code != 201 || link.URL == nil {
+		t.Fatalf("upload link: %d %s", r.Code, r.Body)
+	}
+	u, err := url.Parse(*link.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Signed by r1, uploaded through r2.
+	if r := r2.do("PUT", u.RequestURI(), nil, "tar bytes"); r.Code != 200 {
+		t.Fatalf("upload through another replica: %d %s", r.Code, r.Body)
+	}
+	for name, e := range map[string]*env{"r1": r1, "r2": r2} {
+		r = e.api("GET", "/templates/"+req.TemplateID+"/files/"+filesHash, nil)
+		r.decode(t, &link)
+		if !link.Present {
+			t.Errorf("%s: files uploaded through r2 not present: %s", name, r.Body)
+		}
+	}
+	r = r3.api("GET", "/templates/"+req.TemplateID+"/files/"+filesHash, nil)
+	r.decode(t, &link)
+	if link.Present {
+		t.Error("a replica with its own files directory sees files it never received")
+	}
+	// A tampered link is still refused by the other replica.
+	bad := strings.Replace(u.RequestURI(), "sig=", "sig=0", 1)
+	expectError(t, r2.do("PUT", bad, nil, "data"), 403)
 }

@@ -2,6 +2,7 @@ package controlplane
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -133,12 +134,19 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if err := s.bootstrapTeam(ctx); err != nil {
 		return nil, fmt.Errorf("controlplane: bootstrap team: %w", err)
 	}
+	// Upload links are signed by one replica and used against any.
+	fresh := make([]byte, 32)
+	rand.Read(fresh)
+	uploadKey, _, err := s.st.InitClusterKey(ctx, uploadKeyName, fresh)
+	if err != nil {
+		return nil, fmt.Errorf("controlplane: template upload key: %w", err)
+	}
 
 	s.instance = "cp-" + randHex(8)
 	if s.reg, err = s.st.RegisterControlPlane(ctx, s.instance, instanceTTL); err != nil {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
-	s.tb = newTemplateBuilds(cfg)
+	s.tb = newTemplateBuilds(cfg, uploadKey)
 	if err := s.startEvents(); err != nil {
 		_ = s.reg.Close()
 		return nil, err

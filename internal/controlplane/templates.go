@@ -3,7 +3,6 @@ package controlplane
 import (
 	"context"
 	"crypto/hmac"
-	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -55,10 +54,11 @@ type templateBuilds struct {
 	live map[string]*liveBuild // by build id
 }
 
-func newTemplateBuilds(cfg Config) *templateBuilds {
-	k := make([]byte, 32)
-	rand.Read(k)
-	return &templateBuilds{uploadKey: k, sem: make(chan struct{}, cfg.BuildConcurrency), live: map[string]*liveBuild{}}
+// uploadKeyName names the cluster key of upload links (store.InitClusterKey).
+const uploadKeyName = "template-upload-links"
+
+func newTemplateBuilds(cfg Config, uploadKey []byte) *templateBuilds {
+	return &templateBuilds{uploadKey: uploadKey, sem: make(chan struct{}, cfg.BuildConcurrency), live: map[string]*liveBuild{}}
 }
 
 // liveBuild is a build running here: its log grows in memory and is
@@ -202,7 +202,7 @@ func qualified(team string, names []string) []string {
 
 // filesPath is where the files uploaded under hash for team are kept.
 func (s *Server) filesPath(team, hash string) string {
-	return filepath.Join(s.cfg.DataDir, "template-files", team, hash+".tar")
+	return filepath.Join(s.cfg.TemplateFilesDir, team, hash+".tar")
 }
 
 func (s *Server) uploadSig(team, hash string, exp int64) string {

@@ -256,3 +256,57 @@ func TestPlacementGuard(t *testing.T) {
 		t.Fatalf("missing record: %v", err)
 	}
 }
+
+// A guard taken at a revision through which a watch delivered everything
+// (not the worker's key's own) commits while the worker's key is older,
+// and is refused once a placement on the worker committed after it.
+func TestPlacementGuardAtViewRevision(t *testing.T) {
+	s := openTest(t, t.TempDir())
+	defer s.Close()
+	ctx := context.Background()
+	a, b, c := testRecord("placementview00000a"), testRecord("placementview00000b"), testRecord("placementview00000c")
+	rev, err := s.CreateSandboxPlaced(ctx, a, Placement{WorkerID: "w1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Another worker's placement moves the store's revision, not w1's key.
+	viewRev, err := s.CreateSandboxPlaced(ctx, b, Placement{WorkerID: "w2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if viewRev <= rev {
+		t.Fatalf("revisions %d then %d", rev, viewRev)
+	}
+	if _, err := s.CreateSandboxPlaced(ctx, c, Placement{WorkerID: "w1", Rev: viewRev}); err != nil {
+		t.Fatalf("w1's key older than the view's revision: %v", err)
+	}
+	d := testRecord("placementview00000d")
+	if _, err := s.CreateSandboxPlaced(ctx, d, Placement{WorkerID: "w1", Rev: viewRev}); !errors.Is(err, ErrPlacementMoved) {
+		t.Fatalf("a placement on w1 after the view's revision: %v", err)
+	}
+}
+
+// Cluster keys: the first stored wins, later callers get it, bad input
+// is refused.
+func TestClusterKey(t *testing.T) {
+	s := openTest(t, t.TempDir())
+	defer s.Close()
+	ctx := context.Background()
+	k1, k2 := []byte("0123456789abcdef-first"), []byte("0123456789abcdef-second")
+	got, created, err := s.InitClusterKey(ctx, "links", k1)
+	if err != nil || !created || string(got) != string(k1) {
+		t.Fatalf("first: %q %v %v", got, created, err)
+	}
+	got, created, err = s.InitClusterKey(ctx, "links", k2)
+	if err != nil || created || string(got) != string(k1) {
+		t.Fatalf("second: %q %v %v", got, created, err)
+	}
+	for _, bad := range []struct {
+		name string
+		k    []byte
+	}{{"", k1}, {"short", []byte("tooshort")}} {
+		if _, _, err := s.InitClusterKey(ctx, bad.name, bad.k); !errors.Is(err, errdefs.ErrInvalid) {
+			t.Errorf("%q: %v", bad.name, err)
+		}
+	}
+}
