@@ -81,8 +81,24 @@ func run(in io.Reader, out io.Writer) int {
 			failed = true
 			if ev.Test != "" {
 				fmt.Fprint(out, strings.Join(outputs[k], ""))
+				delete(outputs, k)
+				continue
 			}
-			delete(outputs, k)
+			// A package that failed with tests still unfinished (the
+			// binary crashed: a panic, a timeout's goroutine dump) never
+			// sends their fail events: their output is printed now.
+			var left []string
+			for t := range outputs {
+				if t.pkg == ev.Package {
+					left = append(left, t.test)
+				}
+			}
+			sort.Strings(left)
+			for _, name := range left {
+				t := key{ev.Package, name}
+				fmt.Fprint(out, strings.Join(outputs[t], ""))
+				delete(outputs, t)
+			}
 		}
 	}
 	if err := sc.Err(); err != nil {

@@ -39,3 +39,29 @@ func TestListsWhatDidNotRun(t *testing.T) {
 		t.Fatalf("a failure: exit %d, output %q", code, out.String())
 	}
 }
+
+// A test binary that crashed (a panic in a goroutine, a timeout's
+// goroutine dump) sends no fail event for the test it was in: that
+// test's output is printed with the package's failure, not dropped.
+func TestCrashedPackagePrintsUnfinishedTests(t *testing.T) {
+	in := `{"Action":"run","Package":"p","Test":"TestSlow"}
+{"Action":"output","Package":"p","Test":"TestSlow","Output":"panic: test timed out after 5m0s\n"}
+{"Action":"output","Package":"p","Test":"TestSlow","Output":"goroutine 7 [select]:\n"}
+{"Action":"output","Package":"p","Test":"TestDone","Output":"fine\n"}
+{"Action":"pass","Package":"p","Test":"TestDone"}
+{"Action":"output","Package":"p","Output":"FAIL\tp\t300.1s\n"}
+{"Action":"fail","Package":"p"}
+`
+	var out bytes.Buffer
+	if code := run(strings.NewReader(in), &out); code != 1 {
+		t.Fatalf("exit %d", code)
+	}
+	for _, want := range []string{"panic: test timed out", "goroutine 7 [select]"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output lacks %q:\n%s", want, out.String())
+		}
+	}
+	if strings.Contains(out.String(), "fine") {
+		t.Errorf("a passed test's output printed:\n%s", out.String())
+	}
+}
