@@ -482,7 +482,10 @@ func readCounter(t *testing.T, sbx *sdk.Sandbox, path string) int {
 // loopPIDs lists the pids of the named loop inside the sandbox.
 func loopPIDs(t *testing.T, sbx *sdk.Sandbox, name string) string {
 	t.Helper()
-	r := mustRun(t, sbx, `ps -eo pid=,args= | grep -F '# `+name+`' | grep -v grep | awk '{print $1}' | sort | tr '\n' ' '`, "")
+	// The loop's own shells only: a child the loop has just forked (for
+	// its mv or sleep) carries the same arguments until it execs, so a
+	// process whose parent is a loop process is left out.
+	r := mustRun(t, sbx, `ps -eo pid=,ppid=,args= | grep -F '# `+name+`' | grep -v grep | awk '{pid[$1]=1; pp[$1]=$2} END {for (p in pid) if (!(pp[p] in pid)) print p}' | sort | tr '\n' ' '`, "")
 	return strings.TrimSpace(r.stdout)
 }
 
