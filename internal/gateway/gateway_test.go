@@ -419,7 +419,9 @@ while True:
 		t.Fatal(err)
 	}
 	var sawEMFILE bool
-	for i := 0; i < netnsPoolSize+2 && !sawEMFILE; i++ {
+	// Dups of pooled sockets may also hit the limit first (refused too):
+	// enough dials that the pool runs dry and the factory must make one.
+	for i := 0; i < 4*netnsPoolSize+4 && !sawEMFILE; i++ {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		c, err := d.DialPort(ctx, port)
 		cancel()
