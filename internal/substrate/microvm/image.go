@@ -136,14 +136,20 @@ fi
 echo "space-init: ready $(cut -d' ' -f1 $rt/proc/uptime)"
 case "$mode" in
 counter)
+	# The host closing its end (a save, a stop) reads as end of input
+	# here: wait for the next connection instead of leaving the loop,
+	# which would run the agent in a test guest and end init.
 	exec 3<>"$port"
 	n=0
-	while IFS= read -r l <&3; do
-		n=$((n+1))
-		case "$l" in
-		"sh "*) l=$(. /run/space/agent.env; /bin/bash -l -c "${l#sh }" 2>&1 | tr '\n' ' ') ;;
-		esac
-		echo "$n $l" >&3
+	while :; do
+		while IFS= read -r l <&3; do
+			n=$((n+1))
+			case "$l" in
+			"sh "*) l=$(. /run/space/agent.env; /bin/bash -l -c "${l#sh }" 2>&1 | tr '\n' ' ') ;;
+			esac
+			echo "$n $l" >&3
+		done
+		sleep 0.05
 	done ;;
 esac
 cd /
