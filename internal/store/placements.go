@@ -100,18 +100,9 @@ func (s *Store) CreateSandboxPlaced(ctx context.Context, rec SandboxRecord, p Pl
 // UpdateSandboxPlaced is UpdateSandbox guarded by p (see
 // CreateSandboxPlaced): ErrPlacementMoved when only the placement moved.
 func (s *Store) UpdateSandboxPlaced(ctx context.Context, id string, expectRevision int64, rec SandboxRecord, p Placement) (int64, error) {
-	if rec.ID != id {
-		return 0, fmt.Errorf("store: update sandbox %s: %w: record names %q", id, errdefs.ErrInvalid, rec.ID)
-	}
-	if expectRevision <= 0 {
-		return 0, fmt.Errorf("store: update sandbox %s: %w: expected revision must be positive", id, errdefs.ErrInvalid)
-	}
-	if err := rec.Validate(); err != nil {
-		return 0, fmt.Errorf("store: update sandbox: %w", err)
-	}
-	data, err := json.Marshal(rec)
+	data, err := encodeUpdate(id, expectRevision, rec)
 	if err != nil {
-		return 0, fmt.Errorf("store: encode sandbox: %w", err)
+		return 0, err
 	}
 	k := sandboxKey(id)
 	pc, pop := p.ops()

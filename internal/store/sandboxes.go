@@ -227,23 +227,33 @@ func (s *Store) GetSandbox(ctx context.Context, id string) (SandboxRecord, int64
 	return rec, resp.Kvs[0].ModRevision, nil
 }
 
+// encodeUpdate checks an update's arguments (UpdateSandbox,
+// UpdateSandboxPlaced) and encodes the record.
+func encodeUpdate(id string, expectRevision int64, rec SandboxRecord) ([]byte, error) {
+	if rec.ID != id {
+		return nil, fmt.Errorf("store: update sandbox %s: %w: record names %q", id, errdefs.ErrInvalid, rec.ID)
+	}
+	if expectRevision <= 0 {
+		return nil, fmt.Errorf("store: update sandbox %s: %w: expected revision must be positive", id, errdefs.ErrInvalid)
+	}
+	if err := rec.Validate(); err != nil {
+		return nil, fmt.Errorf("store: update sandbox: %w", err)
+	}
+	data, err := json.Marshal(rec)
+	if err != nil {
+		return nil, fmt.Errorf("store: encode sandbox: %w", err)
+	}
+	return data, nil
+}
+
 // UpdateSandbox replaces the record if its mod revision is still
 // expectRevision and returns the new revision. It fails with errdefs.ErrConflict when
 // the record moved since the caller read it (so two operations that both read
 // generation N can never both write N+1), and errdefs.ErrNotFound when it is gone.
 func (s *Store) UpdateSandbox(ctx context.Context, id string, expectRevision int64, rec SandboxRecord) (int64, error) {
-	if rec.ID != id {
-		return 0, fmt.Errorf("store: update sandbox %s: %w: record names %q", id, errdefs.ErrInvalid, rec.ID)
-	}
-	if expectRevision <= 0 {
-		return 0, fmt.Errorf("store: update sandbox %s: %w: expected revision must be positive", id, errdefs.ErrInvalid)
-	}
-	if err := rec.Validate(); err != nil {
-		return 0, fmt.Errorf("store: update sandbox: %w", err)
-	}
-	data, err := json.Marshal(rec)
+	data, err := encodeUpdate(id, expectRevision, rec)
 	if err != nil {
-		return 0, fmt.Errorf("store: encode sandbox: %w", err)
+		return 0, err
 	}
 	k := sandboxKey(id)
 	resp, err := s.cli.Txn(ctx).
